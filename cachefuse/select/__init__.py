@@ -1,0 +1,34 @@
+"""Selector registry: `selector="<name>"` maps to cachefuse/select/<name>.py."""
+
+from __future__ import annotations
+
+from cachefuse.config import CacheFuseConfig
+from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
+
+__all__ = ["CheckLayerKV", "SelectionContext", "Selector", "make_selector"]
+
+
+def make_selector(name: str, config: CacheFuseConfig) -> Selector:
+    """Builds a fresh selector for one request from the config's fields."""
+    if name == "full_prefill":
+        from cachefuse.select.full_prefill import FullPrefillSelector
+
+        return FullPrefillSelector()
+    if name == "full_reuse":
+        from cachefuse.select.full_reuse import FullReuseSelector
+
+        return FullReuseSelector()
+    if name == "cacheblend":
+        from cachefuse.select.cacheblend import CacheBlendSelector
+
+        return CacheBlendSelector(
+            config.cacheblend_check_layers, config.cacheblend_ratio_schedule, config.cacheblend_deviation)
+    if name == "epic":
+        from cachefuse.select.epic import EpicSelector
+
+        return EpicSelector(config.epic_k)
+    if name == "random":
+        from cachefuse.select.random import RandomSelector
+
+        return RandomSelector(config.random_seed)
+    raise ValueError(f"selector={name!r}: expected one of full_prefill, full_reuse, cacheblend, epic, random")

@@ -1,0 +1,67 @@
+"""Attention for the blend pass, pure torch: full causal, and selected rows over a merged K/V.
+
+Imports only torch. `rows_attention` is the specification (and CPU path) of the sparse-query
+attention kernel: a query at position p sees exactly the keys at positions <= p, whatever rows
+were selected around it. Rows are processed in sorted blocks, each attending only to keys up to
+its last row's position (key truncation), which research/fused-prefill-prototype.md measured as
+the fastest exact variant on CPU (10-30% below one dense [R x N] mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention over a whole prompt.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]
+        k, v: [num_tokens, num_kv_heads, head_dim] (GQA: num_heads a multiple of num_kv_heads)
+        scale: softmax scale.
+
+    Returns:
+        [num_tokens, num_heads, head_dim]
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def rows_attention(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    block_rows: int = 64,
+) -> torch.Tensor:
+    """Selected query rows over a full-length merged K/V with an exact per-query causal mask.
+
+    Args:
+        q: [num_rows, num_heads, head_dim], rows in increasing position order.
+        q_positions: int64 [num_rows], sorted ascending; key j is visible to row i iff j <= q_positions[i].
+        k, v: [num_tokens, num_kv_heads, head_dim], key j at position j.
+        scale: softmax scale.
+        block_rows: rows per SDPA call.
+
+    Returns:
+        [num_rows, num_heads, head_dim]
+    """
+    num_rows = q.shape[0]
+    out = q.new_empty(q.shape)
+    positions = q_positions.tolist()
+    key_ids = torch.arange(k.shape[0], device=k.device)
+    for begin in range(0, num_rows, block_rows):
+        end = min(begin + block_rows, num_rows)
+        num_keys = positions[end - 1] + 1  # keys past the block's last row are invisible to all its rows
+        mask = key_ids[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
+        block = F.scaled_dot_product_attention(
+            q[begin:end].transpose(0, 1)[None],
+            k[:num_keys].transpose(0, 1)[None],
+            v[:num_keys].transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=scale, enable_gqa=True)
+        out[begin:end] = block[0].transpose(0, 1)
+    return out

@@ -1,0 +1,159 @@
+"""CacheFuseConfig: the only configuration object.
+
+Loaded from YAML (`from_yaml`) or a dict (`from_dict`, e.g. vLLM's `kv_connector_extra_config`),
+validated in `__post_init__` with messages that name the field, the bad value and what is accepted.
+Imports only the standard library, yaml and cachefuse.errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachefuse.errors import ConfigError
+
+SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random")
+DEVIATIONS = ("k", "v", "kv")
+EVICTION_POLICIES = ("lru",)
+# Bumped whenever the on-disk entry format changes; joins every chunk key through compute_hash().
+CACHE_FORMAT_VERSION = 1
+
+
+def _fail(name: str, value: Any, expected: str) -> None:
+    raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class CacheFuseConfig:
+    selector: str = "cacheblend"
+    """Token selector, a module name under cachefuse/select/."""
+    recompute_ratio: float = 0.15
+    """Selected rows / cached tokens of the declared non-system chunks (DESIGN.md, Definitions)."""
+    cacheblend_check_layers: tuple[int, ...] = (1,)
+    """Layers where HKVD re-selects; layers 0..first are computed in full. First must be >= 1."""
+    cacheblend_ratio_schedule: tuple[float, ...] = (1.0,)
+    """Multipliers of recompute_ratio per check layer (gradual filtering); non-increasing, last 1.0."""
+    cacheblend_deviation: str = "v"
+    """What HKVD compares between fresh and loaded rows: "k", "v" or "kv" (squared L2, summed over heads)."""
+    epic_k: int | None = None
+    """EPIC: recompute the first k tokens of every chunk; None derives k = ceil(ratio * chunk length)."""
+    random_seed: int = 0
+    """Seed of the `random` control selector."""
+    attention_block_rows: int = 64
+    """Selected rows per attention call in the blend pass (sorted blocks with truncated keys)."""
+    store_dir: str = "~/.cache/cachefuse"
+    """Directory of the local disk tier (the embedded default store)."""
+    memory_capacity_bytes: int = 2 << 30
+    """Byte capacity of the host-memory tier; 0 disables it."""
+    disk_capacity_bytes: int = 20 << 30
+    """Byte capacity of the disk tier; 0 disables it."""
+    eviction_policy: str = "lru"
+    """How a full tier picks its victims."""
+
+    def __post_init__(self) -> None:
+        if self.selector not in SELECTORS:
+            _fail("selector", self.selector, f"one of {', '.join(SELECTORS)}")
+        if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, int | float):
+            _fail("recompute_ratio", self.recompute_ratio, "a number in 0.0..1.0")
+        if not 0.0 <= float(self.recompute_ratio) <= 1.0:
+            _fail("recompute_ratio", self.recompute_ratio, "a number in 0.0..1.0")
+        self._validate_cacheblend()
+        if self.cacheblend_deviation not in DEVIATIONS:
+            _fail("cacheblend_deviation", self.cacheblend_deviation, f"one of {', '.join(DEVIATIONS)}")
+        if self.epic_k is not None and (not _is_int(self.epic_k) or self.epic_k < 0):
+            _fail("epic_k", self.epic_k, "null or an integer >= 0")
+        if not _is_int(self.random_seed):
+            _fail("random_seed", self.random_seed, "an integer")
+        if not _is_int(self.attention_block_rows) or not 1 <= self.attention_block_rows <= 4096:
+            _fail("attention_block_rows", self.attention_block_rows, "an integer in 1..4096")
+        if not isinstance(self.store_dir, str) or not self.store_dir:
+            _fail("store_dir", self.store_dir, "a non-empty directory path")
+        for name in ("memory_capacity_bytes", "disk_capacity_bytes"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                _fail(name, value, "an integer number of bytes >= 0")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            _fail("eviction_policy", self.eviction_policy, f"one of {', '.join(EVICTION_POLICIES)}")
+
+    def _validate_cacheblend(self) -> None:
+        layers, schedule = self.cacheblend_check_layers, self.cacheblend_ratio_schedule
+        if not isinstance(layers, tuple) or not layers or not all(_is_int(x) for x in layers):
+            _fail("cacheblend_check_layers", layers, "a non-empty list of layer indices")
+        if layers[0] < 1:
+            _fail("cacheblend_check_layers", layers,
+                  "a first check layer >= 1 (layer 0's K/V do not depend on context, so cannot deviate)")
+        if any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
+            _fail("cacheblend_check_layers", layers, "strictly increasing layer indices")
+        if not isinstance(schedule, tuple) or len(schedule) != len(layers):
+            _fail("cacheblend_ratio_schedule", schedule,
+                  f"one multiplier per check layer ({len(layers)} values)")
+        if any(isinstance(m, bool) or not isinstance(m, int | float) or m <= 0 for m in schedule):
+            _fail("cacheblend_ratio_schedule", schedule, "positive multipliers")
+        if any(b > a for a, b in zip(schedule, schedule[1:], strict=False)) or schedule[-1] != 1.0:
+            _fail("cacheblend_ratio_schedule", schedule,
+                  "non-increasing multipliers ending in 1.0 (gradual filtering nests the sets)")
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> CacheFuseConfig:
+        """Builds a config from a dict; a `config_file` key loads that YAML first, then overrides."""
+        data = dict(data or {})
+        base: dict[str, Any] = {}
+        if "config_file" in data:
+            base = _read_yaml(data.pop("config_file"))
+        merged = {**base, **data}
+        known = {f.name for f in dataclasses.fields(cls) }
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown config key(s) {', '.join(map(repr, unknown))}: expected some of {', '.join(sorted(known))}")
+        for name in ("cacheblend_check_layers", "cacheblend_ratio_schedule"):
+            if isinstance(merged.get(name), list):
+                merged[name] = tuple(merged[name])
+        return cls(**merged)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> CacheFuseConfig:
+        return cls.from_dict(_read_yaml(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) }
+
+    def replace(self, **changes: Any) -> CacheFuseConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.store_dir).expanduser()
+
+    def compute_hash(self) -> str:
+        """Hash of what changes stored bytes; it joins every chunk key (DESIGN.md, Definitions).
+
+        Selection and capacity fields change which rows are recomputed or kept, never the bytes of a
+        stored entry, so only the entry format version enters today.
+        """
+        payload = json.dumps({"cache_format_version": CACHE_FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"config_file={str(path)!r} cannot be read: {e.strerror}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config_file={str(path)!r} must hold a mapping of config fields")
+    return data

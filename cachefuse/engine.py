@@ -1,0 +1,159 @@
+"""FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
+
+Imports cachefuse.{chunks, config, fusor, select, store}; never vllm. The reference engine (demo,
+benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
+same steps over its own adapter.
+
+```
+| system (chunk 0) | chunk A (hit) | chunk B (miss: hole, saved) | question | last |
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cachefuse.adapters.base import ModelAdapter
+from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
+from cachefuse.config import CacheFuseConfig
+from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
+from cachefuse.select import make_selector
+from cachefuse.select.full_prefill import FullPrefillSelector
+from cachefuse.store.base import ChunkKV, KVStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FusionStats:
+    """Per-request figures (the same names the vLLM connector reports)."""
+
+    selector: str
+    recompute_ratio: float
+    chunks_hit: int
+    chunks_missed: int
+    tokens_reused: int
+    """Loaded tokens whose K/V were kept as loaded in the last layer."""
+    tokens_recomputed: int
+    """Rows computed in the layers after the full ones: selected + holes + undeclared + last."""
+    num_selected: int
+    num_forced: int
+    bytes_loaded: int
+    blend_time_s: float
+    holes_saved: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class FusionEngine:
+    """Looks up declared chunks, fuses, and saves holes as new entries.
+
+    Args:
+        adapter: the model.
+        store: where chunk caches live (read, and written for holes and precompute).
+        key_context: model fingerprint, KV dtype, TP layout and config hash for chunk keys.
+        config: selector, ratio and fusor settings.
+        clock: time source for blend_time_s (injectable so tests never depend on wall time).
+    """
+
+    def __init__(self, adapter: ModelAdapter, store: KVStore, key_context: KeyContext,
+                 config: CacheFuseConfig, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
+        self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
+        self.clock = clock
+
+    def key(self, token_ids: Sequence[int]) -> str:
+        return chunk_key(token_ids, self.key_context)
+
+    # ------------------------------------------------------------------ precompute
+
+    def compute_chunk(self, chunk_ids: Sequence[int], prefix_ids: Sequence[int] = ()) -> ChunkKV:
+        """A chunk's RoPE-stripped K/V computed after `prefix_ids` alone (full prefill)."""
+        ids = torch.tensor([*prefix_ids, *chunk_ids], dtype=torch.int64)
+        segments = [Segment(len(prefix_ids), len(chunk_ids), is_chunk=True, is_system=not prefix_ids)]
+        if prefix_ids:
+            segments.insert(0, Segment(0, len(prefix_ids), is_chunk=False, is_system=False))
+        result = self.fusor.fuse(FuseRequest(ids, segments, {}, 1.0), FullPrefillSelector())
+        return extract_chunk_kv(result, segments[-1], self.adapter.rope_spec, meta={"variant": "base"})
+
+    def precompute(self, chunks: Sequence[Sequence[int]], prefix_ids: Sequence[int] = ()) -> list[str]:
+        """Stores each chunk's base variant (computed after `prefix_ids`, e.g. the system prompt)."""
+        keys = []
+        for chunk_ids in chunks:
+            key = self.key(chunk_ids)
+            if not self.store.contains(key):
+                self.store.put(key, self.compute_chunk(chunk_ids, prefix_ids))
+            keys.append(key)
+        return keys
+
+    # ------------------------------------------------------------------ fused prefill
+
+    def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]], *,
+                selector: str | None = None, ratio: float | None = None,
+                save_holes: bool = True) -> tuple[FuseResult, FusionStats]:
+        """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets)."""
+        selector_name = selector or self.config.selector
+        ratio = self.config.recompute_ratio if ratio is None else ratio
+        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+        segments = segment_prompt(len(token_ids), chunks)
+        keys = {i: self.key(token_ids[s.start:s.end]) for i, s in enumerate(segments) if s.is_chunk}
+        start = self.clock()
+        with self.store.pinned(list(keys.values())):
+            loaded = self._load(segments, keys)
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio),
+                                     make_selector(selector_name, self.config))
+        blend_time = self.clock() - start
+        holes_saved = self._save_holes(result, segments, keys) if save_holes else 0
+        last = result.rows_per_layer[-1]
+        num_recomputed = len(ids) if last is None else last.numel()
+        num_loaded = sum(segments[i].length for i in loaded)
+        stats = FusionStats(
+            selector=selector_name, recompute_ratio=ratio, chunks_hit=len(loaded),
+            chunks_missed=len(keys) - len(loaded),
+            tokens_reused=num_loaded - (num_loaded if last is None else int(_loaded_rows_in(last, segments, loaded))),
+            tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
+            bytes_loaded=sum(entry.nbytes for entry in loaded.values()), blend_time_s=blend_time,
+            holes_saved=holes_saved)
+        return result, stats
+
+    def _load(self, segments: list[Segment], keys: dict[int, str]) -> dict[int, ChunkKV]:
+        loaded = {}
+        for index, key in keys.items():
+            entry = self.store.get(key)
+            seg = segments[index]
+            if entry is None:
+                continue
+            if entry.num_tokens != seg.length or entry.num_layers != self.adapter.shape.num_layers:
+                logger.warning("chunk %s: stored entry has %d tokens x %d layers, prompt needs %d x %d; "
+                               "computing it as a hole", key, entry.num_tokens, entry.num_layers,
+                               seg.length, self.adapter.shape.num_layers)
+                continue
+            loaded[index] = entry
+        return loaded
+
+    def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str]) -> int:
+        saved = 0
+        for index in result.hole_segments:
+            key = keys[index]
+            if self.store.contains(key):
+                continue
+            prefix = ",".join(keys[i] for i in sorted(keys) if i < index and not segments[i].is_system)
+            entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec,
+                                     meta={"variant": "fused", "prefix": prefix})
+            saved += bool(self.store.put(key, entry))
+        return saved
+
+
+def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment], loaded: dict[int, ChunkKV]) -> int:
+    """How many of `rows` fall inside loaded segments."""
+    count = 0
+    for index in loaded:
+        seg = segments[index]
+        count += int(((rows >= seg.start) & (rows < seg.end)).sum())
+    return count

@@ -1,0 +1,220 @@
+"""Fusor: the layer-wise blend pass (CacheBlend section 4, generalised over selectors).
+
+Imports torch, cachefuse.{adapters.base, attention, chunks, ops, select, store.base}; never vllm.
+Given a prompt, its segments and the loaded RoPE-stripped chunk caches, it re-rotates cached K to
+target positions, runs the selector's full layers over every row, then recomputes only the
+selected rows plus the forced ones (holes, undeclared tokens, question, last token), attending
+with an exact per-query causal mask over the merged K/V. Stored tensors are only ever read: every
+merged K/V is a new tensor.
+
+```
+| system (loaded) | chunk A (loaded, candidates) | chunk B (hole) | question | last |
+0                                                                      N-1    N
+layers 0..f-1: every row        layers f..L-1: selected + forced rows over merged K/V
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cachefuse import ops
+from cachefuse.adapters.base import ModelAdapter
+from cachefuse.attention import causal_attention, rows_attention
+from cachefuse.chunks import Segment
+from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
+from cachefuse.store.base import ChunkKV
+
+RowsAttention = Callable[..., torch.Tensor]
+
+
+@dataclass
+class FuseRequest:
+    """One prompt to fuse."""
+
+    token_ids: torch.Tensor
+    """[num_tokens] int64, the whole prompt."""
+    segments: Sequence[Segment]
+    """Tile [0, num_tokens) (chunks.segment_prompt)."""
+    loaded: Mapping[int, ChunkKV]
+    """Segment index -> its stored K/V; a declared chunk absent here is a hole (computed in full)."""
+    ratio: float
+    """Recompute ratio over the candidate rows (DESIGN.md, Definitions)."""
+
+
+@dataclass
+class FuseResult:
+    k: list[torch.Tensor]
+    """Per layer [num_tokens, num_kv_heads, head_dim], rotated at positions 0..num_tokens-1."""
+    v: list[torch.Tensor]
+    """Per layer [num_tokens, num_kv_heads, head_dim]."""
+    logits: torch.Tensor
+    """[vocab_size] fp32 at the last prompt position."""
+    rows_per_layer: list[torch.Tensor | None]
+    """Rows computed at each layer (None: every row)."""
+    num_candidates: int
+    num_selected: int
+    """Candidate rows recomputed after the last selection."""
+    num_forced: int
+    """Holes, undeclared tokens, question and last token (computed in every layer)."""
+    hole_segments: list[int] = field(default_factory=list)
+
+
+class _RequestLayout:
+    """Per-request row bookkeeping: which rows are loaded, candidates or forced."""
+
+    def __init__(self, request: FuseRequest, num_layers: int) -> None:
+        num_tokens = int(request.token_ids.numel())
+        is_loaded = torch.zeros(num_tokens, dtype=torch.bool)
+        is_candidate = torch.zeros(num_tokens, dtype=torch.bool)
+        candidate_segments, self.hole_segments = [], []
+        for index, seg in enumerate(request.segments):
+            entry = request.loaded.get(index)
+            if entry is None:
+                if seg.is_chunk:
+                    self.hole_segments.append(index)
+                continue
+            _check_entry(entry, seg, num_layers)
+            is_loaded[seg.start:seg.end] = True
+            if not seg.is_system:
+                is_candidate[seg.start:seg.end] = True
+                candidate_segments.append(seg)
+        is_candidate[num_tokens - 1] = False  # the last token is always computed, never "selected"
+        forced = ~is_loaded
+        forced[num_tokens - 1] = True
+        self.num_tokens = num_tokens
+        self.is_candidate = is_candidate
+        self.forced_rows = forced.nonzero().flatten()
+        self.ctx = SelectionContext(
+            num_tokens=num_tokens, num_layers=num_layers, segments=tuple(request.segments),
+            candidate_rows=is_candidate.nonzero().flatten(),
+            candidate_segments=tuple(candidate_segments), ratio=float(request.ratio))
+
+    def with_forced(self, selected: torch.Tensor) -> torch.Tensor:
+        return torch.cat([selected, self.forced_rows]).unique(sorted=True)
+
+
+def _check_entry(entry: ChunkKV, seg: Segment, num_layers: int) -> None:
+    if entry.num_layers != num_layers or entry.num_tokens != seg.length:
+        raise ValueError(
+            f"loaded entry has {entry.num_layers} layers x {entry.num_tokens} tokens, "
+            f"segment at {seg.start} needs {num_layers} x {seg.length}")
+
+
+class Fusor:
+    """Runs the blend pass over a ModelAdapter.
+
+    Args:
+        adapter: the model behind the ModelAdapter protocol.
+        block_rows: selected rows per attention call.
+        attention_fn: rows attention (q, q_positions, k, v, scale, block_rows); tests substitute it.
+    """
+
+    def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
+                 attention_fn: RowsAttention = rows_attention) -> None:
+        self.adapter = adapter
+        self.block_rows = block_rows
+        self.attention_fn = attention_fn
+
+    @torch.inference_mode()
+    def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
+        adapter, shape = self.adapter, self.adapter.shape
+        num_layers = shape.num_layers
+        layout = _RequestLayout(request, num_layers)
+        num_full = selector.num_full_layers(num_layers)
+        check_layers = selector.check_layers(num_layers)
+        positions = torch.arange(layout.num_tokens, dtype=torch.int64)
+        loaded_kv = _LoadedLayers(request, layout.num_tokens, shape, adapter.rope_spec)
+
+        rows: torch.Tensor | None = None  # None: every row
+        num_selected = layout.ctx.candidate_rows.numel()
+        if num_full == 0:
+            initial = selector.initial_rows(layout.ctx)
+            assert initial is not None, f"{selector.name}: no full layers needs initial_rows"
+            rows, num_selected = layout.with_forced(initial), initial.numel()
+        hidden = adapter.embed(request.token_ids if rows is None else request.token_ids[rows])
+        residual = None
+        out_k, out_v, rows_per_layer = [], [], []
+        for layer in range(num_layers):
+            row_positions = positions if rows is None else rows
+            x, residual = adapter.attention_input(layer, hidden, residual)
+            q_nope, k_nope, v = adapter.project_qkv(layer, x)
+            q, k = adapter.rotate(layer, row_positions, q_nope, k_nope)
+            if rows is None:
+                k_merged, v_merged = k, v
+                attn = causal_attention(q, k, v, shape.scaling)
+            else:
+                k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
+                k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
+                attn = self.attention_fn(q, rows, k_merged, v_merged, shape.scaling, self.block_rows)
+            out_k.append(k_merged)
+            out_v.append(v_merged)
+            rows_per_layer.append(rows)
+            hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
+
+            next_rows = None
+            if layer in check_layers:
+                chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers,
+                                               row_positions, k_nope, v)
+                next_rows, num_selected = layout.with_forced(chosen), chosen.numel()
+            elif layer + 1 == num_full and num_full < num_layers:
+                initial = selector.initial_rows(layout.ctx)
+                assert initial is not None, f"{selector.name}: full layers end without a selection"
+                next_rows, num_selected = layout.with_forced(initial), initial.numel()
+            if next_rows is not None:
+                keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
+                hidden, residual, rows = hidden[keep], residual[keep], next_rows
+
+        logits = adapter.final_logits(hidden[-1:], residual[-1:])[0]  # the last row is position N-1
+        if num_full >= num_layers:
+            num_selected = layout.ctx.candidate_rows.numel()
+        return FuseResult(
+            k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
+            num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
+            num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments)
+
+    @staticmethod
+    def _select_at_check(selector, layout, loaded_kv, layer, check_layers, row_positions, k_nope, v):
+        is_candidate = layout.is_candidate[row_positions]  # [R] over the rows computed at this layer
+        candidate_rows = row_positions[is_candidate]
+        loaded_k_nope, loaded_v = loaded_kv.stripped(layer)
+        kv = CheckLayerKV(
+            rows=candidate_rows, fresh_k_nope=k_nope[is_candidate], fresh_v=v[is_candidate],
+            loaded_k_nope=loaded_k_nope[candidate_rows], loaded_v=loaded_v[candidate_rows])
+        return selector.select_at_check(layout.ctx, check_layers.index(layer), kv)
+
+
+class _LoadedLayers:
+    """Per-layer full-length views of the loaded chunks (zeros where nothing is loaded)."""
+
+    def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec) -> None:
+        self.request, self.num_tokens, self.shape, self.rope_spec = request, num_tokens, shape, rope_spec
+        self.positions = torch.arange(num_tokens, dtype=torch.int64)
+
+    def stripped(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, freshly allocated."""
+        shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
+        k_nope = torch.zeros(shape, dtype=self.shape.dtype)
+        v = torch.zeros(shape, dtype=self.shape.dtype)
+        for index, entry in self.request.loaded.items():
+            seg = self.request.segments[index]
+            k_nope[seg.start:seg.end] = entry.k_nope[layer]
+            v[seg.start:seg.end] = entry.v[layer]
+        return k_nope, v
+
+    def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loaded K re-rotated at its target positions, and V; both new tensors."""
+        k_nope, v = self.stripped(layer)
+        return ops.apply_rope(k_nope, self.positions, self.rope_spec), v
+
+
+def extract_chunk_kv(result: FuseResult, segment: Segment, rope_spec, meta: dict[str, str] | None = None) -> ChunkKV:
+    """A segment's fused K/V as a storable entry: RoPE stripped at the segment's positions, copied."""
+    positions = torch.arange(segment.start, segment.end, dtype=torch.int64)
+    return ChunkKV(
+        k_nope=[ops.strip_rope(k[segment.start:segment.end], positions, rope_spec) for k in result.k],
+        v=[v[segment.start:segment.end].clone() for v in result.v],
+        meta=dict(meta or {}))

@@ -1,0 +1,74 @@
+"""Selector protocol: how many leading layers run in full, and which cached rows are recomputed.
+
+Imports only torch and cachefuse.chunks. A selector picks among *candidate* rows: cached tokens of
+the declared non-system chunks (DESIGN.md, Definitions: the recompute ratio counts only these).
+Forced rows (holes, undeclared tokens, the question, the last token) are added by the fusor on top
+and never pass through a selector.
+
+```
+| system (loaded, never a candidate) | chunk A (candidates) | hole (forced) | question (forced) |
+```
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from cachefuse.chunks import Segment
+
+
+@dataclass(frozen=True)
+class SelectionContext:
+    """What a selector may look at; built once per request by the fusor."""
+
+    num_tokens: int
+    num_layers: int
+    segments: tuple[Segment, ...]
+    candidate_rows: torch.Tensor
+    """Sorted int64 indices of cached rows of declared non-system chunks."""
+    candidate_segments: tuple[Segment, ...]
+    """The loaded, non-system chunk segments, in prompt order (their rows are the candidates)."""
+    ratio: float
+
+
+@dataclass(frozen=True)
+class CheckLayerKV:
+    """Fresh and loaded K/V of the candidate rows computed at a check layer (K before RoPE)."""
+
+    rows: torch.Tensor
+    """Sorted int64 candidate rows [R]."""
+    fresh_k_nope: torch.Tensor  # [R, num_kv_heads, head_dim]
+    fresh_v: torch.Tensor  # [R, num_kv_heads, head_dim]
+    loaded_k_nope: torch.Tensor  # [R, num_kv_heads, head_dim]
+    loaded_v: torch.Tensor  # [R, num_kv_heads, head_dim]
+
+
+def num_rows_for_ratio(ratio: float, num_candidates: int) -> int:
+    """ceil(ratio * n) with a guard against 0.15 * 100 = 15.000000000000002 style rounding up."""
+    return min(num_candidates, math.ceil(ratio * num_candidates - 1e-9))
+
+
+class Selector(ABC):
+    """One instance per request. Static selectors pick once; check-layer selectors pick by deviation."""
+
+    name: str = ""
+
+    @abstractmethod
+    def num_full_layers(self, num_layers: int) -> int:
+        """How many leading layers compute every row."""
+
+    def check_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers after whose K/V the fusor calls `select_at_check` (deviation-driven selectors)."""
+        return ()
+
+    def initial_rows(self, ctx: SelectionContext) -> torch.Tensor | None:
+        """Candidate rows for the first selective layer, or None to wait for a check layer."""
+        return None
+
+    def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor:
+        """Sorted subset of the candidate rows `kv.rows` for the layers after check layer `check_index`."""
+        raise NotImplementedError(f"{self.name} has no check layers")

@@ -1,0 +1,61 @@
+"""cacheblend: HKVD selection with gradual filtering (CacheBlend, EuroSys'25, section 4.3).
+
+Choices the paper leaves open (research/seed-cacheblend.md section 9), decided here and documented
+in docs/selectors.md:
+- Layers 0..c0 run in full, c0 = the first check layer (>= 1: layer-0 K/V cannot deviate).
+- Deviation = squared L2 of fresh minus loaded K (before RoPE: rotation preserves the norm), V, or
+  both ("kv", each normalised by its mean square over the compared rows so neither dominates),
+  summed over heads and head_dim.
+- At check layer j the set keeps ceil(ratio * m_j * candidates) rows, m_j non-increasing and ending
+  at 1.0, so the set after the last check layer is exactly the recompute ratio and the sets nest.
+- Percentages count cached rows of declared non-system chunks; holes and question are on top.
+"""
+
+import torch
+
+from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector, num_rows_for_ratio
+
+
+def kv_deviation(kv: CheckLayerKV, metric: str) -> torch.Tensor:
+    """Per-row deviation [R] between fresh and loaded K/V; computed in fp32."""
+
+    def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.float() - b.float()).pow(2).sum(dim=(1, 2))  # [R]
+
+    if metric == "k":
+        return sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
+    if metric == "v":
+        return sq_dist(kv.fresh_v, kv.loaded_v)
+    dev_k = sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
+    dev_v = sq_dist(kv.fresh_v, kv.loaded_v)
+    return dev_k / dev_k.mean().clamp_min(1e-30) + dev_v / dev_v.mean().clamp_min(1e-30)
+
+
+class CacheBlendSelector(Selector):
+    name = "cacheblend"
+
+    def __init__(
+        self,
+        check_layers: tuple[int, ...] = (1,),
+        ratio_schedule: tuple[float, ...] = (1.0,),
+        deviation: str = "v",
+    ) -> None:
+        assert len(check_layers) == len(ratio_schedule) and check_layers[0] >= 1, (check_layers, ratio_schedule)
+        self._check_layers = check_layers
+        self.ratio_schedule = ratio_schedule
+        self.deviation = deviation
+
+    def num_full_layers(self, num_layers: int) -> int:
+        return min(self._check_layers[0] + 1, num_layers)
+
+    def check_layers(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(layer for layer in self._check_layers if layer < num_layers)
+
+    def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor:
+        target = num_rows_for_ratio(ctx.ratio * self.ratio_schedule[check_index], ctx.candidate_rows.numel())
+        count = min(target, kv.rows.numel())
+        if count == kv.rows.numel():
+            return kv.rows
+        deviation = kv_deviation(kv, self.deviation)
+        top = torch.topk(deviation, count, sorted=False).indices
+        return kv.rows[top].sort().values

@@ -1,0 +1,105 @@
+"""Selector sets: sizes follow the ratio (and schedule), gradual-filtering sets nest, EPIC picks chunk
+heads, the control is seeded. Forced rows are the fusor's job: see tests/test_fusor.py."""
+
+import math
+
+import pytest
+import torch
+
+from cachefuse.chunks import Segment
+from cachefuse.config import CacheFuseConfig
+from cachefuse.select import CheckLayerKV, SelectionContext, make_selector
+from cachefuse.select.base import num_rows_for_ratio
+from cachefuse.select.cacheblend import kv_deviation
+
+SEGMENTS = (
+    Segment(0, 10, is_chunk=True, is_system=True),
+    Segment(10, 37, is_chunk=True, is_system=False),
+    Segment(47, 50, is_chunk=True, is_system=False),
+    Segment(97, 13, is_chunk=False, is_system=False),
+)
+
+
+def make_ctx(ratio: float) -> SelectionContext:
+    candidates = [s for s in SEGMENTS if s.is_chunk and not s.is_system]
+    rows = torch.cat([torch.arange(s.start, s.end) for s in candidates])
+    return SelectionContext(num_tokens=110, num_layers=8, segments=SEGMENTS, candidate_rows=rows,
+                            candidate_segments=tuple(candidates), ratio=ratio)
+
+
+def check_kv(rows: torch.Tensor, seed: int) -> CheckLayerKV:
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows.numel(), 2, 4)
+    return CheckLayerKV(rows, torch.randn(shape, generator=g), torch.randn(shape, generator=g),
+                        torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.15, 0.3, 1.0])
+def test_cacheblend_size_follows_ratio(ratio):
+    ctx = make_ctx(ratio)
+    selector = make_selector("cacheblend", CacheFuseConfig())
+    assert selector.num_full_layers(8) == 2 and selector.check_layers(8) == (1,)
+    chosen = selector.select_at_check(ctx, 0, check_kv(ctx.candidate_rows, 0))
+    assert chosen.numel() == math.ceil(ratio * 87 - 1e-9)
+    assert torch.equal(chosen, chosen.sort().values)
+    assert set(chosen.tolist()) <= set(ctx.candidate_rows.tolist())
+
+
+def test_cacheblend_picks_highest_deviation():
+    ctx = make_ctx(0.1)
+    kv = check_kv(ctx.candidate_rows, 1)
+    selector = make_selector("cacheblend", CacheFuseConfig(cacheblend_deviation="k"))
+    chosen = selector.select_at_check(ctx, 0, kv)
+    deviation = kv_deviation(kv, "k")
+    threshold = deviation.sort(descending=True).values[chosen.numel() - 1]
+    chosen_dev = deviation[torch.searchsorted(ctx.candidate_rows, chosen)]
+    assert (chosen_dev >= threshold).all()
+
+
+def test_gradual_filtering_nests_and_follows_schedule():
+    config = CacheFuseConfig(cacheblend_check_layers=(1, 3, 5), cacheblend_ratio_schedule=(1.6, 1.3, 1.0))
+    selector = make_selector("cacheblend", config)
+    ctx = make_ctx(0.2)
+    rows = ctx.candidate_rows
+    sizes = []
+    for check_index in range(3):
+        chosen = selector.select_at_check(ctx, check_index, check_kv(rows, check_index))
+        assert set(chosen.tolist()) <= set(rows.tolist())  # nested
+        sizes.append(chosen.numel())
+        rows = chosen
+    assert sizes == [num_rows_for_ratio(0.2 * m, 87) for m in (1.6, 1.3, 1.0)]
+    assert sizes[0] > sizes[1] > sizes[2]
+
+
+@pytest.mark.parametrize("metric", ["k", "v", "kv"])
+def test_deviation_zero_when_identical(metric):
+    kv = check_kv(torch.arange(5), 2)
+    same = CheckLayerKV(kv.rows, kv.loaded_k_nope, kv.loaded_v, kv.loaded_k_nope, kv.loaded_v)
+    assert torch.count_nonzero(kv_deviation(same, metric)) == 0
+    assert torch.count_nonzero(kv_deviation(kv, metric)) == 5
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.15, 0.5])
+def test_epic_picks_first_tokens_of_each_chunk(ratio):
+    ctx = make_ctx(ratio)
+    chosen = make_selector("epic", CacheFuseConfig()).initial_rows(ctx).tolist()
+    expected = [r for s in ctx.candidate_segments for r in range(s.start, s.start + math.ceil(ratio * s.length))]
+    assert chosen == expected
+    fixed = make_selector("epic", CacheFuseConfig(epic_k=3)).initial_rows(ctx).tolist()
+    assert fixed == [10, 11, 12, 47, 48, 49]
+
+
+def test_full_reuse_and_full_prefill():
+    ctx = make_ctx(0.5)
+    reuse = make_selector("full_reuse", CacheFuseConfig())
+    assert reuse.num_full_layers(8) == 0 and reuse.initial_rows(ctx).numel() == 0
+    assert make_selector("full_prefill", CacheFuseConfig()).num_full_layers(8) == 8
+
+
+def test_random_is_seeded_and_sized():
+    ctx = make_ctx(0.3)
+    a = make_selector("random", CacheFuseConfig(random_seed=1)).initial_rows(ctx)
+    b = make_selector("random", CacheFuseConfig(random_seed=1)).initial_rows(ctx)
+    c = make_selector("random", CacheFuseConfig(random_seed=2)).initial_rows(ctx)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.numel() == math.ceil(0.3 * 87)

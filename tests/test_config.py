@@ -1,0 +1,76 @@
+"""CacheFuseConfig: every invalid field fails at construction with a message naming it and its value."""
+
+import pytest
+
+from cachefuse.config import CacheFuseConfig
+from cachefuse.errors import ConfigError
+
+INVALID = [
+    ("selector", "hkvd"),
+    ("selector", None),
+    ("recompute_ratio", 1.5),
+    ("recompute_ratio", -0.1),
+    ("recompute_ratio", "0.2"),
+    ("recompute_ratio", True),
+    ("cacheblend_check_layers", (0,)),
+    ("cacheblend_check_layers", ()),
+    ("cacheblend_check_layers", (2, 1)),
+    ("cacheblend_check_layers", (1.5,)),
+    ("cacheblend_ratio_schedule", (1.0, 1.0)),
+    ("cacheblend_ratio_schedule", (0.5,)),
+    ("cacheblend_deviation", "l1"),
+    ("epic_k", -1),
+    ("epic_k", 2.5),
+    ("random_seed", "x"),
+    ("attention_block_rows", 0),
+    ("store_dir", ""),
+    ("memory_capacity_bytes", -1),
+    ("disk_capacity_bytes", 1.5),
+    ("eviction_policy", "fifo"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), INVALID)
+def test_invalid_field_is_named(name, value):
+    with pytest.raises(ConfigError) as info:
+        CacheFuseConfig.from_dict({name: value})
+    message = str(info.value)
+    assert message.startswith(f"{name}=")
+    assert repr(value) in message or repr(tuple(value)) in message
+    assert "expected" in message
+
+
+def test_schedule_must_nest():
+    with pytest.raises(ConfigError, match="cacheblend_ratio_schedule.*non-increasing"):
+        CacheFuseConfig(cacheblend_check_layers=(1, 2), cacheblend_ratio_schedule=(1.0, 1.5))
+    ok = CacheFuseConfig(cacheblend_check_layers=(1, 2, 3), cacheblend_ratio_schedule=(1.5, 1.2, 1.0))
+    assert ok.cacheblend_check_layers == (1, 2, 3)
+
+
+def test_unknown_key_rejected_by_name():
+    with pytest.raises(ConfigError, match="'recompute_ratoi'"):
+        CacheFuseConfig.from_dict({"recompute_ratoi": 0.2})
+
+
+def test_yaml_and_dict_agree(tmp_path):
+    path = tmp_path / "cf.yaml"
+    path.write_text("selector: epic\nrecompute_ratio: 0.3\ncacheblend_check_layers: [1, 3]\n"
+                    "cacheblend_ratio_schedule: [1.2, 1.0]\n")
+    from_yaml = CacheFuseConfig.from_yaml(path)
+    assert from_yaml == CacheFuseConfig.from_dict(
+        {"selector": "epic", "recompute_ratio": 0.3, "cacheblend_check_layers": [1, 3],
+         "cacheblend_ratio_schedule": [1.2, 1.0]})
+    # config_file loads first; explicit keys override it (the kv_connector_extra_config path).
+    assert CacheFuseConfig.from_dict({"config_file": str(path), "recompute_ratio": 0.1}).recompute_ratio == 0.1
+
+
+def test_bad_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="config_file="):
+        CacheFuseConfig.from_dict({"config_file": str(tmp_path / "missing.yaml")})
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        CacheFuseConfig.from_yaml(tmp_path / "list.yaml")
+
+
+def test_hash_ignores_selection_fields():
+    assert CacheFuseConfig().compute_hash() == CacheFuseConfig(selector="epic", recompute_ratio=0.5).compute_hash()

@@ -1,0 +1,250 @@
+"""The blend pass pinned at both ends on every family (DESIGN.md, Invariants).
+
+- ratio 1.0 reproduces the model's own full forward; full reuse differs (negative control);
+- full_reuse equals an independent reference: each chunk prefilled alone through transformers,
+  re-rotated with transformers' own RoPE code, the hole and question run on top of that cache;
+- unselected K/V are exactly the loaded values after re-rotation; forced rows always computed;
+- a poisoned future key never reaches an earlier selected row (and would with a bottom-right mask);
+- stored tensors are byte-identical after fused requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cachefuse import rope
+from cachefuse.adapters.hf import HFAdapter
+from cachefuse.attention import rows_attention
+from cachefuse.chunks import segment_prompt
+from cachefuse.config import CacheFuseConfig
+from cachefuse.fusor import FuseRequest, Fusor
+from cachefuse.select import make_selector
+from tests.helpers.fusion import make_case, make_engine, precompute_case
+from tests.helpers.models import ALL_FAMILIES
+from tests.test_attention import bottom_right_attention
+
+LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)
+SELECTIVE = ["cacheblend", "epic", "random"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir):
+    cache: dict[str, HFAdapter] = {}
+
+    def get(family: str) -> HFAdapter:
+        if family not in cache:
+            cache[family] = HFAdapter.from_pretrained(str(tiny_model_dir(family)))
+        return cache[family]
+
+    return get
+
+
+def model_logits(adapter: HFAdapter, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return adapter.model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def assert_same_greedy(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    top2 = expected.topk(2).values
+    if top2[0] - top2[1] > 2 * tol:  # only meaningful where the top-1 margin exceeds the tolerance
+        assert actual.argmax() == expected.argmax()
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_full_prefill_selector_equals_model_forward(adapters, family):
+    adapter = adapters(family)
+    ids = make_case(adapter.shape.vocab_size, seed=3).token_ids
+    request = FuseRequest(torch.tensor(ids), segment_prompt(len(ids), []), {}, 1.0)
+    result = Fusor(adapter).fuse(request, make_selector("full_prefill", CacheFuseConfig()))
+    with torch.inference_mode():
+        out = adapter.model(torch.tensor([ids]), use_cache=True)
+    torch.testing.assert_close(result.logits, out.logits[0, -1].float(), **LOGIT_TOL)
+    for layer, cached in enumerate(out.past_key_values.layers):
+        torch.testing.assert_close(result.k[layer], cached.keys[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(result.v[layer], cached.values[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("selector", SELECTIVE)
+def test_ratio_one_equals_full_prefill(adapters, family, selector):
+    adapter = adapters(family)
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size)
+    precompute_case(engine, case)
+    result, stats = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=1.0, save_holes=False)
+    expected = model_logits(adapter, case.token_ids)
+    torch.testing.assert_close(result.logits, expected, **LOGIT_TOL)
+    assert_same_greedy(result.logits, expected, LOGIT_TOL["atol"])
+    assert stats.chunks_hit == 3 and stats.chunks_missed == 1  # system, A, C loaded; B a hole
+
+    reuse, _ = engine.prefill(case.token_ids, case.chunks, selector="full_reuse", save_holes=False)
+    assert (reuse.logits - expected).abs().max() > 100 * LOGIT_TOL["atol"]  # negative control
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_question_first_and_reordered_chunks_ratio_one(adapters, family):
+    adapter = adapters(family)
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=5)
+    precompute_case(engine, case, with_hole=False)
+    c, a = case.pieces[2], case.pieces[0]
+    ids = case.system + case.question + c + a  # question before the chunks, chunks swapped
+    start_c = len(case.system) + len(case.question)
+    chunks = [(0, len(case.system)), (start_c, start_c + len(c)), (start_c + len(c), len(ids))]
+    result, stats = engine.prefill(ids + [7], chunks, selector="cacheblend", ratio=1.0, save_holes=False)
+    torch.testing.assert_close(result.logits, model_logits(adapter, ids + [7]), **LOGIT_TOL)
+    assert stats.chunks_hit == 3
+
+
+def reference_full_reuse(adapter: HFAdapter, case) -> torch.Tensor:
+    """Independent of the fusor: transformers prefill per chunk, transformers RoPE shift, its own attention."""
+    model, rotary = adapter.model, adapter.decoder.rotary_emb
+    apply_rotary = adapter._apply_rotary
+    system, (a, b, c), question = case.system, case.pieces, case.question
+
+    def prefill(ids: list[int]):
+        with torch.inference_mode():
+            return model(torch.tensor([ids]), use_cache=True).past_key_values
+
+    def shifted(keys: torch.Tensor, delta: int) -> torch.Tensor:  # keys [1, H, T, d], post-RoPE
+        cos, sin = rotary(keys, torch.full((1, keys.shape[2]), delta))
+        return apply_rotary(keys, keys, cos, sin)[1]
+
+    s = len(system)
+    cache_a, cache_c = prefill(system + a), prefill(system + c)
+    cache = DynamicCache(ddp_cache_data=[
+        (layer.keys.clone(), layer.values.clone()) for layer in cache_a.layers])  # system + A in place
+    with torch.inference_mode():
+        pos_b = torch.arange(s + len(a), s + len(a) + len(b))[None]
+        model(torch.tensor([b]), position_ids=pos_b, past_key_values=cache, use_cache=True)  # the hole
+        for layer, source in zip(cache.layers, cache_c.layers, strict=True):
+            layer.update(shifted(source.keys[:, :, s:], len(a) + len(b)), source.values[:, :, s:])
+        start_q = s + len(a) + len(b) + len(c)
+        pos_q = torch.arange(start_q, start_q + len(question))[None]
+        out = model(torch.tensor([question]), position_ids=pos_q, past_key_values=cache, use_cache=True)
+    return out.logits[0, -1].float()
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_full_reuse_equals_independent_reference(adapters, family):
+    adapter = adapters(family)
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=1)
+    precompute_case(engine, case)
+    result, stats = engine.prefill(case.token_ids, case.chunks, selector="full_reuse", save_holes=False)
+    torch.testing.assert_close(result.logits, reference_full_reuse(adapter, case), **LOGIT_TOL)
+    assert stats.num_selected == 0
+    assert (result.logits - model_logits(adapter, case.token_ids)).abs().max() > 100 * LOGIT_TOL["atol"]
+
+
+def test_unselected_rows_are_loaded_values_rerotated(adapters):
+    adapter = adapters("llama")
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=2)
+    precompute_case(engine, case)
+    result, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15, save_holes=False)
+    segments = segment_prompt(len(case.token_ids), case.chunks)
+    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end])) for i, s in enumerate(segments)}
+    full_layers = make_selector("cacheblend", CacheFuseConfig()).num_full_layers(adapter.shape.num_layers)
+    checked = 0
+    for layer in range(full_layers, adapter.shape.num_layers):
+        computed = set(result.rows_per_layer[layer].tolist())
+        for index, entry in loaded.items():
+            if entry is None:
+                continue
+            seg = segments[index]
+            positions = torch.arange(seg.start, seg.end)
+            expected_k = rope.apply_rope(entry.k_nope[layer], positions, adapter.rope_spec)
+            for offset, row in enumerate(range(seg.start, seg.end)):
+                if row in computed:
+                    continue
+                assert torch.equal(result.k[layer][row], expected_k[offset])
+                assert torch.equal(result.v[layer][row], entry.v[layer][offset])
+                checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("selector", SELECTIVE + ["full_reuse"])
+@pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
+def test_forced_rows_always_computed(adapters, selector, ratio):
+    adapter = adapters("qwen3")
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=4)
+    precompute_case(engine, case)
+    result, stats = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=ratio, save_holes=False)
+    b_start, b_end = case.chunks[2]
+    question_start = case.chunks[3][1]
+    forced = set(range(b_start, b_end)) | set(range(question_start, len(case.token_ids)))
+    assert stats.num_forced == len(forced)
+    for rows in result.rows_per_layer:
+        if rows is not None:
+            assert forced <= set(rows.tolist())
+            assert rows.numel() <= len(forced) + result.num_candidates
+    num_candidates = len(case.pieces[0]) + len(case.pieces[2])
+    assert result.num_candidates == num_candidates
+    if selector in ("cacheblend", "random"):
+        assert result.num_selected == min(num_candidates, int(torch.tensor(ratio * num_candidates).ceil()))
+
+
+def test_poisoned_key_after_check_layer_is_invisible(adapters):
+    adapter = adapters("llama")
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=6)
+    precompute_case(engine, case, with_hole=False)
+    segments = segment_prompt(len(case.token_ids), case.chunks)
+    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end])) for i, s in enumerate(segments)
+              if s.is_chunk}
+    poison_at = case.chunks[3][0] + 5  # inside chunk C: rows of chunks A and B must never see it
+
+    def run(attention, poison: bool):
+        outputs = []
+
+        def fn(q, q_positions, k, v, scale, block_rows):
+            if poison:
+                k, v = k.clone(), v.clone()
+                k[poison_at], v[poison_at] = 30.0, 1e3
+            out = attention(q, q_positions, k, v, scale, block_rows)
+            outputs.append((q_positions, out))
+            return out
+
+        request = FuseRequest(torch.tensor(case.token_ids), segments, loaded, 0.5)
+        Fusor(adapter, attention_fn=fn).fuse(request, make_selector("cacheblend", CacheFuseConfig()))
+        return outputs
+
+    for attention, should_hold in ((rows_attention, True), (bottom_right_attention, False)):
+        clean, poisoned = run(attention, False), run(attention, True)
+        assert len(clean) == adapter.shape.num_layers - 2  # one call per layer after the check layer
+        holds = all(
+            torch.equal(p_out[p_pos < poison_at], c_out[c_pos < poison_at])
+            for (c_pos, c_out), (p_pos, p_out) in zip(clean, poisoned, strict=True))
+        assert holds is should_hold
+
+
+def test_stored_tensors_unchanged_by_fused_requests(adapters):
+    adapter = adapters("qwen2")
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=7)
+    precompute_case(engine, case)
+    keys = engine.store.keys()
+    before = {key: [t.clone() for t in (*engine.store.get(key).k_nope, *engine.store.get(key).v)] for key in keys}
+    for selector in ("cacheblend", "epic", "random", "full_reuse", "full_prefill"):
+        engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.3, save_holes=False)
+    for key in keys:
+        entry = engine.store.get(key)
+        after = [*entry.k_nope, *entry.v]
+        assert all(torch.equal(a, b) for a, b in zip(before[key], after, strict=True))
+
+
+def test_holes_are_saved_and_hit_next_time(adapters):
+    adapter = adapters("mistral")
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=8)
+    precompute_case(engine, case)
+    _, first = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15)
+    assert first.chunks_missed == 1 and first.holes_saved == 1
+    _, second = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15)
+    assert second.chunks_hit == 4 and second.chunks_missed == 0 and second.holes_saved == 0
+    hole_key = engine.key(case.pieces[1])
+    assert engine.store.get(hole_key).meta["variant"] == "fused"
