@@ -1,0 +1,332 @@
+"""Chunk identity, request segmentation and RAG prompt assembly (DESIGN.md, Definitions).
+
+Imports only the standard library and cachefuse.errors: the scheduler process hashes and segments
+requests without torch. Tokenizers are passed in (anything with `encode(text,
+add_special_tokens=False)` and `bos_token_id`, such as a transformers tokenizer).
+
+A chunk key depends on the chunk's token ids and the model and cache layout (`KeyContext`), never on
+where the chunk sits in a prompt. A request's segments tile its prompt:
+
+```
+| system (chunk, is_system) | glue (computed) | chunk A | chunk B | question (computed) |
+0                                                                                     N
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import reprlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachefuse.errors import ConfigError, RequestError
+
+_KEY_VERSION = b"cachefuse-chunk-key-v1"
+_FINGERPRINT_VERSION = b"cachefuse-model-fingerprint-v1"
+_SAMPLE_BYTES = 4096  # per sampled range of a safetensors data region
+
+
+# --------------------------------------------------------------------------- model fingerprint
+
+
+def _safetensors_digest_parts(path: Path) -> list[bytes]:
+    """Name, header, size and the first, middle and last 4 KiB of the data region of one file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"model: {path} is not a safetensors file ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ConfigError(
+                f"model: {path} has a header of {header_len} bytes but only {size} bytes in all"
+            )
+        header = f.read(header_len)
+        data_start = 8 + header_len
+        data_len = size - data_start
+        parts = [path.name.encode(), head, header, str(size).encode()]
+        offsets = sorted({0, max(0, data_len // 2 - _SAMPLE_BYTES // 2), max(0, data_len - _SAMPLE_BYTES)})
+        for offset in offsets:
+            f.seek(data_start + offset)
+            parts.append(f.read(min(_SAMPLE_BYTES, data_len - offset)))
+    return parts
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """Identifies a checkpoint from its files, reading a few KiB whatever the model's size.
+
+    Hashes config.json (canonical JSON, sorted keys) and, for each `*.safetensors` file in name
+    order, its name, header, size and three 4 KiB samples of its data region. Weights in memory
+    and prompts play no part, so every process that loads the same files gets the same value.
+
+    Args:
+        model_dir: a local checkpoint directory.
+
+    Returns:
+        32 hex characters.
+
+    Raises:
+        ConfigError: config.json or the safetensors files are missing or malformed.
+    """
+    root = Path(model_dir)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"model: no config.json in {str(root)!r}; expected a local checkpoint directory")
+    try:
+        config = json.loads(config_path.read_bytes())
+    except ValueError as e:
+        raise ConfigError(f"model: {str(config_path)!r} is not valid JSON ({e})") from None
+    weight_files = sorted(root.glob("*.safetensors"))
+    if not weight_files:
+        raise ConfigError(f"model: no *.safetensors files in {str(root)!r}; expected safetensors weights")
+    h = hashlib.sha256(_FINGERPRINT_VERSION)
+    for part in [json.dumps(config, sort_keys=True, separators=(",", ":")).encode()] + [
+        p for path in weight_files for p in _safetensors_digest_parts(path)
+    ]:
+        h.update(struct.pack("<Q", len(part)))  # length-prefixed: no two part lists hash alike
+        h.update(part)
+    return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- chunk keys
+
+
+@dataclass(frozen=True)
+class KeyContext:
+    """Everything besides the token ids that changes a chunk's stored bytes (DESIGN.md, chunk key)."""
+
+    model_fingerprint: str
+    kv_dtype: str
+    """The stored K/V dtype, e.g. "float32"."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    config_hash: str = ""
+    """CacheFuseConfig.compute_hash(): the config fields that change stored bytes."""
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.tp_size) and self.tp_size >= 1):
+            raise ConfigError(f"tp_size={self.tp_size!r}, expected an int >= 1")
+        if not (_is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size):
+            raise ConfigError(f"tp_rank={self.tp_rank!r}, expected an int in 0..{self.tp_size - 1}")
+
+
+def chunk_key(token_ids: Sequence[int], ctx: KeyContext) -> str:
+    """The store key of a chunk: its content and `ctx`, never its position or prefix.
+
+    Args:
+        token_ids: the chunk's ids as tokenized on its own, [num_tokens].
+        ctx: model, dtype, tensor-parallel and config identity.
+
+    Returns:
+        32 hex characters of a sha256 over `ctx` and the ids as little-endian int64.
+    """
+    header = json.dumps(
+        [ctx.model_fingerprint, ctx.kv_dtype, ctx.tp_size, ctx.tp_rank, ctx.config_hash, len(token_ids)]
+    ).encode()
+    h = hashlib.sha256(_KEY_VERSION)
+    h.update(struct.pack("<Q", len(header)))
+    h.update(header)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- segments
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A token range of a request's prompt: a declared chunk or a range computed in full."""
+
+    start: int
+    length: int
+    is_chunk: bool
+    """A declared chunk, looked up in the store; else glue, question or an undeclared prefix."""
+    is_system: bool
+    """The declared chunk at offset 0: the system prompt, exact since it never moves."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_chunks(num_tokens: int, chunks: Any) -> list[tuple[int, int]]:
+    """Validates `kv_transfer_params["cachefuse"]["chunks"]`; raises RequestError naming the entry."""
+    if not isinstance(chunks, (list, tuple)):
+        raise RequestError(
+            "cachefuse.chunks", f"got {reprlib.repr(chunks)}; expected a list of [start, end] token offsets"
+        )
+    out: list[tuple[int, int]] = []
+    for i, pair in enumerate(chunks):
+        field = f"cachefuse.chunks[{i}]"
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_is_int(x) for x in pair)):
+            raise RequestError(field, f"got {reprlib.repr(pair)}; expected a pair [start, end] of ints")
+        start, end = pair
+        if not 0 <= start < end <= num_tokens:
+            raise RequestError(
+                field, f"got [{start}, {end}]; expected 0 <= start < end <= {num_tokens} (the prompt length)"
+            )
+        if out and start < out[-1][0]:
+            raise RequestError(
+                field,
+                f"starts at {start}, before the previous chunk's start {out[-1][0]}; expected sorted chunks",
+            )
+        if out and start < out[-1][1]:
+            prev = out[-1]
+            raise RequestError(
+                field,
+                f"[{start}, {end}] overlaps the previous chunk [{prev[0]}, {prev[1]}]; expected disjoint chunks",
+            )
+        out.append((start, end))
+    return out
+
+
+def segment_prompt(num_tokens: int, chunks: Any) -> list[Segment]:
+    """Splits a prompt into declared chunks and the computed ranges between them.
+
+    Args:
+        num_tokens: prompt length N.
+        chunks: the request's `[start, end)` token offsets, sorted and disjoint, within [0, N).
+
+    Returns:
+        Segments tiling [0, N) in order: each declared chunk (`is_chunk`, and `is_system` for the one
+        at offset 0) and every gap as a computed segment. Empty for N == 0.
+
+    Raises:
+        RequestError: `chunks` is malformed; `field` names the entry, e.g. "cachefuse.chunks[2]".
+    """
+    if not (_is_int(num_tokens) and num_tokens >= 0):
+        raise ValueError(f"num_tokens={num_tokens!r}, expected an int >= 0")
+    segments: list[Segment] = []
+    pos = 0
+    for start, end in _check_chunks(num_tokens, chunks):
+        if start > pos:
+            segments.append(Segment(pos, start - pos, is_chunk=False, is_system=False))
+        segments.append(Segment(start, end - start, is_chunk=True, is_system=start == 0))
+        pos = end
+    if pos < num_tokens:
+        segments.append(Segment(pos, num_tokens - pos, is_chunk=False, is_system=False))
+    return segments
+
+
+def chunks_from_texts(prompt_ids: Sequence[int], chunk_ids: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Locates chunks given by their standalone token ids in a prompt (the `chunk_texts` form).
+
+    Each chunk is matched as an exact contiguous subsequence, in order: the search for chunk i
+    starts where chunk i-1's match ended, so matches are sorted and disjoint.
+
+    Args:
+        prompt_ids: the prompt's ids, [N].
+        chunk_ids: each chunk's ids as tokenized on its own.
+
+    Returns:
+        `[start, end)` offsets, one per chunk.
+
+    Raises:
+        RequestError: a chunk is empty or not found; field "cachefuse.chunk_texts[i]".
+    """
+    haystack = struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)
+    out: list[tuple[int, int]] = []
+    pos = 0  # in tokens
+    for i, ids in enumerate(chunk_ids):
+        field = f"cachefuse.chunk_texts[{i}]"
+        if len(ids) == 0:
+            raise RequestError(field, "tokenizes to no tokens; expected a non-empty chunk text")
+        needle = struct.pack(f"<{len(ids)}q", *ids)
+        at = haystack.find(needle, pos * 8)
+        while at != -1 and at % 8:  # a match must start on a token boundary
+            at = haystack.find(needle, at + 1)
+        if at == -1:
+            raise RequestError(
+                field, "not found as an exact token subsequence of the prompt after standalone tokenization"
+            )
+        start = at // 8
+        out.append((start, start + len(ids)))
+        pos = start + len(ids)
+    return out
+
+
+# --------------------------------------------------------------------------- prompt assembly
+
+
+def tokenize_piece(tokenizer: Any, text: str, *, add_bos: bool = False) -> list[int]:
+    """Tokenizes one prompt piece on its own, without special tokens; `add_bos` prepends BOS if any."""
+    ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if add_bos and bos_id is not None:
+        ids.insert(0, int(bos_id))
+    return ids
+
+
+@dataclass(frozen=True)
+class RagPrompt:
+    """A `[system][chunk 1]...[chunk n][question]` prompt and its declared chunks."""
+
+    token_ids: list[int]
+    chunks: list[tuple[int, int]]
+    """Declared chunks as `[start, end)`: the system prompt first (at offset 0), then the retrieved chunks."""
+    chunk_token_ids: list[list[int]]
+    """The ids of each declared chunk, in the order of `chunks`."""
+    question: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def kv_transfer_params(self) -> dict:
+        """The request field that declares the chunks: `{"cachefuse": {"chunks": [[s, e], ...]}}`."""
+        return {"cachefuse": {"chunks": [[s, e] for s, e in self.chunks]}}
+
+
+def build_rag_prompt(tokenizer: Any, system: str, chunks: Sequence[str], question: str) -> RagPrompt:
+    """Assembles a RAG prompt from pieces tokenized on their own, so that client, store and a plain
+    run see the same ids.
+
+    Texts are used exactly as given: a separator between pieces (e.g. a trailing "\\n" or "\\n\\n")
+    belongs in the piece's own text, where it becomes part of that chunk's ids and key. BOS (if the
+    tokenizer has one) is prepended to the system piece only, so the system chunk is `[BOS] +
+    ids(system)`. With an empty `system` there is no system chunk and BOS, if any, is a computed
+    1-token segment at offset 0.
+
+    Args:
+        tokenizer: e.g. a transformers tokenizer (`encode`, `bos_token_id`).
+        system: the system prompt, declared as the chunk at offset 0 unless empty.
+        chunks: the retrieved chunk texts, each declared as a chunk.
+        question: computed in full; may be empty.
+
+    Returns:
+        The prompt's ids, declared chunks with their ids, and the question's range.
+
+    Raises:
+        ValueError: a chunk text tokenizes to no tokens.
+    """
+    token_ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    span_ids: list[list[int]] = []
+    if system:
+        sys_ids = tokenize_piece(tokenizer, system, add_bos=True)
+        spans.append((0, len(sys_ids)))
+        span_ids.append(sys_ids)
+        token_ids.extend(sys_ids)
+    else:
+        token_ids.extend(tokenize_piece(tokenizer, "", add_bos=True))
+    for i, text in enumerate(chunks):
+        ids = tokenize_piece(tokenizer, text)
+        if not ids:
+            raise ValueError(f"chunks[{i}]={text!r} tokenizes to no tokens; expected a non-empty text")
+        spans.append((len(token_ids), len(token_ids) + len(ids)))
+        span_ids.append(ids)
+        token_ids.extend(ids)
+    question_ids = tokenize_piece(tokenizer, question)
+    question_span = (len(token_ids), len(token_ids) + len(question_ids))
+    token_ids.extend(question_ids)
+    return RagPrompt(token_ids=token_ids, chunks=spans, chunk_token_ids=span_ids, question=question_span)

@@ -1,0 +1,8 @@
+"""Model families for test parametrisation: `@pytest.mark.parametrize("family", ALL_FAMILIES)`.
+
+Checkpoints come from the `tiny_model_dir` fixture (tests/conftest.py).
+"""
+
+from cachefuse.bench.tiny_models import FAMILIES
+
+ALL_FAMILIES: tuple[str, ...] = FAMILIES
