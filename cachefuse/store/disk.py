@@ -1,0 +1,405 @@
+"""Local-disk tier (the embedded default): one checksummed safetensors file per entry, written atomically.
+
+Imports torch, safetensors and `cachefuse.store.base`. Layout (one file per key):
+
+    root/<key[:2]>/<key>.safetensors      tensors k.{layer} [num_tokens, num_kv_heads, head_dim],
+                                                  v.{layer} [num_tokens, num_kv_heads, head_dim_v]
+    __metadata__: format=cachefuse-kv, format_version=1, model_fingerprint, num_layers, dtype,
+                  num_tokens, checksum.k.{i} / checksum.v.{i} (zlib.crc32 of the raw bytes, 8 hex
+                  digits), meta.<name> (ChunkKV.meta)
+
+A put writes `.tmp-*` next to the target, fsyncs it, then `os.replace`s it, so a reader or a restart
+sees the whole old file or the whole new one, never a prefix; a crashed writer leaves only a temp
+file, which the next scan deletes. The index (key -> file bytes, LRU order) is built by one directory
+scan at construction, so `contains` does no I/O. LRU order survives a restart: every write and every
+hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it.
+
+Misses: a header for another format version, model fingerprint or dtype is "foreign_model"; another
+layer count or tensor shape is "shape_mismatch"; a bad checksum, a missing tensor or an unparsable
+file is "corrupt"; a file shorter than its header says is "truncated". Each of these drops the entry
+from the index and deletes its file. "io_error" keeps both (the medium may recover); a file that
+vanished is "absent" and leaves the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import struct
+import tempfile
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError, safe_open
+
+from cachefuse.errors import ConfigError
+from cachefuse.store import base
+from cachefuse.store.base import ChunkKV, StoreIdentity
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "cachefuse-kv"
+FORMAT_VERSION = "1"
+SUFFIX = ".safetensors"
+TMP_PREFIX = ".tmp-"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]  # k_nope per layer, v per layer, meta
+
+
+class _Miss(Exception):
+    """Raised inside the read path; turned into a counted miss by DiskStore._load."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+def checksum(t: torch.Tensor) -> str:
+    """zlib.crc32 of the tensor's raw bytes (row-major), as 8 hex digits."""
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # [numel * element_size]
+    return f"{zlib.crc32(raw.numpy()):08x}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode_entry(entry: ChunkKV, identity: StoreIdentity) -> bytes:
+    """The complete safetensors file for `entry` (header with checksums and meta, then the data)."""
+    metadata = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "model_fingerprint": identity.model_fingerprint,
+        "num_layers": str(identity.num_layers), "dtype": _dtype_name(identity.dtype),
+        "num_tokens": str(entry.num_tokens),
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    spans: list[tuple[int, int]] = []  # byte ranges already taken
+    for layer, (k_nope, v) in enumerate(zip(entry.k_nope, entry.v, strict=True)):
+        for name, t in ((f"k.{layer}", k_nope), (f"v.{layer}", v)):
+            t = t.detach().cpu().contiguous()  # safetensors reads through data_ptr(): host memory only
+            if any(t.data_ptr() < end and start < t.data_ptr() + t.nbytes for start, end in spans):
+                t = t.clone()  # safetensors refuses aliased tensors (e.g. one tensor given for every layer)
+            spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
+            tensors[name] = t
+            metadata[f"checksum.{name}"] = checksum(t)
+    metadata.update({f"meta.{name}": value for name, value in entry.meta.items()})
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def _check_header(metadata: dict[str, str], identity: StoreIdentity) -> int:
+    """Validate the header against `identity`; returns num_tokens or raises _Miss."""
+    found = (metadata.get("format"), metadata.get("format_version"))
+    if found != (FORMAT, FORMAT_VERSION):
+        raise _Miss(base.MISS_FOREIGN_MODEL, f"format {found}, expected {(FORMAT, FORMAT_VERSION)}")
+    if metadata.get("model_fingerprint") != identity.model_fingerprint:
+        raise _Miss(base.MISS_FOREIGN_MODEL, f"model_fingerprint {metadata.get('model_fingerprint')!r}")
+    if metadata.get("dtype") != _dtype_name(identity.dtype):
+        raise _Miss(base.MISS_FOREIGN_MODEL, f"dtype {metadata.get('dtype')!r}, expected {identity.dtype}")
+    try:
+        num_layers, num_tokens = int(metadata["num_layers"]), int(metadata["num_tokens"])
+    except (KeyError, ValueError) as exc:
+        raise _Miss(base.MISS_CORRUPT, f"bad num_layers/num_tokens: {exc!r}") from None
+    if num_layers != identity.num_layers:
+        raise _Miss(base.MISS_SHAPE_MISMATCH, f"num_layers {num_layers}, expected {identity.num_layers}")
+    return num_tokens
+
+
+def _read_tensor(f, name: str, metadata: dict[str, str], num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Load tensor `name` from the open file `f` and verify its shape, dtype and checksum."""
+    if name not in f.keys():
+        raise _Miss(base.MISS_CORRUPT, f"{name} missing")
+    t = f.get_tensor(name)
+    if t.dtype != dtype or t.dim() != 3 or t.shape[0] != num_tokens:
+        raise _Miss(base.MISS_SHAPE_MISMATCH, f"{name}: {tuple(t.shape)} {t.dtype}, num_tokens {num_tokens}")
+    if checksum(t) != metadata.get(f"checksum.{name}"):
+        raise _Miss(base.MISS_CORRUPT, f"{name}: checksum mismatch")
+    return t
+
+
+def classify_unreadable(path: Path) -> str:
+    """Why safetensors refused `path`: "truncated" if shorter than its header says, else "corrupt"."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                return base.MISS_TRUNCATED
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER_BYTES:
+                return base.MISS_CORRUPT
+            if size < 8 + header_len:
+                return base.MISS_TRUNCATED
+            header = json.loads(fh.read(header_len))
+        ends = [int(spec["data_offsets"][1]) for name, spec in header.items() if name != "__metadata__"]
+        data_len = max(ends, default=0)
+        return base.MISS_TRUNCATED if 8 + header_len + data_len > size else base.MISS_CORRUPT
+    except FileNotFoundError:
+        return base.MISS_ABSENT
+    except Exception:  # any other failure to make sense of the bytes
+        return base.MISS_CORRUPT
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (else a power loss can undo it); best effort."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class DiskStore:
+    """Local-disk tier (see the module docstring for layout, atomicity and miss reasons).
+
+    Args:
+        root: directory of the store; created if missing. An unusable root is logged and every put
+            then returns False (the engine keeps running without this tier).
+        identity: what every entry must match.
+        capacity_bytes: budget of file bytes (header included) over all entries.
+        _before_rename: test hook, called with the temp file's path after it is fully written and
+            fsynced, just before the rename.
+    """
+
+    def __init__(self, root: str | Path, identity: StoreIdentity, capacity_bytes: int, *,
+                 _before_rename: Callable[[Path], None] | None = None) -> None:
+        if capacity_bytes < 0:
+            raise ConfigError(f"disk capacity_bytes={capacity_bytes!r}, expected >= 0")
+        self.root = Path(root)
+        self.identity = identity
+        self.capacity_bytes = capacity_bytes
+        self.stats = base.StoreStats()
+        self._before_rename = _before_rename
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
+        self._pins = base.PinTable()
+        self._lock = threading.RLock()
+        self._last_stamp_ns = 0
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            logger.warning("disk store root %s is unusable (%s): every put will fail", self.root, exc)
+        self._scan()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def get(self, key: str) -> ChunkKV | None:
+        """Read and verify every layer of `key`; None on a miss (counted, logged, never raised)."""
+        base.check_key(key)
+        loaded = self._load(key, range(self.identity.num_layers))
+        return None if loaded is None else ChunkKV(*loaded)
+
+    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Read and verify one layer: (k_nope [num_tokens, num_kv_heads, head_dim], v [..., head_dim_v]).
+
+        Counted in `stats` like a `get` (one hit or miss per call).
+        """
+        base.check_key(key)
+        if not 0 <= layer < self.identity.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
+        loaded = self._load(key, range(layer, layer + 1))
+        return None if loaded is None else (loaded[0][0], loaded[1][0])
+
+    def put(self, key: str, entry: ChunkKV) -> bool:
+        """Write `entry` atomically, evicting least recently used unpinned entries as needed.
+
+        Returns:
+            False (logged, counted) if the entry is foreign, does not fit even after evicting every
+            unpinned entry, or cannot be written; the previous file of `key`, if any, is then kept.
+        """
+        base.check_key(key)
+        mismatch = base.entry_mismatch(entry, self.identity)
+        if mismatch is not None:
+            return self._fail(key, "foreign entry ({}: {})".format(*mismatch))
+        try:
+            data = encode_entry(entry, self.identity)
+        except Exception as exc:  # whatever safetensors refuses must fail this put, not the caller
+            return self._fail(key, f"cannot serialize: {exc!r}")
+        with self._lock:
+            victims = base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, len(data))
+            if victims is None:
+                return self._fail(key, f"{len(data)} bytes do not fit in {self.capacity_bytes} (rest pinned)")
+            try:
+                self._write_atomic(self._path(key), data)
+            except OSError as exc:
+                return self._fail(key, f"write failed: {exc!r}")
+            for victim in victims:
+                self._unlink(victim)
+                self.stats.evictions += 1
+                logger.debug("disk evicted %s", victim)
+            self._sizes[key] = len(data)
+            self._sizes.move_to_end(key)
+            self.stats.puts += 1
+            self.stats.bytes_written += len(data)
+        return True
+
+    def contains(self, key: str) -> bool:
+        return key in self._sizes
+
+    def remove(self, key: str) -> None:
+        """Drop `key` and delete its file if present (pinned or not: pins only guard against eviction)."""
+        base.check_key(key)
+        with self._lock:
+            self._unlink(key)
+
+    def keys(self) -> list[str]:
+        """Indexed keys, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
+    def pin(self, key: str) -> None:
+        self._pins.pin(key)
+
+    def unpin(self, key: str) -> None:
+        self._pins.unpin(key)
+
+    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
+        return base.pinned_keys(self, keys)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}{SUFFIX}"
+
+    def _load(self, key: str, layers: range) -> _Layers | None:
+        """Read and verify `layers` of `key`; None on a miss, with bad entries dropped."""
+        with self._lock:
+            if key not in self._sizes:
+                return self._miss(key, base.MISS_ABSENT, "not indexed", inode=None)
+            self._sizes.move_to_end(key)
+        path = self._path(key)
+        inode = None
+        try:
+            inode = path.stat().st_ino
+            k_nope, v, meta = self._read_file(path, layers)
+        except _Miss as miss:
+            return self._miss(key, miss.reason, miss.detail, inode)
+        except FileNotFoundError:
+            return self._miss(key, base.MISS_ABSENT, "file vanished", inode)
+        except SafetensorError as exc:
+            return self._miss(key, classify_unreadable(path), str(exc), inode)
+        except OSError as exc:
+            return self._miss(key, base.MISS_IO_ERROR, repr(exc), inode)
+        except Exception as exc:  # whatever else bad bytes provoke must stay a miss
+            return self._miss(key, base.MISS_CORRUPT, repr(exc), inode)
+        self._stamp(path)
+        self.stats.hits += 1
+        self.stats.bytes_read += sum(t.nbytes for t in (*k_nope, *v))
+        return k_nope, v, meta
+
+    def _read_file(self, path: Path, layers: range) -> _Layers:
+        dtype = self.identity.dtype
+        k_nope, v = [], []
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            num_tokens = _check_header(metadata, self.identity)
+            for layer in layers:
+                k_nope.append(_read_tensor(f, f"k.{layer}", metadata, num_tokens, dtype))
+                v.append(_read_tensor(f, f"v.{layer}", metadata, num_tokens, dtype))
+                if k_nope[-1].shape[1] != v[-1].shape[1]:
+                    raise _Miss(base.MISS_SHAPE_MISMATCH, f"layer {layer}: K and V differ in num_kv_heads")
+        meta = {name[len("meta."):]: value for name, value in metadata.items() if name.startswith("meta.")}
+        return k_nope, v, meta
+
+    def _miss(self, key: str, reason: str, detail: str, inode: int | None) -> None:
+        self.stats.record_miss(reason)
+        if reason == base.MISS_ABSENT:
+            logger.debug("disk miss %s: absent (%s)", key, detail)
+        else:
+            logger.warning("disk miss %s: %s (%s)", key, reason, detail)
+        if reason == base.MISS_IO_ERROR:
+            return None
+        with self._lock:
+            if reason != base.MISS_ABSENT:
+                path = self._path(key)
+                try:
+                    if path.stat().st_ino != inode:
+                        return None  # a put replaced the bad file meanwhile: keep the new one
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    logger.warning("disk store could not delete bad entry %s: %r", path, exc)
+            self._sizes.pop(key, None)
+        return None
+
+    def _fail(self, key: str, reason: str) -> bool:
+        self.stats.put_failures += 1
+        logger.warning("disk put %s failed: %s", key, reason)
+        return False
+
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            stamp = self._next_stamp_ns()
+            os.utime(tmp, ns=(stamp, stamp))
+            if self._before_rename is not None:
+                self._before_rename(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_dir(path.parent)
+
+    def _next_stamp_ns(self) -> int:
+        # Explicit, strictly increasing stamps: the kernel's own mtimes are tick-grained, so files
+        # touched within one tick would tie and the LRU order after a restart would be lost.
+        with self._lock:
+            self._last_stamp_ns = max(time.time_ns(), self._last_stamp_ns + 1)
+            return self._last_stamp_ns
+
+    def _stamp(self, path: Path) -> None:
+        stamp = self._next_stamp_ns()
+        try:
+            os.utime(path, ns=(stamp, stamp))
+        except OSError as exc:  # the hit stands; only the LRU order after a restart suffers
+            logger.debug("disk store could not stamp %s: %r", path, exc)
+
+    def _unlink(self, key: str) -> None:
+        """Drop `key` from the index and delete its file (caller holds the lock)."""
+        if self._sizes.pop(key, None) is None:
+            return
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("disk store could not delete %s: %r", self._path(key), exc)
+
+    def _scan(self) -> None:
+        """Build the index from the files under root; delete temp files; enforce the capacity."""
+        found: list[tuple[int, str, int]] = []  # (mtime_ns, key, file bytes)
+        for path in self.root.glob("??/*"):  # unreadable or missing directories yield nothing
+            key = path.name.removesuffix(SUFFIX)
+            try:
+                if path.name.startswith(TMP_PREFIX):  # a writer died before its rename: never an entry
+                    logger.info("disk store deleting leftover temp file %s", path)
+                    path.unlink()
+                elif key != path.name and key[:2] == path.parent.name and base.is_valid_key(key):
+                    st = path.stat()
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((st.st_mtime_ns, key, st.st_size))
+            except OSError as exc:
+                logger.warning("disk store skips %s: %r", path, exc)
+        for stamp, key, size in sorted(found):
+            self._sizes[key] = size
+            self._last_stamp_ns = max(self._last_stamp_ns, stamp)
+        victims = base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, "", 0) or []
+        for victim in victims:
+            self._unlink(victim)
+            self.stats.evictions += 1
+        logger.info("disk store %s: %d entries, %d bytes (%d evicted to fit %d)",
+                    self.root, len(self._sizes), self.nbytes, len(victims), self.capacity_bytes)

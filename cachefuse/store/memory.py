@@ -1,0 +1,130 @@
+"""Host-memory tier: ChunkKV objects in a dict, LRU by access, a byte capacity, pinned entries kept.
+
+Imports only `cachefuse.store.base` and `cachefuse.errors`. Follows the rules in base.py; in particular
+`get` hands out the stored tensors themselves (no copy): callers must never write into them, and the
+caller of `put` hands its tensors over and must not write into them afterwards either. That is what
+keeps stored caches byte-identical across requests without paying a copy per hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from cachefuse.errors import ConfigError
+from cachefuse.store.base import (
+    MISS_ABSENT,
+    ChunkKV,
+    PinTable,
+    StoreIdentity,
+    StoreStats,
+    check_key,
+    entry_mismatch,
+    pinned_keys,
+    plan_eviction,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryStore:
+    """LRU host-memory tier (see module docstring for the no-copy contract).
+
+    Args:
+        identity: what every entry must match; `put` rejects others.
+        capacity_bytes: budget of tensor bytes (ChunkKV.nbytes summed over entries).
+    """
+
+    def __init__(self, identity: StoreIdentity, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ConfigError(f"memory capacity_bytes={capacity_bytes!r}, expected >= 0")
+        self.identity = identity
+        self.capacity_bytes = capacity_bytes
+        self.stats = StoreStats()
+        self._entries: dict[str, ChunkKV] = {}
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._nbytes = 0
+        self._pins = PinTable()
+        self._lock = threading.RLock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def get(self, key: str) -> ChunkKV | None:
+        """The stored entry itself (read-only by contract), or None on a miss."""
+        check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.record_miss(MISS_ABSENT)
+                logger.debug("memory miss %s: absent", key)
+                return None
+            self._sizes.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_read += self._sizes[key]
+            return entry
+
+    def put(self, key: str, entry: ChunkKV) -> bool:
+        """Store `entry` under `key`, evicting least recently used unpinned entries as needed.
+
+        Returns:
+            False (logged, counted) if the entry is foreign or does not fit even after evicting every
+            unpinned entry; the previous entry of `key`, if any, is then kept.
+        """
+        check_key(key)
+        mismatch = entry_mismatch(entry, self.identity)
+        if mismatch is not None:
+            return self._fail(key, "foreign entry ({}: {})".format(*mismatch))
+        # Host tier: device tensors are copied once here; host tensors are kept as given.
+        entry = ChunkKV([t.cpu() for t in entry.k_nope], [t.cpu() for t in entry.v], dict(entry.meta))
+        nbytes = entry.nbytes
+        with self._lock:
+            victims = plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
+            if victims is None:
+                return self._fail(key, f"{nbytes} bytes do not fit in {self.capacity_bytes} (rest pinned)")
+            for victim in victims:
+                self._drop(victim)
+                self.stats.evictions += 1
+                logger.debug("memory evicted %s", victim)
+            self._drop(key)
+            self._entries[key] = entry
+            self._sizes[key] = nbytes
+            self._nbytes += nbytes
+            self.stats.puts += 1
+            self.stats.bytes_written += nbytes
+            return True
+
+    def contains(self, key: str) -> bool:
+        return key in self._entries
+
+    def remove(self, key: str) -> None:
+        """Drop `key` if present (pinned or not: pins only guard against eviction)."""
+        with self._lock:
+            self._drop(key)
+
+    def keys(self) -> list[str]:
+        """Stored keys, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
+    def pin(self, key: str) -> None:
+        self._pins.pin(key)
+
+    def unpin(self, key: str) -> None:
+        self._pins.unpin(key)
+
+    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
+        return pinned_keys(self, keys)
+
+    def _drop(self, key: str) -> None:
+        if self._entries.pop(key, None) is not None:
+            self._nbytes -= self._sizes.pop(key)
+
+    def _fail(self, key: str, reason: str) -> bool:
+        self.stats.put_failures += 1
+        logger.warning("memory put %s failed: %s", key, reason)
+        return False

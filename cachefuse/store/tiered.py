@@ -1,0 +1,119 @@
+"""Several KVStore tiers behind one face, fastest first; and `open_store`, the embedded default.
+
+Imports `cachefuse.store` modules only. A hit in a slower tier is promoted (put) into every faster
+tier; a put writes through to every tier. Each tier keeps its own identity checks, capacity and
+eviction, so a tier may hold less than the next one down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from cachefuse.errors import ConfigError
+from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity, StoreStats, pinned_keys
+from cachefuse.store.disk import DiskStore
+from cachefuse.store.memory import MemoryStore
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """Tiers fastest first (memory, then disk); itself a KVStore.
+
+    Args:
+        tiers: the tiers, fastest first; may be empty (then every get misses and every put fails).
+    """
+
+    def __init__(self, tiers: list[KVStore]) -> None:
+        self.tiers = list(tiers)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Sum over tiers."""
+        return sum(tier.capacity_bytes for tier in self.tiers)
+
+    @property
+    def nbytes(self) -> int:
+        """Sum over tiers (an entry held by two tiers counts twice)."""
+        return sum(tier.nbytes for tier in self.tiers)
+
+    @property
+    def stats(self) -> StoreStats:
+        """Sum of the tiers' counters: a get served by the second tier counts a miss ("absent") in the
+        first, a hit in the second and a put (the promotion) in the first. Per-tier figures are in
+        `tiers[i].stats`."""
+        total = StoreStats()
+        for tier in self.tiers:
+            total = total + tier.stats
+        return total
+
+    def get(self, key: str) -> ChunkKV | None:
+        """The entry from the fastest tier that has it, promoted into the faster tiers; else None."""
+        for depth, tier in enumerate(self.tiers):
+            if depth > 0 and not tier.contains(key):
+                continue  # skip the read and its "absent" count: the index already says no
+            entry = tier.get(key)
+            if entry is None:
+                continue
+            for faster in self.tiers[:depth]:
+                faster.put(key, entry)
+            return entry
+        return None
+
+    def put(self, key: str, entry: ChunkKV) -> bool:
+        """Write through to every tier; True if at least one tier stored the entry."""
+        stored = [tier.put(key, entry) for tier in self.tiers]
+        return any(stored)
+
+    def contains(self, key: str) -> bool:
+        return any(tier.contains(key) for tier in self.tiers)
+
+    def remove(self, key: str) -> None:
+        for tier in self.tiers:
+            tier.remove(key)
+
+    def keys(self) -> list[str]:
+        """Keys of every tier, fastest tier's first, without duplicates."""
+        return list(dict.fromkeys(key for tier in self.tiers for key in tier.keys()))
+
+    def pin(self, key: str) -> None:
+        for tier in self.tiers:
+            tier.pin(key)
+
+    def unpin(self, key: str) -> None:
+        for tier in self.tiers:
+            tier.unpin(key)
+
+    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
+        return pinned_keys(self, keys)
+
+
+def open_store(
+    root: str | Path, identity: StoreIdentity, memory_capacity_bytes: int, disk_capacity_bytes: int
+) -> TieredStore:
+    """The embedded default: host memory over local disk, a tier skipped when its capacity is 0.
+
+    Args:
+        root: directory of the disk tier.
+        identity: what every entry must match.
+        memory_capacity_bytes: tensor bytes the memory tier may hold; 0 disables it.
+        disk_capacity_bytes: file bytes the disk tier may hold; 0 disables it.
+
+    Raises:
+        ConfigError: a capacity is negative.
+    """
+    capacities = {"memory_capacity_bytes": memory_capacity_bytes, "disk_capacity_bytes": disk_capacity_bytes}
+    for name, value in capacities.items():
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name}={value!r}, expected an int >= 0 (0 disables the tier)")
+    tiers: list[KVStore] = []
+    if memory_capacity_bytes > 0:
+        tiers.append(MemoryStore(identity, memory_capacity_bytes))
+    if disk_capacity_bytes > 0:
+        tiers.append(DiskStore(root, identity, disk_capacity_bytes))
+    if not tiers:
+        logger.warning("store at %s has no tier (both capacities are 0): every chunk will be a miss", root)
+    return TieredStore(tiers)

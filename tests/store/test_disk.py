@@ -1,0 +1,323 @@
+"""DiskStore: file format, atomic writes (a crash before the rename), bad files as misses, LRU, pins, I/O."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from cachefuse.errors import StoreError
+from cachefuse.store import disk
+from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity
+from cachefuse.store.disk import DiskStore, encode_entry
+from tests.store.test_memory import IDENTITY, IDENTITY_BF16, OPS, assert_same_entry, make_entry, run_ops
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KEY = "ab12cd"
+BIG = 1 << 24
+
+
+def file_size(num_tokens: int) -> int:
+    return len(encode_entry(make_entry(num_tokens), IDENTITY))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(disk.TMP_PREFIX)]
+
+
+def data_start(path: Path) -> int:
+    """Offset of the first tensor byte: 8-byte header length, then the JSON header."""
+    (header_len,) = struct.unpack("<Q", path.read_bytes()[:8])
+    return 8 + header_len
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_round_trip_and_file_format(tmp_path, dtype, num_tokens):
+    identity = IDENTITY if dtype == torch.float32 else IDENTITY_BF16
+    store = DiskStore(tmp_path, identity, BIG)
+    entry = make_entry(num_tokens, dtype, meta={"prefix": "c1,c2", "variant": "base"})
+    assert store.put(KEY, entry)
+    assert_same_entry(store.get(KEY), entry)
+    layer = store.get_layer(KEY, 2)
+    assert torch.equal(layer[0], entry.k_nope[2]) and torch.equal(layer[1], entry.v[2])
+
+    path = tmp_path / KEY[:2] / f"{KEY}.safetensors"
+    with safe_open(path, framework="pt") as f:
+        header = f.metadata()
+        assert sorted(f.keys()) == sorted(f"{kv}.{i}" for kv in "kv" for i in range(3))
+    assert header["format"] == "cachefuse-kv" and header["format_version"] == "1"
+    assert header["model_fingerprint"] == "fp-test" and header["num_layers"] == "3"
+    assert header["dtype"] == str(dtype).removeprefix("torch.") and header["num_tokens"] == str(num_tokens)
+    assert header["checksum.v.1"] == disk.checksum(entry.v[1]) and header["meta.variant"] == "base"
+    assert store.nbytes == path.stat().st_size and store.stats.bytes_written == store.nbytes
+    assert temp_files(tmp_path) == []
+
+    reopened = DiskStore(tmp_path, identity, BIG)  # the scan finds it; contains does no I/O
+    assert reopened.contains(KEY) and reopened.keys() == [KEY]
+    assert_same_entry(reopened.get(KEY), entry)
+
+
+def test_reads_leave_the_file_byte_identical(tmp_path):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    entry = make_entry(11)
+    store.put(KEY, entry)
+    path = tmp_path / KEY[:2] / f"{KEY}.safetensors"
+    before = sha256(path)
+    got = store.get(KEY)
+    mine = got.k_nope[0].clone()
+    mine.mul_(2.0)
+    got.v[1].add_(1.0)  # even writing into a returned tensor cannot reach the stored bytes
+    layer_k, _ = store.get_layer(KEY, 0)
+    layer_k.zero_()
+    assert sha256(path) == before
+    assert_same_entry(store.get(KEY), entry)
+
+
+def test_lru_by_access_survives_a_restart(tmp_path):
+    size = file_size(5)
+    store = DiskStore(tmp_path, IDENTITY, 3 * size)
+    for i, key in enumerate(["aa01", "aa02", "aa03"]):
+        assert store.put(key, make_entry(5, seed=i))
+    assert store.get("aa01") is not None  # aa02 becomes the least recently used
+    reopened = DiskStore(tmp_path, IDENTITY, 3 * size)
+    assert reopened.keys() == ["aa02", "aa03", "aa01"]
+    assert reopened.put("aa04", make_entry(5, seed=4))
+    assert reopened.keys() == ["aa03", "aa01", "aa04"] and reopened.stats.evictions == 1
+    assert not (tmp_path / "aa" / "aa02.safetensors").exists()
+    smaller = DiskStore(tmp_path, IDENTITY, 2 * size)  # the scan enforces a lowered capacity
+    assert smaller.keys() == ["aa01", "aa04"] and smaller.nbytes <= 2 * size
+
+
+def test_pins_nest_and_block_eviction(tmp_path):
+    store = DiskStore(tmp_path, IDENTITY, 2 * file_size(5))
+    store.put("aa01", make_entry(5, seed=1))
+    store.pin("aa01")
+    store.pin("aa01")
+    store.unpin("aa01")
+    for i in range(2, 5):
+        assert store.put(f"aa0{i}", make_entry(5, seed=i))
+    assert store.contains("aa01")
+    with store.pinned(["aa04"]):
+        assert not store.put("aa05", make_entry(5, seed=5))  # both resident entries are pinned
+    store.unpin("aa01")
+    assert store.put("aa05", make_entry(5, seed=5)) and not store.contains("aa01")
+    assert not store.put("aa06", make_entry(40))  # larger than the whole capacity
+    assert store.stats.put_failures == 2
+
+
+def test_crash_between_write_and_rename_leaves_no_entry(tmp_path):
+    child = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        from cachefuse.store.base import ChunkKV, StoreIdentity
+        from cachefuse.store.disk import DiskStore
+        identity = StoreIdentity("fp-test", 3, torch.float32)
+        store = DiskStore(sys.argv[1], identity, 1 << 24, _before_rename=lambda tmp: os._exit(17))
+        entry = ChunkKV([torch.ones(5, 2, 8)] * 3, [torch.ones(5, 2, 6)] * 3)
+        store.put({KEY!r}, entry)
+        os._exit(0)  # not reached: the hook ends the process first
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-c", child, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 17, proc.stderr.decode()[-2000:]
+    assert len(temp_files(tmp_path)) == 1  # the fully written temp file, never renamed
+
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    assert not store.contains(KEY) and store.get(KEY) is None
+    assert temp_files(tmp_path) == [] and store.keys() == []
+    assert store.put(KEY, make_entry(5)) and store.get(KEY) is not None
+
+
+def test_failed_overwrite_keeps_the_old_entry(tmp_path):
+    def fail(tmp: Path) -> None:
+        raise OSError(errno.EIO, "simulated I/O error before rename")
+
+    DiskStore(tmp_path, IDENTITY, BIG).put(KEY, make_entry(5, seed=1))
+    store = DiskStore(tmp_path, IDENTITY, BIG, _before_rename=fail)
+    assert not store.put(KEY, make_entry(5, seed=2))
+    assert store.stats.put_failures == 1 and temp_files(tmp_path) == []
+    assert_same_entry(store.get(KEY), make_entry(5, seed=1))
+
+
+def _flip_data_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[data_start(path) + 3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def _truncate_header(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:20])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(os.urandom(300))
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _write_as(identity: StoreIdentity, num_layers: int = 3, dtype=torch.float32):
+    def write(path: Path) -> None:
+        path.write_bytes(encode_entry(make_entry(5, dtype, num_layers=num_layers), identity))
+
+    return write
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (_flip_data_byte, "corrupt"),
+        (_truncate, "truncated"),
+        (_truncate_header, "truncated"),
+        (_garbage, "corrupt"),
+        (_empty, "truncated"),
+        (_write_as(StoreIdentity("other-model", 3, torch.float32)), "foreign_model"),
+        (_write_as(IDENTITY_BF16, dtype=torch.bfloat16), "foreign_model"),
+        (_write_as(StoreIdentity("fp-test", 4, torch.float32), num_layers=4), "shape_mismatch"),
+        (lambda path: path.unlink(), "absent"),
+    ],
+    ids=["flipped", "truncated", "truncated-header", "garbage", "empty", "fingerprint", "dtype", "layers",
+         "deleted"],
+)
+def test_bad_files_are_counted_misses(tmp_path, damage, reason):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    store.put(KEY, make_entry(5))
+    path = tmp_path / KEY[:2] / f"{KEY}.safetensors"
+    damage(path)
+    assert store.contains(KEY)  # the index does no I/O, so it cannot know yet
+    assert store.get(KEY) is None
+    assert store.stats.misses == {reason: 1}
+    assert not store.contains(KEY) and not path.exists()  # bad entries leave the index and the disk
+    assert store.get(KEY) is None and store.stats.misses.get("absent", 0) == 1 + (reason == "absent")
+    assert store.put(KEY, make_entry(5, seed=3))
+    assert_same_entry(store.get(KEY), make_entry(5, seed=3))
+
+
+def test_bad_file_found_by_the_scan_is_a_miss(tmp_path):
+    path = tmp_path / KEY[:2] / f"{KEY}.safetensors"
+    path.parent.mkdir()
+    _write_as(StoreIdentity("other-model", 3, torch.float32))(path)
+    (path.parent / "notes.txt").write_text("stray files are ignored")
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    assert store.keys() == [KEY]
+    assert store.get(KEY) is None and store.stats.misses == {"foreign_model": 1}
+
+
+def test_get_layer_verifies_only_the_layer_it_reads(tmp_path):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    entry = make_entry(5)
+    store.put(KEY, entry)
+    path = tmp_path / KEY[:2] / f"{KEY}.safetensors"
+    raw = bytearray(path.read_bytes())
+    header = json.loads(raw[8:data_start(path)])
+    start, _ = header["k.1"]["data_offsets"]
+    raw[data_start(path) + start] ^= 0x01  # one bit of layer 1's K
+    path.write_bytes(bytes(raw))
+    k0, v0 = store.get_layer(KEY, 0)
+    assert torch.equal(k0, entry.k_nope[0]) and torch.equal(v0, entry.v[0])
+    assert store.get_layer(KEY, 1) is None and store.stats.misses == {"corrupt": 1}
+    with pytest.raises(IndexError):
+        store.get_layer(KEY, 3)
+
+
+def test_io_error_is_a_miss_that_keeps_the_entry(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    store.put(KEY, make_entry(5))
+
+    def broken_open(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "safe_open", broken_open)
+    assert store.get(KEY) is None and store.stats.misses == {"io_error": 1}
+    assert store.contains(KEY)
+    monkeypatch.undo()
+    assert_same_entry(store.get(KEY), make_entry(5))
+
+
+def _check_put_fails(store: DiskStore) -> None:
+    assert not store.put(KEY, make_entry(5))
+    assert store.stats.put_failures == 1 and not store.contains(KEY) and store.get(KEY) is None
+
+
+def test_read_only_root_fails_puts(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    store = DiskStore(root, IDENTITY, BIG)
+    root.chmod(0o500)
+    try:
+        if os.access(root, os.W_OK):
+            pytest.skip("running as root: chmod does not stop writes (see the other unwritable-root tests)")
+        _check_put_fails(store)
+    finally:
+        root.chmod(0o700)
+
+
+def test_root_that_is_a_file_fails_puts(tmp_path):
+    root = tmp_path / "not-a-dir"
+    root.write_text("")
+    _check_put_fails(DiskStore(root, IDENTITY, BIG))
+
+
+def test_permission_error_on_rename_fails_puts(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+
+    def deny(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", str(dst))
+
+    monkeypatch.setattr(os, "replace", deny)
+    _check_put_fails(store)
+    monkeypatch.undo()
+    assert temp_files(tmp_path) == []
+    assert store.put(KEY, make_entry(5)) and store.contains(KEY)
+
+
+def test_bad_keys_raise_and_protocol_holds(tmp_path):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    for key in ["../x", "a", ".tmp-ab", "ab/cd", ""]:
+        with pytest.raises(StoreError):
+            store.put(key, make_entry(5))
+    assert isinstance(store, KVStore)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, capacity=st.sampled_from([0, 2000, 3500, 6000]))
+def test_matches_reference_model(ops, capacity):
+    with tempfile.TemporaryDirectory() as root:
+        store = DiskStore(root, IDENTITY, capacity)
+        run_ops(store, ops, size_of=lambda entry: len(encode_entry(entry, IDENTITY)))
+
+
+def test_aliased_tensors_are_stored(tmp_path):
+    shared_k, shared_v = torch.randn(4, 2, 8), torch.randn(4, 2, 6)
+    one_for_all = ChunkKV([shared_k] * 3, [shared_v] * 3)  # one tensor object for every layer
+    buf = torch.randn(3, 4, 2, 8)  # [num_layers, num_tokens, num_kv_heads, head_dim]
+    views = ChunkKV([buf[0], buf[1], buf[2]], [shared_v, shared_v.clone(), shared_v])  # slices of one storage
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    assert store.put(KEY, one_for_all) and store.put("ab99", views)
+    assert_same_entry(store.get(KEY), one_for_all)
+    assert_same_entry(store.get("ab99"), views)
