@@ -68,6 +68,10 @@ class FusionEngine:
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.clock = clock
 
+    def fusor_full_layers(self, selector: str) -> int:
+        """How many leading layers `selector` computes in full on this model."""
+        return make_selector(selector, self.config).num_full_layers(self.adapter.shape.num_layers)
+
     def key(self, token_ids: Sequence[int]) -> str:
         return chunk_key(token_ids, self.key_context)
 

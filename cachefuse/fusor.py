@@ -145,14 +145,22 @@ class Fusor:
             q, k = adapter.rotate(layer, row_positions, q_nope, k_nope)
             if rows is None:
                 k_merged, v_merged = k, v
-                attn = causal_attention(q, k, v, shape.scaling)
             else:
                 k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
                 k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
-                attn = self.attention_fn(q, rows, k_merged, v_merged, shape.scaling, self.block_rows)
             out_k.append(k_merged)
             out_v.append(v_merged)
             rows_per_layer.append(rows)
+            if layer == num_layers - 1:
+                # Every row's K/V is merged above; only the last row's output feeds the logits.
+                attn = self.attention_fn(q[-1:], row_positions[-1:], k_merged, v_merged, shape.scaling,
+                                         self.block_rows)
+                hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual[-1:])
+                break
+            if rows is None:
+                attn = causal_attention(q, k, v, shape.scaling)
+            else:
+                attn = self.attention_fn(q, rows, k_merged, v_merged, shape.scaling, self.block_rows)
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
 
             next_rows = None
@@ -168,7 +176,7 @@ class Fusor:
                 keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
                 hidden, residual, rows = hidden[keep], residual[keep], next_rows
 
-        logits = adapter.final_logits(hidden[-1:], residual[-1:])[0]  # the last row is position N-1
+        logits = adapter.final_logits(hidden, residual)[0]  # the last row, position N-1
         if num_full >= num_layers:
             num_selected = layout.ctx.candidate_rows.numel()
         return FuseResult(

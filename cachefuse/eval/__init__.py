@@ -1,0 +1,1 @@
+"""Quality and fidelity evaluation of fused prefills."""
