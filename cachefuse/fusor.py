@@ -129,7 +129,7 @@ class Fusor:
         positions = torch.arange(layout.num_tokens, dtype=torch.int64)
         loaded_kv = _LoadedLayers(request, layout.num_tokens, shape, adapter.rope_spec)
 
-        rows: torch.Tensor | None = None  # None: every row
+        rows: torch.Tensor | None = None  # rows whose K/V this layer computes; None: every row
         num_selected = layout.ctx.candidate_rows.numel()
         if num_full == 0:
             initial = selector.initial_rows(layout.ctx)
@@ -151,30 +151,29 @@ class Fusor:
             out_k.append(k_merged)
             out_v.append(v_merged)
             rows_per_layer.append(rows)
-            if layer == num_layers - 1:
-                # Every row's K/V is merged above; only the last row's output feeds the logits.
-                attn = self.attention_fn(q[-1:], row_positions[-1:], k_merged, v_merged, shape.scaling,
-                                         self.block_rows)
-                hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual[-1:])
-                break
-            if rows is None:
-                attn = causal_attention(q, k, v, shape.scaling)
-            else:
-                attn = self.attention_fn(q, rows, k_merged, v_merged, shape.scaling, self.block_rows)
-            hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
 
-            next_rows = None
-            if layer in check_layers:
+            # Rows that continue to the next layer: only they need this layer's attention and MLP;
+            # every row's K/V is already merged above.
+            next_rows = rows
+            if layer == num_layers - 1:
+                next_rows = row_positions[-1:]  # only the last row feeds the logits
+            elif layer in check_layers:
                 chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers,
                                                row_positions, k_nope, v)
                 next_rows, num_selected = layout.with_forced(chosen), chosen.numel()
-            elif layer + 1 == num_full and num_full < num_layers:
+            elif layer + 1 == num_full:
                 initial = selector.initial_rows(layout.ctx)
                 assert initial is not None, f"{selector.name}: full layers end without a selection"
                 next_rows, num_selected = layout.with_forced(initial), initial.numel()
-            if next_rows is not None:
-                keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
-                hidden, residual, rows = hidden[keep], residual[keep], next_rows
+            if next_rows is None:
+                attn = causal_attention(q, k, v, shape.scaling)
+            else:
+                if next_rows is not rows:
+                    keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
+                    q, residual = q[keep], residual[keep]
+                attn = self.attention_fn(q, next_rows, k_merged, v_merged, shape.scaling, self.block_rows)
+            hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
+            rows = next_rows
 
         logits = adapter.final_logits(hidden, residual)[0]  # the last row, position N-1
         if num_full >= num_layers:
@@ -214,9 +213,20 @@ class _LoadedLayers:
         return k_nope, v
 
     def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loaded K re-rotated at its target positions, and V; both new tensors."""
-        k_nope, v = self.stripped(layer)
-        return ops.apply_rope(k_nope, self.positions, self.rope_spec), v
+        """Loaded K re-rotated at its target positions, and V; both new tensors.
+
+        Rows outside loaded segments are left uninitialised: they are forced rows, which the
+        caller overwrites with freshly computed K/V before anything reads them.
+        """
+        shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
+        k = torch.empty(shape, dtype=self.shape.dtype)
+        v = torch.empty(shape, dtype=self.shape.dtype)
+        for index, entry in self.request.loaded.items():
+            seg = self.request.segments[index]
+            k[seg.start:seg.end] = ops.apply_rope(entry.k_nope[layer], self.positions[seg.start:seg.end],
+                                                  self.rope_spec)
+            v[seg.start:seg.end] = entry.v[layer]
+        return k, v
 
 
 def extract_chunk_kv(result: FuseResult, segment: Segment, rope_spec, meta: dict[str, str] | None = None) -> ChunkKV:

@@ -215,7 +215,7 @@ def test_poisoned_key_after_check_layer_is_invisible(adapters):
 
     for attention, should_hold in ((rows_attention, True), (bottom_right_attention, False)):
         clean, poisoned = run(attention, False), run(attention, True)
-        assert len(clean) == adapter.shape.num_layers - 2  # one call per layer after the check layer
+        assert len(clean) == adapter.shape.num_layers - 1  # the check layer (continuing rows) and every later one
         holds = all(
             torch.equal(p_out[p_pos < poison_at], c_out[c_pos < poison_at])
             for (c_pos, c_out), (p_pos, p_out) in zip(clean, poisoned, strict=True))

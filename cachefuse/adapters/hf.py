@@ -1,8 +1,14 @@
 """HFAdapter: the ModelAdapter protocol over a transformers CausalLM (the reference engine).
 
 Imports torch, transformers (lazily, through the model object) and cachefuse.rope. Supports the
-Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm) families without sliding windows; every
-call goes through the model's own modules so results match `model(...)` to fp rounding.
+Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm) families without sliding windows; norms,
+rotary, activation and the LM head are the model's own modules, so results match `model(...)` to
+fp rounding.
+
+The q/k/v and gate/up projections run as one GEMM each over concatenated weights: the blend pass
+multiplies a few hundred rows at a time, where one wide GEMM is markedly faster than three narrow
+ones. The modules' own weights become views into the concatenated tensors, so memory is not
+doubled and `model(...)` still reads the same bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class HFAdapter:
         self.rope_spec = RopeSpec.from_hf(model)
         # The family's own RoPE application (rotate-half), used for freshly computed rows.
         self._apply_rotary = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
+        self._qkv = [_fuse_linears(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in self.layers]
+        self._gate_up = [_fuse_linears(b.mlp.gate_proj, b.mlp.up_proj) for b in self.layers]
+        self._q_size = self.shape.num_heads * head_dim
+        self._kv_size = self.shape.num_kv_heads * head_dim
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> HFAdapter:
@@ -74,9 +84,11 @@ class HFAdapter:
     def project_qkv(self, layer, x):
         attn = self.layers[layer].self_attn
         head_dim = self.shape.head_dim
-        q = attn.q_proj(x).view(x.shape[0], -1, head_dim)  # [T, num_heads, head_dim]
-        k = attn.k_proj(x).view(x.shape[0], -1, head_dim)  # [T, num_kv_heads, head_dim]
-        v = attn.v_proj(x).view(x.shape[0], -1, head_dim)
+        qkv = torch.nn.functional.linear(x, *self._qkv[layer])  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        q = q.view(x.shape[0], -1, head_dim)  # [T, num_heads, head_dim]
+        k = k.view(x.shape[0], -1, head_dim)  # [T, num_kv_heads, head_dim]
+        v = v.view(x.shape[0], -1, head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q, k, v
@@ -89,7 +101,25 @@ class HFAdapter:
     def attention_output(self, layer, attn, residual):
         block = self.layers[layer]
         residual = block.self_attn.o_proj(attn) + residual
-        return block.mlp(block.post_attention_layernorm(residual)), residual
+        x = block.post_attention_layernorm(residual)
+        gate, up = torch.nn.functional.linear(x, *self._gate_up[layer]).chunk(2, dim=-1)
+        return block.mlp.down_proj(block.mlp.act_fn(gate) * up), residual
 
     def final_logits(self, hidden, residual):
         return self.model.lm_head(self.decoder.norm(hidden + residual)).float()
+
+
+def _fuse_linears(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenates the linears' weights (and biases) and re-points each module at its slice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out_features), in_features]
+    has_bias = [lin.bias is not None for lin in linears]
+    assert all(has_bias) or not any(has_bias), "mixed biases cannot be fused"
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if all(has_bias) else None
+    offset = 0
+    for lin in linears:
+        rows = lin.out_features
+        lin.weight = torch.nn.Parameter(weight[offset:offset + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[offset:offset + rows], requires_grad=False)
+        offset += rows
+    return weight, bias
