@@ -150,11 +150,14 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for selector in SELECTORS:
+    for index, selector in enumerate(SELECTORS):
         rows = [r for r in result["fused"] if r["selector"] == selector]
         ratios = [100 * r["ratio"] for r in rows]
-        ax.plot(ratios, [r["speedup_vs_full_prefill"] for r in rows], "o-", label=f"{selector} measured")
-        ax.plot(ratios, [r["compute_bound"] for r in rows], "--", alpha=0.6, label=f"{selector} compute bound")
+        color = f"C{index}"
+        ax.plot(ratios, [r["speedup_vs_full_prefill"] for r in rows], "o-", color=color,
+                label=f"{selector} measured (median of paired ratios)")
+        ax.plot(ratios, [r["compute_bound"] for r in rows], "--", color=color, alpha=0.6,
+                label=f"{selector} compute bound")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("recompute ratio (%)")
     ax.set_ylabel("speed-up over full prefill (same engine)")
@@ -170,7 +173,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "bench-models")
+    parser.add_argument("--replot", action="store_true", help="redraw the plot from the JSON in --out")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "fusor_prefill.json").read_text()), args.out / "fusor_prefill.png")
+        return
     run(args.threads, args.repeats, args.out, args.model_cache)
 
 
