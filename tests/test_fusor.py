@@ -248,3 +248,30 @@ def test_holes_are_saved_and_hit_next_time(adapters):
     assert second.chunks_hit == 4 and second.chunks_missed == 0 and second.holes_saved == 0
     hole_key = engine.key(case.pieces[1])
     assert engine.store.get(hole_key).meta["variant"] == "fused"
+
+
+def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):
+    import hashlib
+
+    from cachefuse.chunks import KeyContext
+    from cachefuse.engine import FusionEngine
+    from cachefuse.store.base import StoreIdentity
+    from cachefuse.store.tiered import open_store
+
+    adapter = adapters("llama31")
+    identity = StoreIdentity("test-model", adapter.shape.num_layers, adapter.shape.dtype)
+    store = open_store(tmp_path, identity, memory_capacity_bytes=1 << 30, disk_capacity_bytes=1 << 30)
+    engine = FusionEngine(adapter, store, KeyContext("test-model", "float32"), CacheFuseConfig())
+    case = make_case(adapter.shape.vocab_size, seed=9)
+    precompute_case(engine, case)
+
+    def digests() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*.safetensors")}
+
+    before = digests()
+    assert len(before) == 3
+    for selector in ("cacheblend", "epic", "full_reuse"):
+        engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.3)  # saves the hole once
+    after = digests()
+    assert len(after) == 4
+    assert all(after[name] == digest for name, digest in before.items())

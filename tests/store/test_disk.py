@@ -23,7 +23,7 @@ from cachefuse.errors import StoreError
 from cachefuse.store import disk
 from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity
 from cachefuse.store.disk import DiskStore, encode_entry
-from tests.store.test_memory import IDENTITY, IDENTITY_BF16, OPS, assert_same_entry, make_entry, run_ops
+from tests.helpers.store import IDENTITY, IDENTITY_BF16, OPS, assert_same_entry, make_entry, run_ops
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KEY = "ab12cd"

@@ -13,7 +13,7 @@ from cachefuse.store.base import KVStore
 from cachefuse.store.disk import DiskStore
 from cachefuse.store.memory import MemoryStore
 from cachefuse.store.tiered import TieredStore, open_store
-from tests.store.test_memory import IDENTITY, IDENTITY_BF16, assert_same_entry, entry_bytes, make_entry
+from tests.helpers.store import IDENTITY, IDENTITY_BF16, assert_same_entry, entry_bytes, make_entry
 
 KEY = "ab12cd"
 BIG = 1 << 24
