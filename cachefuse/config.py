@@ -54,6 +54,15 @@ class CacheFuseConfig:
     """Byte capacity of the disk tier; 0 disables it."""
     eviction_policy: str = "lru"
     """How a full tier picks its victims."""
+    save_holes: bool = True
+    """Store chunks the blend pass computed in full (holes) as new variants."""
+    max_blend_tokens_per_step: int = 16384
+    """Prompt tokens the connector admits for blending per scheduler step; at least one request always runs."""
+    separator_token_id: int | None = None
+    """Fallback segmentation for requests without declared chunks: the pieces between this token split
+    the prompt (before the first: system chunk; after the last: the question). None disables it."""
+    allow_debug_overrides: bool = False
+    """Accept `selected_rows` in a request (tests inject the same selection into two engines)."""
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
@@ -77,6 +86,15 @@ class CacheFuseConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail(name, value, "an integer number of bytes >= 0")
+        if not isinstance(self.save_holes, bool):
+            _fail("save_holes", self.save_holes, "true or false")
+        if not _is_int(self.max_blend_tokens_per_step) or self.max_blend_tokens_per_step < 1:
+            _fail("max_blend_tokens_per_step", self.max_blend_tokens_per_step, "an integer >= 1")
+        if self.separator_token_id is not None and (not _is_int(self.separator_token_id)
+                                                    or self.separator_token_id < 0):
+            _fail("separator_token_id", self.separator_token_id, "null or a token id >= 0")
+        if not isinstance(self.allow_debug_overrides, bool):
+            _fail("allow_debug_overrides", self.allow_debug_overrides, "true or false")
         if self.eviction_policy not in EVICTION_POLICIES:
             _fail("eviction_policy", self.eviction_policy, f"one of {', '.join(EVICTION_POLICIES)}")
 

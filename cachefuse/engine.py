@@ -22,7 +22,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.select import make_selector
+from cachefuse.select import Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
 
@@ -46,6 +46,8 @@ class FusionStats:
     bytes_loaded: int
     blend_time_s: float
     holes_saved: int
+    saved_keys: tuple[str, ...] = ()
+    """Chunk keys stored by this request (holes)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,10 +101,15 @@ class FusionEngine:
     # ------------------------------------------------------------------ fused prefill
 
     def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]], *,
-                selector: str | None = None, ratio: float | None = None,
+                selector: str | Selector | None = None, ratio: float | None = None,
                 save_holes: bool = True) -> tuple[FuseResult, FusionStats]:
-        """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets)."""
-        selector_name = selector or self.config.selector
+        """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets).
+
+        `selector` is a registry name (built from the config) or a ready Selector instance.
+        """
+        selector = selector or self.config.selector
+        selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
+        selector_name = selector_obj.name
         ratio = self.config.recompute_ratio if ratio is None else ratio
         ids = torch.tensor(list(token_ids), dtype=torch.int64)
         segments = segment_prompt(len(token_ids), chunks)
@@ -110,10 +117,9 @@ class FusionEngine:
         start = self.clock()
         with self.store.pinned(list(keys.values())):
             loaded = self._load(segments, keys)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio),
-                                     make_selector(selector_name, self.config))
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector_obj)
         blend_time = self.clock() - start
-        holes_saved = self._save_holes(result, segments, keys) if save_holes else 0
+        saved_keys = self._save_holes(result, segments, keys) if save_holes else ()
         last = result.rows_per_layer[-1]
         num_recomputed = len(ids) if last is None else last.numel()
         num_loaded = sum(segments[i].length for i in loaded)
@@ -123,7 +129,7 @@ class FusionEngine:
             tokens_reused=num_loaded - (num_loaded if last is None else int(_loaded_rows_in(last, segments, loaded))),
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
             bytes_loaded=sum(entry.nbytes for entry in loaded.values()), blend_time_s=blend_time,
-            holes_saved=holes_saved)
+            holes_saved=len(saved_keys), saved_keys=saved_keys)
         return result, stats
 
     def _load(self, segments: list[Segment], keys: dict[int, str]) -> dict[int, ChunkKV]:
@@ -141,8 +147,8 @@ class FusionEngine:
             loaded[index] = entry
         return loaded
 
-    def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str]) -> int:
-        saved = 0
+    def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str]) -> tuple[str, ...]:
+        saved = []
         for index in result.hole_segments:
             key = keys[index]
             if self.store.contains(key):
@@ -150,8 +156,9 @@ class FusionEngine:
             prefix = ",".join(keys[i] for i in sorted(keys) if i < index and not segments[i].is_system)
             entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec,
                                      meta={"variant": "fused", "prefix": prefix})
-            saved += bool(self.store.put(key, entry))
-        return saved
+            if self.store.put(key, entry):
+                saved.append(key)
+        return tuple(saved)
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment], loaded: dict[int, ChunkKV]) -> int:

@@ -66,7 +66,7 @@ class FuseResult:
 class _RequestLayout:
     """Per-request row bookkeeping: which rows are loaded, candidates or forced."""
 
-    def __init__(self, request: FuseRequest, num_layers: int) -> None:
+    def __init__(self, request: FuseRequest, num_layers: int, reduce_scores=None) -> None:
         num_tokens = int(request.token_ids.numel())
         is_loaded = torch.zeros(num_tokens, dtype=torch.bool)
         is_candidate = torch.zeros(num_tokens, dtype=torch.bool)
@@ -91,7 +91,8 @@ class _RequestLayout:
         self.ctx = SelectionContext(
             num_tokens=num_tokens, num_layers=num_layers, segments=tuple(request.segments),
             candidate_rows=is_candidate.nonzero().flatten(),
-            candidate_segments=tuple(candidate_segments), ratio=float(request.ratio))
+            candidate_segments=tuple(candidate_segments), ratio=float(request.ratio),
+            reduce_scores=reduce_scores)
 
     def with_forced(self, selected: torch.Tensor) -> torch.Tensor:
         return torch.cat([selected, self.forced_rows]).unique(sorted=True)
@@ -111,6 +112,10 @@ class Fusor:
         adapter: the model behind the ModelAdapter protocol.
         block_rows: selected rows per attention call.
         attention_fn: rows attention (q, q_positions, k, v, scale, block_rows); tests substitute it.
+
+    Attributes:
+        reduce_scores: set under tensor parallelism to an all-reduce (sum) over the ranks, so every
+            rank selects the same rows from scores over all heads.
     """
 
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
@@ -118,12 +123,13 @@ class Fusor:
         self.adapter = adapter
         self.block_rows = block_rows
         self.attention_fn = attention_fn
+        self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
         adapter, shape = self.adapter, self.adapter.shape
         num_layers = shape.num_layers
-        layout = _RequestLayout(request, num_layers)
+        layout = _RequestLayout(request, num_layers, self.reduce_scores)
         num_full = selector.num_full_layers(num_layers)
         check_layers = selector.check_layers(num_layers)
         positions = torch.arange(layout.num_tokens, dtype=torch.int64)

@@ -27,6 +27,10 @@ INVALID = [
     ("memory_capacity_bytes", -1),
     ("disk_capacity_bytes", 1.5),
     ("eviction_policy", "fifo"),
+    ("save_holes", "yes"),
+    ("max_blend_tokens_per_step", 0),
+    ("separator_token_id", -3),
+    ("allow_debug_overrides", 1),
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,11 @@ class SelectionContext:
     candidate_segments: tuple[Segment, ...]
     """The loaded, non-system chunk segments, in prompt order (their rows are the candidates)."""
     ratio: float
+    reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Sums per-row scores over tensor-parallel ranks (each rank sees its own heads); None: one rank."""
+
+    def reduce(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.reduce_scores is None else self.reduce_scores(scores)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,15 @@ import torch
 from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector, num_rows_for_ratio
 
 
-def kv_deviation(kv: CheckLayerKV, metric: str) -> torch.Tensor:
-    """Per-row deviation [R] between fresh and loaded K/V; computed in fp32."""
+def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
+    """Per-row deviation [R] between fresh and loaded K/V; computed in fp32.
+
+    `reduce` sums a per-row partial score over tensor-parallel ranks (SelectionContext.reduce).
+    """
 
     def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return (a.float() - b.float()).pow(2).sum(dim=(1, 2))  # [R]
+        partial = (a.float() - b.float()).pow(2).sum(dim=(1, 2))  # [R], this rank's heads
+        return partial if reduce is None else reduce(partial)
 
     if metric == "k":
         return sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
@@ -56,6 +60,6 @@ class CacheBlendSelector(Selector):
         count = min(target, kv.rows.numel())
         if count == kv.rows.numel():
             return kv.rows
-        deviation = kv_deviation(kv, self.deviation)
+        deviation = kv_deviation(kv, self.deviation, ctx.reduce)
         top = torch.topk(deviation, count, sorted=False).indices
         return kv.rows[top].sort().values

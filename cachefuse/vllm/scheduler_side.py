@@ -1,0 +1,176 @@
+"""The scheduler half of CacheFuseConnector: plans, budget, index, per-request outcomes.
+
+Runs inside vLLM's `Scheduler.schedule()` hot path: no tensors, no network, no file reads per
+request. The index of stored chunk keys is a directory listing taken at start-up, kept current by
+the keys the worker reports saving (advisory: the worker re-checks every entry when it loads).
+
+A request's outcome dict is created when it is planned and returned by `request_finished`; vLLM
+passes that same object on to the response, and in the step where the blend ran the worker's
+figures arrive (update_connector_output) after request_finished, so they are filled in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint, tokenize_piece
+from cachefuse.config import CacheFuseConfig
+from cachefuse.errors import RequestError
+from cachefuse.request import FusionRequest, parse_request, wants_fusion
+from cachefuse.store.disk import list_keys
+from cachefuse.vllm.checks import resolve_model_dir
+from cachefuse.vllm.messages import BlendPlan, CacheFuseConnectorStats, CacheFuseMetadata, CacheFuseWorkerMeta
+
+logger = logging.getLogger(__name__)
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class _Pending:
+    request: FusionRequest
+    token_ids: list[int]
+    outcome: dict[str, Any]
+    block_ids: list[int] | None = None
+    sent: bool = False
+
+
+@dataclass
+class _StepBudget:
+    tokens: int = 0
+    req_ids: set[str] = field(default_factory=set)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, config: CacheFuseConfig) -> None:
+        self.config = config
+        model_config = vllm_config.model_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.key_context = KeyContext(
+            model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
+            vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
+        self.index: set[str] = list_keys(config.store_path) if config.disk_capacity_bytes else set()
+        self._tokenizer_source = model_config.tokenizer
+        self._tokenizer = None
+        self._pending: dict[str, _Pending] = {}
+        self._fallbacks: dict[str, dict[str, Any]] = {}  # req_id -> outcome of a request running as plain vLLM
+        self._awaiting: dict[str, dict[str, Any]] = {}  # outcomes returned, awaiting this step's worker figures
+        self._budget = _StepBudget()
+        self.counters: Counter[str] = Counter()
+        self._stats = CacheFuseConnectorStats()
+        logger.info("cachefuse scheduler: %d stored chunk keys indexed under %s", len(self.index), config.store_path)
+
+    # ------------------------------------------------------------------ planning
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not wants_fusion(params, self.config):
+            return 0, False
+        req_id, prompt = request.request_id, list(request.prompt_token_ids or [])
+        try:
+            fusion = parse_request(params, prompt, self.config, self._tokenize)
+        except RequestError as exc:
+            self._fall_back(req_id, "malformed_request", detail=exc.reason, field=exc.field)
+            return 0, False
+        if fusion is None or not fusion.chunks:
+            return 0, False
+        if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
+            self._fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
+            return 0, False
+        if req_id not in self._budget.req_ids:
+            if self._budget.req_ids and self._budget.tokens + len(prompt) > self.config.max_blend_tokens_per_step:
+                return None, False  # over this step's blend budget: retried next step
+            self._budget.req_ids.add(req_id)
+            self._budget.tokens += len(prompt)
+        keys = [chunk_key(prompt[s:e], self.key_context) for s, e in fusion.chunks]
+        outcome = {"status": "planned", "selector": fusion.selector, "recompute_ratio": fusion.recompute_ratio,
+                   "chunks": len(keys), "chunks_indexed": sum(k in self.index for k in keys)}
+        self._pending[req_id] = _Pending(fusion, prompt, outcome)  # idempotent: a re-call replaces it
+        return len(prompt) - 1, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pending = self._pending.get(request.request_id)
+        if pending is None:
+            return
+        if num_external_tokens == 0:  # vLLM skipped the load (e.g. prompt_logprobs): plain output
+            self._pending.pop(request.request_id)
+            self._fall_back(request.request_id, "load_skipped_by_vllm",
+                            detail="vLLM did not load external tokens (prompt_logprobs or skip_reading_prefix_cache)")
+            return
+        pending.block_ids = list(blocks.get_block_ids()[0])
+
+    def build_connector_meta(self, scheduler_output: Any) -> CacheFuseMetadata:
+        block_ids_of = {r.req_id: r.block_ids[0] for r in scheduler_output.scheduled_new_reqs}
+        plans = []
+        for req_id, pending in self._pending.items():
+            if pending.sent or req_id not in block_ids_of:
+                continue
+            pending.sent = True
+            plans.append(self._blend_plan(req_id, pending, list(block_ids_of[req_id])))
+        self._budget = _StepBudget()
+        return CacheFuseMetadata(plans)
+
+    def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
+        num_written = len(pending.token_ids) - 1
+        bs = self.block_size
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(num_written)]
+        fusion = pending.request
+        return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
+                         slots, block_ids[: (num_written + bs - 1) // bs], fusion.selected_rows)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, CacheFuseWorkerMeta):
+            self.index.update(meta.saved_keys)
+            for req_id, figures in meta.request_stats.items():
+                outcome = self._awaiting.pop(req_id, None)
+                if outcome is None and req_id in self._pending:
+                    outcome = self._pending[req_id].outcome
+                if outcome is not None:
+                    outcome.update(figures)
+                reason = figures.get("fallback_reason")
+                self.counters["requests_fallback" if reason else "requests_fused"] += 1
+                if reason:
+                    self.counters[f"fallback:{reason}"] += 1
+        self._awaiting.clear()  # figures of a blend arrive in the step that ran it, or never
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        pending = self._pending.pop(req_id, None)
+        outcome = pending.outcome if pending is not None else self._fallbacks.pop(req_id, None)
+        if outcome is None:
+            return False, None
+        if outcome.get("status") == "planned":
+            self._awaiting[req_id] = outcome  # this step's worker figures will fill it in place
+        return False, {"cachefuse": outcome}
+
+    def _fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
+        outcome = {"status": "fallback", "fallback_reason": reason, "detail": detail}
+        if field is not None:
+            outcome["field"] = field
+        self._fallbacks[req_id] = outcome
+        self._pending.pop(req_id, None)
+        self.counters["requests_fallback"] += 1
+        self.counters[f"fallback:{reason}"] += 1
+        self._stats.record(**{"requests_fallback": 1, f"fallback_{reason}": 1})
+        logger.info("cachefuse: request %s runs as plain vLLM (%s: %s)", req_id, reason, detail)
+
+    def get_kv_connector_stats(self) -> CacheFuseConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, CacheFuseConnectorStats()
+        return stats
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_source)
+        return tokenize_piece(self._tokenizer, text)

@@ -1,0 +1,118 @@
+"""The worker half of CacheFuseConnector: blend, write into vLLM's paged cache, save holes, report.
+
+Runs in `start_load_kv`, before vLLM's forward of a step whose requests have synchronous hits.
+For each planned request it runs the FusionEngine over the vLLM model's own modules
+(VLLMAdapter), writes the fused K/V of positions 0..N-2 through each attention layer's
+`impl.do_kv_cache_update` (which handles every backend's paged layout), and stores holes. Any
+exception is caught: the request's blocks are reported as load errors, so vLLM (with
+kv_load_failure_policy="recompute", checked at start-up) recomputes it as a plain prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from cachefuse.chunks import KeyContext, model_fingerprint
+from cachefuse.config import CacheFuseConfig
+from cachefuse.engine import FusionEngine
+from cachefuse.errors import CacheFuseError
+from cachefuse.select import make_selector
+from cachefuse.select.fixed import FixedSelector
+from cachefuse.store.base import StoreIdentity
+from cachefuse.store.tiered import open_store
+from cachefuse.vllm.adapters import VLLMAdapter
+from cachefuse.vllm.checks import resolve_model_dir
+from cachefuse.vllm.messages import BlendPlan, CacheFuseConnectorStats, CacheFuseMetadata, CacheFuseWorkerMeta
+from cachefuse.vllm.plugin import captured_model
+from cachefuse.vllm.scheduler_side import dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, config: CacheFuseConfig) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        model = captured_model(vllm_config, tp_rank)
+        if model is None:
+            raise CacheFuseError(
+                "CacheFuseConnector found no loaded model in this worker: the cachefuse vLLM plugin did not "
+                "run. Install cachefuse into vLLM's environment (its `vllm.general_plugins` entry point "
+                "registers it), and if VLLM_PLUGINS is set, include 'cachefuse' in it")
+        self.config = config
+        self.adapter = VLLMAdapter(model)
+        fingerprint = model_fingerprint(resolve_model_dir(vllm_config.model_config))
+        shape = self.adapter.shape
+        store = open_store(config.store_path, StoreIdentity(fingerprint, shape.num_layers, shape.dtype),
+                           config.memory_capacity_bytes, config.disk_capacity_bytes)
+        key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash())
+        self.engine = FusionEngine(self.adapter, store, key_context, config)
+        if tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            # Every rank scores only its own heads; summing makes all ranks pick the same rows.
+            self.engine.fusor.reduce_scores = tensor_model_parallel_all_reduce
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
+        self._load_errors: set[int] = set()
+        self._meta = CacheFuseWorkerMeta()
+        self._stats = CacheFuseConnectorStats()
+
+    def start_load_kv(self, metadata: CacheFuseMetadata, forward_context: Any) -> None:
+        for plan in metadata.plans:
+            try:
+                figures = self._blend(plan, forward_context.no_compile_layers)
+            except Exception as exc:  # one request never stops the engine: vLLM recomputes it
+                self._load_errors.update(plan.block_ids)
+                detail = f"{type(exc).__name__}: {exc}"
+                logger.warning("cachefuse: blend of request %s failed (%s); vLLM recomputes it", plan.req_id,
+                               detail)
+                figures = {"status": "fallback", "fallback_reason": "blend_error", "detail": detail}
+                self._stats.record(requests_fallback=1, fallback_blend_error=1)
+            else:
+                self._stats.record(requests_fused=1, tokens_reused=figures["tokens_reused"],
+                                   tokens_recomputed=figures["tokens_recomputed"],
+                                   bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
+                                   chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"])
+            self._meta.request_stats[plan.req_id] = figures
+
+    def _blend(self, plan: BlendPlan, layers: dict[str, Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        selector: Any = plan.selector
+        if plan.selected_rows is not None:
+            num_full = make_selector(plan.selector, self.config).num_full_layers(self.adapter.shape.num_layers)
+            selector = FixedSelector(plan.selected_rows, num_full)
+        result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
+                                            ratio=plan.recompute_ratio, save_holes=self.config.save_holes)
+        num_written = len(plan.token_ids) - 1
+        slot_mapping = torch.tensor(plan.slot_mapping, dtype=torch.int64)
+        for index, name in enumerate(self.layer_names):
+            layer = layers[name]
+            dtype = layer.kv_cache.dtype
+            k = result.k[index][:num_written].to(dtype).contiguous()  # [N-1, num_kv_heads, head_size]
+            v = result.v[index][:num_written].to(dtype).contiguous()
+            layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slot_mapping)
+        self._meta.saved_keys.extend(stats.saved_keys)
+        figures = {key: value for key, value in stats.to_dict().items() if key != "saved_keys"}
+        figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
+        return figures
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> CacheFuseWorkerMeta | None:
+        if not self._meta.request_stats and not self._meta.saved_keys:
+            return None
+        meta, self._meta = self._meta, CacheFuseWorkerMeta()
+        return meta
+
+    def get_kv_connector_stats(self) -> CacheFuseConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, CacheFuseConnectorStats()
+        return stats
