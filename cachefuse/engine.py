@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -48,6 +49,12 @@ class FusionStats:
     holes_saved: int
     saved_keys: tuple[str, ...] = ()
     """Chunk keys stored by this request (holes)."""
+    save_failures: int = 0
+    """Holes the store refused (full of pinned entries, unwritable directory, ...)."""
+    miss_reasons: dict[str, int] = field(default_factory=dict)
+    """Why declared chunks became holes: "not_stored" (never saved), or the store's miss reason
+    ("absent" after indexing, "corrupt", "truncated", "foreign_model", "shape_mismatch", "io_error",
+    "length_mismatch")."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,10 +123,10 @@ class FusionEngine:
         keys = {i: self.key(token_ids[s.start:s.end]) for i, s in enumerate(segments) if s.is_chunk}
         start = self.clock()
         with self.store.pinned(list(keys.values())):
-            loaded = self._load(segments, keys)
+            loaded, miss_reasons = self._load(segments, keys)
             result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector_obj)
         blend_time = self.clock() - start
-        saved_keys = self._save_holes(result, segments, keys) if save_holes else ()
+        saved_keys, save_failures = self._save_holes(result, segments, keys) if save_holes else ((), 0)
         last = result.rows_per_layer[-1]
         num_recomputed = len(ids) if last is None else last.numel()
         num_loaded = sum(segments[i].length for i in loaded)
@@ -129,26 +136,36 @@ class FusionEngine:
             tokens_reused=num_loaded - (num_loaded if last is None else int(_loaded_rows_in(last, segments, loaded))),
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
             bytes_loaded=sum(entry.nbytes for entry in loaded.values()), blend_time_s=blend_time,
-            holes_saved=len(saved_keys), saved_keys=saved_keys)
+            holes_saved=len(saved_keys), saved_keys=saved_keys, save_failures=save_failures,
+            miss_reasons=dict(miss_reasons))
         return result, stats
 
-    def _load(self, segments: list[Segment], keys: dict[int, str]) -> dict[int, ChunkKV]:
-        loaded = {}
+    def _load(self, segments: list[Segment], keys: dict[int, str]) -> tuple[dict[int, ChunkKV], Counter]:
+        loaded, miss_reasons = {}, Counter()
         for index, key in keys.items():
-            entry = self.store.get(key)
             seg = segments[index]
+            if not self.store.contains(key):
+                miss_reasons["not_stored"] += 1
+                continue
+            before = dict(self.store.stats.misses)
+            entry = self.store.get(key)
             if entry is None:
+                after = self.store.stats.misses
+                new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]
+                miss_reasons[new[0] if new else "absent"] += 1
                 continue
             if entry.num_tokens != seg.length or entry.num_layers != self.adapter.shape.num_layers:
                 logger.warning("chunk %s: stored entry has %d tokens x %d layers, prompt needs %d x %d; "
                                "computing it as a hole", key, entry.num_tokens, entry.num_layers,
                                seg.length, self.adapter.shape.num_layers)
+                miss_reasons["length_mismatch"] += 1
                 continue
             loaded[index] = entry
-        return loaded
+        return loaded, miss_reasons
 
-    def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str]) -> tuple[str, ...]:
-        saved = []
+    def _save_holes(self, result: FuseResult, segments: list[Segment],
+                    keys: dict[int, str]) -> tuple[tuple[str, ...], int]:
+        saved, failures = [], 0
         for index in result.hole_segments:
             key = keys[index]
             if self.store.contains(key):
@@ -158,7 +175,9 @@ class FusionEngine:
                                      meta={"variant": "fused", "prefix": prefix})
             if self.store.put(key, entry):
                 saved.append(key)
-        return tuple(saved)
+            else:
+                failures += 1
+        return tuple(saved), failures
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment], loaded: dict[int, ChunkKV]) -> int:

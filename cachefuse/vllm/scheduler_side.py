@@ -139,6 +139,9 @@ class SchedulerSide:
                 self.counters["requests_fallback" if reason else "requests_fused"] += 1
                 if reason:
                     self.counters[f"fallback:{reason}"] += 1
+                for miss, count in (figures.get("miss_reasons") or {}).items():
+                    self.counters[f"miss:{miss}"] += count
+                self.counters["save_failures"] += figures.get("save_failures", 0)
         self._awaiting.clear()  # figures of a blend arrive in the step that ran it, or never
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -1,0 +1,1 @@
+"""cachefuse's vLLM integration: the only package that imports vllm."""

@@ -1,0 +1,75 @@
+"""In-process vLLM engines with and without CacheFuseConnector, and what tests read from them.
+
+Import only from tests under tests/vllm (their conftest sets the in-process environment first).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from pathlib import Path
+from typing import Any
+
+ENGINE_ARGS = dict(dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
+                   seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=20)
+
+
+def start_engine(path: Path, store_dir: Path | None = None, **extra_config: Any):
+    """A plain engine (store_dir None) or one with CacheFuseConnector over `store_dir`."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if store_dir is not None:
+        kv = KVTransferConfig(
+            kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"store_dir": str(store_dir), **extra_config})
+    return LLM(model=str(path), kv_transfer_config=kv, **ENGINE_ARGS)
+
+
+def stop_engine(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def scheduler_connector(llm):
+    """The scheduler-side CacheFuseConnector of an in-process engine (its `.counters`)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def worker_side():
+    """The worker half of the CacheFuseConnector living in this process (in-process engines)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
+def generate(llm, prompts: list[list[int]], params: list[dict | None], max_tokens: int = 1):
+    """Greedy generation with top-20 logprobs per token; one kv_transfer_params per prompt."""
+    from vllm import SamplingParams
+
+    sampling = [SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=20, ignore_eos=True,
+                               extra_args={"kv_transfer_params": p} if p is not None else None)
+                for p in params]
+    return llm.generate([{"prompt_token_ids": ids} for ids in prompts], sampling, use_tqdm=False)
+
+
+def first_logprobs(output) -> dict[int, float]:
+    return {token: lp.logprob for token, lp in output.outputs[0].logprobs[0].items()}
+
+
+def max_logprob_diff(expected: dict[int, float], actual: dict[int, float]) -> float:
+    """Largest |difference| over the expected top tokens (a token missing from `actual` counts as inf)."""
+    return max(abs(lp - actual.get(token, -math.inf)) for token, lp in expected.items())
+
+
+def precompute(llm, system: list[int], chunks: list[list[int]]) -> list[dict]:
+    """Stores the system prompt and each chunk (computed after the system prompt alone) as holes."""
+    prompts, params = [], []
+    for chunk in chunks:
+        prompts.append(system + chunk + [chunk[0]])  # one computed token after the last declared chunk
+        params.append({"cachefuse": {"chunks": [[0, len(system)], [len(system), len(system) + len(chunk)]],
+                                     "selector": "full_prefill"}})
+    outputs = generate(llm, prompts, params)
+    return [o.kv_transfer_params["cachefuse"] for o in outputs]
