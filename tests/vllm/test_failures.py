@@ -1,0 +1,216 @@
+"""Every failure path yields the output DESIGN.md defines, counts it by reason, says why in the
+response, and leaves the engine serving.
+
+- a missing, corrupt, truncated or foreign store entry is a hole: the output equals the same
+  request with that chunk computed in full (and differs from the chunk loaded);
+- malformed kv_transfer_params and an exception in the blend pass give plain vLLM output;
+- an unwritable store directory: saves fail and are counted, the answer equals the same request
+  with saving working, and later requests are fine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from cachefuse.store.base import StoreIdentity
+from cachefuse.store.disk import encode_entry
+from tests.helpers.vllm_engines import (
+    first_logprobs,
+    generate,
+    max_logprob_diff,
+    precompute,
+    scheduler_connector,
+    start_engine,
+    stop_engine,
+    worker_side,
+)
+
+
+@pytest.fixture(scope="module")
+def family():  # one family is enough here: the paths are model-independent
+    return "llama"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    store_dir = tmp_path_factory.mktemp("failure-store")
+    # Disk tier only: every request reads the files, so what a test does to a file is what it sees.
+    llm = start_engine(tiny_model_dir("llama"), store_dir, memory_capacity_bytes=0, selector="full_reuse")
+    g = torch.Generator().manual_seed(3)
+    pieces = {n: torch.randint(3, 1000, (k,), generator=g).tolist()
+              for n, k in {"system": 10, "a": 33, "c": 27, "d": 21, "question": 9}.items()}
+    precompute(llm, pieces["system"], [pieces["a"], pieces["c"]])
+    yield llm, store_dir, pieces
+    stop_engine(llm)
+
+
+def prompt(pieces, names=("system", "a", "c", "question")):
+    ids, chunks = [], []
+    for name in names:
+        if name != "question":
+            chunks.append([len(ids), len(ids) + len(pieces[name])])
+        ids += pieces[name]
+    return ids, {"cachefuse": {"chunks": chunks}}
+
+
+@contextlib.contextmanager
+def saving(enabled: bool):
+    """Turns the worker's hole saving on or off for the duration (so hole scenarios stay holes)."""
+    worker = worker_side()
+    config = worker.config
+    worker.config = config.replace(save_holes=enabled)
+    try:
+        yield
+    finally:
+        worker.config = config
+
+
+def c_entry_path(store_dir: Path, pieces) -> tuple[str, Path]:
+    key = worker_side().engine.key(pieces["c"])
+    return key, store_dir / key[:2] / f"{key}.safetensors"
+
+
+def restore_c(pieces, pristine) -> None:
+    worker_side().engine.store.put(worker_side().engine.key(pieces["c"]), pristine)
+
+
+def run(llm, ids, params):
+    (out,) = generate(llm, [ids], [params])
+    return first_logprobs(out), out.kv_transfer_params["cachefuse"] if out.kv_transfer_params else None
+
+
+@pytest.fixture(scope="module")
+def references(setup):
+    """L: every chunk loaded; H: chunk c as a hole (its file removed after indexing); P: plain."""
+    llm, store_dir, pieces = setup
+    ids, params = prompt(pieces)
+    key, path = c_entry_path(store_dir, pieces)
+    pristine = worker_side().engine.store.get(key)
+    loaded, _ = run(llm, ids, params)
+    with saving(False):
+        path.unlink()
+        hole, stats = run(llm, ids, params)
+    assert stats["miss_reasons"] == {"absent": 1} and stats["chunks_missed"] == 1, stats
+    plain, _ = run(llm, ids, None)
+    assert max_logprob_diff(loaded, hole) > 1e-3  # negative control: the hole is visible in the output
+    restore_c(pieces, pristine)
+    return dict(loaded=loaded, hole=hole, plain=plain, pristine=pristine)
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # inside the last tensor's data: its checksum no longer matches
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def foreign(path: Path, entry) -> None:
+    path.write_bytes(encode_entry(entry, StoreIdentity("another-model", entry.num_layers, entry.dtype)))
+
+
+@pytest.mark.parametrize(("damage", "reason"), [("corrupt", "corrupt"), ("truncated", "truncated"),
+                                                ("foreign", "foreign_model")])
+def test_bad_entry_is_a_hole(setup, references, damage, reason):
+    llm, store_dir, pieces = setup
+    ids, params = prompt(pieces)
+    _, path = c_entry_path(store_dir, pieces)
+    counters = scheduler_connector(llm).counters
+    before = counters[f"miss:{reason}"]
+    {"corrupt": corrupt, "truncated": truncate, "foreign": lambda p: foreign(p, references["pristine"])}[damage](path)
+    with saving(False):
+        logprobs, stats = run(llm, ids, params)
+    assert stats["status"] == "fused" and stats["miss_reasons"] == {reason: 1}, stats
+    assert max_logprob_diff(references["hole"], logprobs) < 1e-5
+    assert counters[f"miss:{reason}"] == before + 1
+    restore_c(pieces, references["pristine"])
+    logprobs, stats = run(llm, ids, params)  # the engine keeps serving, and the entry hits again
+    assert stats["chunks_hit"] == 3 and max_logprob_diff(references["loaded"], logprobs) < 1e-5
+
+
+MALFORMED = {
+    "overlapping": ({"chunks": [[0, 10], [5, 20]]}, "cachefuse.chunks[1]"),
+    "out_of_range": ({"chunks": [[0, 10], [10, 9999]]}, "cachefuse.chunks[1]"),
+    "unsorted": ({"chunks": [[10, 43], [0, 10]]}, "cachefuse.chunks[1]"),
+    "wrong_type_inside": ({"chunks": [[0, "10"]]}, "cachefuse.chunks[0]"),
+    "not_a_list": ({"chunks": 7}, "cachefuse.chunks"),
+    "bad_ratio": ({"chunks": [[0, 10]], "recompute_ratio": 2}, "cachefuse.recompute_ratio"),
+    "unknown_field": ({"chunkz": [[0, 10]]}, "cachefuse.chunkz"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_request_runs_plain(setup, references, name):
+    llm, _, pieces = setup
+    ids, _ = prompt(pieces)
+    body, field = MALFORMED[name]
+    counters = scheduler_connector(llm).counters
+    before = counters["fallback:malformed_request"]
+    logprobs, stats = run(llm, ids, {"cachefuse": body})
+    assert stats["status"] == "fallback" and stats["fallback_reason"] == "malformed_request", stats
+    assert stats["field"] == field and stats["detail"]
+    assert logprobs == references["plain"]  # plain vLLM, bit for bit
+    assert counters["fallback:malformed_request"] == before + 1
+
+
+def test_exception_in_blend_pass_falls_back_to_plain(setup, references, monkeypatch):
+    llm, _, pieces = setup
+    ids, params = prompt(pieces)
+    counters = scheduler_connector(llm).counters
+    before = counters["fallback:blend_error"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(worker_side().engine.fusor, "fuse", broken)
+    logprobs, stats = run(llm, ids, params)
+    assert stats["status"] == "fallback" and stats["fallback_reason"] == "blend_error", stats
+    assert "injected failure" in stats["detail"]
+    assert max_logprob_diff(references["plain"], logprobs) < 1e-5  # vLLM recomputed the whole prompt
+    assert counters["fallback:blend_error"] == before + 1
+    monkeypatch.undo()
+    logprobs, stats = run(llm, ids, params)
+    assert stats["status"] == "fused" and max_logprob_diff(references["loaded"], logprobs) < 1e-5
+
+
+@contextlib.contextmanager
+def unwritable(directory: Path, monkeypatch):
+    """Makes `directory` refuse new files, even for root (immutable attribute), or, where chattr is
+    not available, makes every rename into it fail with EACCES."""
+    try:
+        subprocess.run(["chattr", "-R", "+i", str(directory)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        def refuse(src, dst):
+            raise PermissionError(13, "Permission denied", str(dst))
+
+        monkeypatch.setattr("cachefuse.store.disk.os.replace", refuse)
+        yield
+        monkeypatch.undo()
+        return
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(directory)], check=True, capture_output=True)
+
+
+def test_unwritable_store_counts_failed_saves(setup, references, monkeypatch):
+    llm, store_dir, pieces = setup
+    ids, params = prompt(pieces, ("system", "a", "d", "c", "question"))  # d was never stored: a hole
+    counters = scheduler_connector(llm).counters
+    before = counters["save_failures"]
+    with unwritable(store_dir, monkeypatch):
+        failed_save, stats = run(llm, ids, params)
+    assert stats["status"] == "fused" and stats["save_failures"] == 1 and stats["holes_saved"] == 0, stats
+    assert counters["save_failures"] == before + 1
+    saved, stats = run(llm, ids, params)  # the same request with saving working
+    assert stats["holes_saved"] == 1 and stats["save_failures"] == 0, stats
+    assert max_logprob_diff(saved, failed_save) < 1e-6
+    _, stats = run(llm, ids, params)  # later requests are fine and hit the saved hole
+    assert stats["chunks_hit"] == 4 and stats["chunks_missed"] == 0, stats
