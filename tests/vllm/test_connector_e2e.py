@@ -174,3 +174,11 @@ def test_injected_selection_equals_reference_fusor(fusing_llm, pieces, reference
     expected = reference_logprobs(reference_engine, case, FixedSelector(rows, num_full))
     assert max_logprob_diff(first_logprobs(outputs[0]), expected) < LOGPROB_TOL
     assert max_logprob_diff(first_logprobs(outputs[1]), expected) > 10 * LOGPROB_TOL  # the selection matters
+
+
+def test_no_request_state_left_behind(fusing_llm):
+    """Runs last in the module: every planned, fused and fallen-back request has been cleaned up."""
+    from tests.helpers.vllm_engines import scheduler_connector
+
+    side = scheduler_connector(fusing_llm[0])._scheduler
+    assert not side._pending and not side._fallbacks and not side._awaiting

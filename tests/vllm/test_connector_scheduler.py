@@ -1,0 +1,135 @@
+"""The scheduler half on its own: idempotent plans, allocation failing after the hook, the per-step
+blend budget, outcomes filled in place, and no state left behind (leak check)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cachefuse.config import CacheFuseConfig
+from cachefuse.vllm.messages import CacheFuseWorkerMeta
+from cachefuse.vllm.scheduler_side import SchedulerSide
+
+
+@pytest.fixture
+def make_side(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+
+    def make(**config) -> SchedulerSide:
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None),
+            cache_config=SimpleNamespace(block_size=16),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1))
+        return SchedulerSide(vllm_config, CacheFuseConfig(store_dir=str(tmp_path / "store"), **config))
+
+    return make
+
+
+def request(req_id: str, num_tokens: int = 100, params: dict | None = None):
+    params = {"cachefuse": {"chunks": [[0, 10], [10, 60]]}} if params is None else params
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(3, 3 + num_tokens)),
+                           kv_transfer_params=params)
+
+
+def blocks(num_tokens: int, block_size: int = 16, first: int = 7):
+    ids = list(range(first, first + -(-num_tokens // block_size)))
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step_output(*reqs):
+    new = [SimpleNamespace(req_id=r.request_id, block_ids=(blocks(len(r.prompt_token_ids)).get_block_ids()[0],))
+           for r in reqs]
+    return SimpleNamespace(scheduled_new_reqs=new)
+
+
+def assert_no_state(side: SchedulerSide) -> None:
+    assert not side._pending and not side._fallbacks and not side._awaiting
+
+
+def test_hook_is_idempotent_and_plans_once(make_side):
+    side = make_side()
+    req = request("r1")
+    assert side.get_num_new_matched_tokens(req, 0) == (99, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (99, False)  # vLLM may call it again
+    side.update_state_after_alloc(req, blocks(100), 99)
+    meta = side.build_connector_meta(step_output(req))
+    assert [p.req_id for p in meta.plans] == ["r1"]
+    plan = meta.plans[0]
+    assert plan.slot_mapping[:3] == [7 * 16, 7 * 16 + 1, 7 * 16 + 2] and len(plan.slot_mapping) == 99
+    assert plan.slot_mapping[16] == 8 * 16 and plan.block_ids == [7, 8, 9, 10, 11, 12, 13]
+    assert side.build_connector_meta(step_output(req)).plans == []  # sent once
+    done, params = side.request_finished(req, [])
+    assert done is False and params["cachefuse"]["status"] == "planned"
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        {"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}}, ["k1"])))
+    assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["chunks_hit"] == 2  # in place
+    assert "k1" in side.index and side.counters["requests_fused"] == 1
+    assert_no_state(side)
+
+
+def test_allocation_failing_after_the_hook_leaves_the_plan_unsent(make_side):
+    side = make_side()
+    req = request("r1")
+    side.get_num_new_matched_tokens(req, 0)
+    assert side.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).plans == []  # not scheduled
+    side.get_num_new_matched_tokens(req, 0)  # retried in a later step
+    side.update_state_after_alloc(req, blocks(100), 99)
+    assert len(side.build_connector_meta(step_output(req)).plans) == 1
+    side.request_finished(req, [])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
+    assert_no_state(side)
+
+
+def test_aborted_before_scheduling_leaves_nothing(make_side):
+    side = make_side()
+    req = request("r1")
+    side.get_num_new_matched_tokens(req, 0)
+    side.request_finished(req, [])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
+    assert_no_state(side)
+
+
+def test_budget_defers_but_always_admits_one(make_side):
+    side = make_side(max_blend_tokens_per_step=150)
+    big, small, other = request("big", 400), request("small", 100), request("other", 100)
+    assert side.get_num_new_matched_tokens(big, 0) == (399, False)  # over budget alone: admitted anyway
+    assert side.get_num_new_matched_tokens(small, 0) == (None, False)  # deferred to a later step
+    assert side.get_num_new_matched_tokens(big, 0) == (399, False)  # a re-call is not double counted
+    side.build_connector_meta(step_output())  # the step ends: the budget resets
+    assert side.get_num_new_matched_tokens(small, 0) == (99, False)
+    assert side.get_num_new_matched_tokens(other, 0) == (None, False)  # 100 + 100 > 150
+
+
+def test_requests_without_fusion_and_malformed_ones(make_side):
+    side = make_side()
+    plain = request("plain", params={})
+    assert side.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert side.request_finished(plain, []) == (False, None)
+    bad = request("bad", params={"cachefuse": {"chunks": [[0, 10], [5, 20]]}})
+    assert side.get_num_new_matched_tokens(bad, 0) == (0, False)
+    _, params = side.request_finished(bad, [])
+    assert params["cachefuse"]["fallback_reason"] == "malformed_request"
+    assert params["cachefuse"]["field"] == "cachefuse.chunks[1]"
+    assert side.counters["fallback:malformed_request"] == 1
+    stats = side.get_kv_connector_stats()
+    assert stats.data == {"requests_fallback": 1, "fallback_malformed_request": 1}
+    assert side.get_kv_connector_stats() is None  # reset after each interval
+    assert_no_state(side)
+
+
+def test_load_skipped_by_vllm_is_reported(make_side):
+    side = make_side()
+    req = request("r1")
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(100), 0)  # e.g. prompt_logprobs: vLLM loads nothing
+    _, params = side.request_finished(req, [])
+    assert params["cachefuse"]["fallback_reason"] == "load_skipped_by_vllm"
+    assert_no_state(side)
+
+
+def test_separator_fallback_segments_the_prompt(make_side):
+    side = make_side(separator_token_id=50)
+    req = request("sep", params={})  # no declared chunks: ids 3..102 contain 50 once
+    assert side.get_num_new_matched_tokens(req, 0) == (99, False)
+    assert side._pending["sep"].request.chunks == ((0, 47),)

@@ -1,0 +1,39 @@
+"""Tensor parallelism on CPU (TP=2, one core per rank): every rank scores only its own heads, the
+scores are all-reduced, so both ranks recompute the same rows and the result equals TP=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = Path(__file__).with_name("tp_probe.py")
+
+
+def run_probe(model_dir: Path, store_dir: Path, tp_size: int) -> dict:
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1" if tp_size == 2 else "0-1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    out = subprocess.run([sys.executable, str(PROBE), str(model_dir), str(store_dir), str(tp_size)],
+                         capture_output=True, text=True, timeout=400, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(abs(lp - b["logprobs"].get(token, float("-inf"))) for token, lp in a["logprobs"].items())
+
+
+def test_tp2_selects_the_same_rows_as_tp1(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("llama")
+    tp1 = run_probe(model_dir, tmp_path / "tp1", 1)
+    tp2 = run_probe(model_dir, tmp_path / "tp2", 2)
+    assert tp2["ratio_15"]["stats"]["status"] == "fused" and tp2["ratio_15"]["stats"]["chunks_hit"] == 3
+    assert tp2["ratio_15"]["stats"]["num_selected"] == tp1["ratio_15"]["stats"]["num_selected"]
+    assert max_diff(tp1["ratio_1"], tp2["ratio_1"]) < 1e-4
+    assert max_diff(tp1["ratio_15"], tp2["ratio_15"]) < 1e-4  # same rows on both ranks as on one
+    assert max_diff(tp1["ratio_15"], tp1["ratio_1"]) > 1e-3  # and the ratio does change the result
+    # per-rank entries: each rank stores its own heads under its own keys
+    assert len(list((tmp_path / "tp2").rglob("*.safetensors"))) == 2 * len(list((tmp_path / "tp1").rglob("*.safetensors")))
