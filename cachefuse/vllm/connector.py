@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from cachefuse.config import CacheFuseConfig
 from cachefuse.vllm.checks import check_engine
-from cachefuse.vllm.messages import CacheFuseConnectorStats, CacheFuseMetadata
+from cachefuse.vllm.messages import CacheFuseMetadata
+from cachefuse.vllm.metrics import CacheFuseConnectorStats, CacheFusePromMetrics
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -101,3 +102,7 @@ class CacheFuseConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return CacheFuseConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return CacheFusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -3,16 +3,15 @@
 Scheduler -> worker: CacheFuseMetadata (one BlendPlan per request to fuse this step).
 Worker -> scheduler: CacheFuseWorkerMeta (per-request figures, fallbacks, saved keys).
 Both are plain dataclasses of lists and numbers: vLLM pickles them between processes every step.
+Aggregate counters for vLLM's logging and Prometheus are in metrics.py.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 
 @dataclass
@@ -58,26 +57,3 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
             if req_id not in merged or stats.get("fallback_reason"):
                 merged[req_id] = stats
         return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)))
-
-
-@dataclass
-class CacheFuseConnectorStats(KVConnectorStats):
-    """Counters summed over workers and steps: requests fused, fallbacks by reason, tokens, bytes, time."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def record(self, **counts: float) -> None:
-        for name, value in counts.items():
-            self.data[name] = self.data.get(name, 0) + value
-
-    def aggregate(self, other: KVConnectorStats) -> CacheFuseConnectorStats:
-        total = Counter(self.data)
-        total.update(other.data)
-        return CacheFuseConnectorStats(dict(total))
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not self.data

@@ -22,7 +22,8 @@ from cachefuse.errors import RequestError
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.store.disk import list_keys
 from cachefuse.vllm.checks import resolve_model_dir
-from cachefuse.vllm.messages import BlendPlan, CacheFuseConnectorStats, CacheFuseMetadata, CacheFuseWorkerMeta
+from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
+from cachefuse.vllm.metrics import CacheFuseConnectorStats
 
 logger = logging.getLogger(__name__)
 

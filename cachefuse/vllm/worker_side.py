@@ -26,7 +26,8 @@ from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store
 from cachefuse.vllm.adapters import VLLMAdapter
 from cachefuse.vllm.checks import resolve_model_dir
-from cachefuse.vllm.messages import BlendPlan, CacheFuseConnectorStats, CacheFuseMetadata, CacheFuseWorkerMeta
+from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
+from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from cachefuse.vllm.plugin import captured_model
 from cachefuse.vllm.scheduler_side import dtype_name
 
