@@ -198,3 +198,21 @@ def test_malformed_params_get_a_plain_completion(cachefuse_server, tokenizer):
     assert (stats["status"], stats["fallback_reason"], stats["field"]) == (
         "fallback", "malformed_request", "cachefuse.chunks[0]"), stats
     assert body["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+def test_prometheus_exposes_cachefuse_counters(cachefuse_server, tokenizer):
+    """The connector's stats reach /metrics (vLLM observes them at each logging interval)."""
+    prompt = build_rag_prompt(tokenizer, "Metrics system prompt.\n", ["Metrics chunk one.\n"], "Q?")
+    status, _ = post_json(cachefuse_server.base_url, "/v1/completions",
+                          completion_body(prompt.token_ids, prompt.kv_transfer_params()))
+    assert status == 200
+    deadline = time.monotonic() + 60  # bounded: stats are pushed at vLLM's logging interval
+    text = ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{cachefuse_server.base_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        fused = [line for line in text.splitlines() if line.startswith("vllm:cachefuse_requests_fused_total")]
+        if fused and float(fused[0].rsplit(" ", 1)[1]) > 0:
+            return
+        time.sleep(1.0)
+    raise AssertionError("no vllm:cachefuse_requests_fused_total > 0 in /metrics:\n" + text[-2000:])
