@@ -247,6 +247,21 @@ def pinned_keys(store: KVStore, keys: Iterable[str]) -> Iterator[None]:
             store.unpin(key)
 
 
+class PinnedKeysMixin:
+    """pin / unpin / pinned for a store that keeps its pin counts in a PinTable at `self._pins`."""
+
+    _pins: PinTable
+
+    def pin(self, key: str) -> None:
+        self._pins.pin(key)
+
+    def unpin(self, key: str) -> None:
+        self._pins.unpin(key)
+
+    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
+        return pinned_keys(self, keys)
+
+
 def plan_eviction(
     sizes: dict[str, int], pins: PinTable, capacity_bytes: int, key: str, nbytes: int
 ) -> list[str] | None:

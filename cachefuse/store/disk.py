@@ -34,7 +34,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
@@ -157,7 +157,7 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-class DiskStore:
+class DiskStore(base.PinnedKeysMixin):
     """Local-disk tier (see the module docstring for layout, atomicity and miss reasons).
 
     Args:
@@ -256,15 +256,6 @@ class DiskStore:
         """Indexed keys, least recently used first."""
         with self._lock:
             return list(self._sizes)
-
-    def pin(self, key: str) -> None:
-        self._pins.pin(key)
-
-    def unpin(self, key: str) -> None:
-        self._pins.unpin(key)
-
-    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
-        return base.pinned_keys(self, keys)
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}{SUFFIX}"

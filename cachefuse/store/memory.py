@@ -8,29 +8,27 @@ keeps stored caches byte-identical across requests without paying a copy per hit
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
 
 from cachefuse.errors import ConfigError
 from cachefuse.store.base import (
     MISS_ABSENT,
     ChunkKV,
+    PinnedKeysMixin,
     PinTable,
     StoreIdentity,
     StoreStats,
     check_key,
     entry_mismatch,
-    pinned_keys,
     plan_eviction,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class MemoryStore:
+class MemoryStore(PinnedKeysMixin):
     """LRU host-memory tier (see module docstring for the no-copy contract).
 
     Args:
@@ -110,15 +108,6 @@ class MemoryStore:
         """Stored keys, least recently used first."""
         with self._lock:
             return list(self._sizes)
-
-    def pin(self, key: str) -> None:
-        self._pins.pin(key)
-
-    def unpin(self, key: str) -> None:
-        self._pins.unpin(key)
-
-    def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
-        return pinned_keys(self, keys)
 
     def _drop(self, key: str) -> None:
         if self._entries.pop(key, None) is not None:
