@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -116,6 +117,9 @@ class Fusor:
     Attributes:
         reduce_scores: set under tensor parallelism to an all-reduce (sum) over the ranks, so every
             rank selects the same rows from scores over all heads.
+        attention_backend: an object with `causal(layer, q, k, v)` and
+            `rows(layer, q, q_positions, k, v)` that replaces the torch attention (the vLLM worker
+            sets the engine's own paged kernel, cachefuse.vllm.paged). It must be exact per query.
     """
 
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
@@ -124,6 +128,7 @@ class Fusor:
         self.block_rows = block_rows
         self.attention_fn = attention_fn
         self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.attention_backend: Any | None = None
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
@@ -171,13 +176,10 @@ class Fusor:
                 initial = selector.initial_rows(layout.ctx)
                 assert initial is not None, f"{selector.name}: full layers end without a selection"
                 next_rows, num_selected = layout.with_forced(initial), initial.numel()
-            if next_rows is None:
-                attn = causal_attention(q, k, v, shape.scaling)
-            else:
-                if next_rows is not rows:
-                    keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
-                    q, residual = q[keep], residual[keep]
-                attn = self.attention_fn(q, next_rows, k_merged, v_merged, shape.scaling, self.block_rows)
+            if next_rows is not None and next_rows is not rows:
+                keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
+                q, residual = q[keep], residual[keep]
+            attn = self._attend(layer, q, next_rows, k_merged, v_merged)
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
             rows = next_rows
 
@@ -188,6 +190,15 @@ class Fusor:
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments)
+
+    def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
+        """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
+        backend, scale = self.attention_backend, self.adapter.shape.scaling
+        if query_rows is None:
+            return causal_attention(q, k, v, scale) if backend is None else backend.causal(layer, q, k, v)
+        if backend is None:
+            return self.attention_fn(q, query_rows, k, v, scale, self.block_rows)
+        return backend.rows(layer, q, query_rows, k, v)
 
     @staticmethod
     def _select_at_check(selector, layout, loaded_kv, layer, check_layers, row_positions, k_nope, v):
@@ -201,21 +212,30 @@ class Fusor:
 
 
 class _LoadedLayers:
-    """Per-layer full-length views of the loaded chunks (zeros where nothing is loaded)."""
+    """Per-layer full-length views of the loaded chunks."""
 
     def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec) -> None:
         self.request, self.num_tokens, self.shape, self.rope_spec = request, num_tokens, shape, rope_spec
-        self.positions = torch.arange(num_tokens, dtype=torch.int64)
+        self.entries = [request.loaded[i] for i in sorted(request.loaded)]
+        segments = [request.segments[i] for i in sorted(request.loaded)]
+        # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
+        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end) for s in segments]) if segments
+                            else torch.zeros(0, dtype=torch.int64))
+
+    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.entries:
+            empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype)
+            return empty, empty
+        k_nope = torch.cat([entry.k_nope[layer] for entry in self.entries])  # [num_loaded, kv_heads, head_dim]
+        v = torch.cat([entry.v[layer] for entry in self.entries])
+        return k_nope, v
 
     def stripped(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, freshly allocated."""
+        """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, zeros where nothing is loaded."""
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
         k_nope = torch.zeros(shape, dtype=self.shape.dtype)
         v = torch.zeros(shape, dtype=self.shape.dtype)
-        for index, entry in self.request.loaded.items():
-            seg = self.request.segments[index]
-            k_nope[seg.start:seg.end] = entry.k_nope[layer]
-            v[seg.start:seg.end] = entry.v[layer]
+        k_nope[self.loaded_rows], v[self.loaded_rows] = self._gather(layer)
         return k_nope, v
 
     def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,11 +247,9 @@ class _LoadedLayers:
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
         k = torch.empty(shape, dtype=self.shape.dtype)
         v = torch.empty(shape, dtype=self.shape.dtype)
-        for index, entry in self.request.loaded.items():
-            seg = self.request.segments[index]
-            k[seg.start:seg.end] = ops.apply_rope(entry.k_nope[layer], self.positions[seg.start:seg.end],
-                                                  self.rope_spec)
-            v[seg.start:seg.end] = entry.v[layer]
+        k_nope, v_loaded = self._gather(layer)
+        k[self.loaded_rows] = ops.apply_rope(k_nope, self.loaded_rows, self.rope_spec)
+        v[self.loaded_rows] = v_loaded
         return k, v
 
 

@@ -31,9 +31,11 @@ class BlendPlan:
     selector: str
     recompute_ratio: float
     slot_mapping: list[int]
-    """Paged-cache slots of positions 0..N-2 (block_id * block_size + offset)."""
+    """Paged-cache slot of every prompt position 0..N-1 (block_id * block_size + offset)."""
     block_ids: list[int]
-    """The request's blocks covering 0..N-2: reported as load errors if the blend fails."""
+    """The request's blocks, covering positions 0..N-1."""
+    error_block_ids: list[int]
+    """The blocks covering 0..N-2 (cachefuse's hit): reported as load errors if the blend fails."""
     selected_rows: tuple[int, ...] | None = None
 
 

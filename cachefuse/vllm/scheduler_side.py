@@ -117,12 +117,13 @@ class SchedulerSide:
         return CacheFuseMetadata(plans)
 
     def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
-        num_written = len(pending.token_ids) - 1
-        bs = self.block_size
-        slots = [block_ids[p // bs] * bs + p % bs for p in range(num_written)]
+        num_tokens, bs = len(pending.token_ids), self.block_size
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
         fusion = pending.request
+        num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
-                         slots, block_ids[: (num_written + bs - 1) // bs], fusion.selected_rows)
+                         slots, block_ids[: (num_tokens + bs - 1) // bs], block_ids[:num_hit_blocks],
+                         fusion.selected_rows)
 
     # ------------------------------------------------------------------ outcomes
 

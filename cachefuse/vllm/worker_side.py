@@ -28,6 +28,7 @@ from cachefuse.vllm.adapters import VLLMAdapter
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
+from cachefuse.vllm.paged import PagedAttention, supports_paged_attention
 from cachefuse.vllm.plugin import captured_model
 from cachefuse.vllm.scheduler_side import dtype_name
 
@@ -59,6 +60,9 @@ class WorkerSide:
             # Every rank scores only its own heads; summing makes all ranks pick the same rows.
             self.engine.fusor.reduce_scores = tensor_model_parallel_all_reduce
         self.layer_names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
+        # Full causal layers run on the engine's own paged kernel where it is vLLM's CPU backend;
+        # decided at the first blend, once vLLM's attention backends are set up.
+        self.paged_attention: bool | None = None
         self._load_errors: set[int] = set()
         self._meta = CacheFuseWorkerMeta()
         self._stats = CacheFuseConnectorStats()
@@ -68,7 +72,7 @@ class WorkerSide:
             try:
                 figures = self._blend(plan, forward_context.no_compile_layers)
             except Exception as exc:  # one request never stops the engine: vLLM recomputes it
-                self._load_errors.update(plan.block_ids)
+                self._load_errors.update(plan.error_block_ids)
                 detail = f"{type(exc).__name__}: {exc}"
                 logger.warning("cachefuse: blend of request %s failed (%s); vLLM recomputes it", plan.req_id,
                                detail)
@@ -87,20 +91,33 @@ class WorkerSide:
         if plan.selected_rows is not None:
             num_full = make_selector(plan.selector, self.config).num_full_layers(self.adapter.shape.num_layers)
             selector = FixedSelector(plan.selected_rows, num_full)
-        result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
-                                            ratio=plan.recompute_ratio, save_holes=self.config.save_holes)
-        num_written = len(plan.token_ids) - 1
         slot_mapping = torch.tensor(plan.slot_mapping, dtype=torch.int64)
+        if self.paged_attention is None:
+            self.paged_attention = all(supports_paged_attention(layers[name]) for name in self.layer_names)
+        if self.paged_attention:  # every layer's merged K/V lands in the cache as it attends
+            self.engine.fusor.attention_backend = PagedAttention(
+                layers, self.layer_names, slot_mapping, torch.tensor([plan.block_ids], dtype=torch.int32))
+        try:
+            result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
+                                                ratio=plan.recompute_ratio, save_holes=self.config.save_holes)
+        finally:
+            self.engine.fusor.attention_backend = None
+        if not self.paged_attention:
+            self._write_kv(result, layers, slot_mapping[: len(plan.token_ids) - 1])
+        self._meta.saved_keys.extend(stats.saved_keys)
+        figures = {key: value for key, value in stats.to_dict().items() if key != "saved_keys"}
+        figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
+        return figures
+
+    def _write_kv(self, result: Any, layers: dict[str, Any], slot_mapping: torch.Tensor) -> None:
+        """The fused K/V of positions 0..N-2 into vLLM's paged cache (backends other than CPU's)."""
+        num_written = slot_mapping.numel()
         for index, name in enumerate(self.layer_names):
             layer = layers[name]
             dtype = layer.kv_cache.dtype
             k = result.k[index][:num_written].to(dtype).contiguous()  # [N-1, num_kv_heads, head_size]
             v = result.v[index][:num_written].to(dtype).contiguous()
             layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slot_mapping)
-        self._meta.saved_keys.extend(stats.saved_keys)
-        figures = {key: value for key, value in stats.to_dict().items() if key != "saved_keys"}
-        figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
-        return figures
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -56,8 +56,9 @@ def test_hook_is_idempotent_and_plans_once(make_side):
     meta = side.build_connector_meta(step_output(req))
     assert [p.req_id for p in meta.plans] == ["r1"]
     plan = meta.plans[0]
-    assert plan.slot_mapping[:3] == [7 * 16, 7 * 16 + 1, 7 * 16 + 2] and len(plan.slot_mapping) == 99
+    assert plan.slot_mapping[:3] == [7 * 16, 7 * 16 + 1, 7 * 16 + 2] and len(plan.slot_mapping) == 100
     assert plan.slot_mapping[16] == 8 * 16 and plan.block_ids == [7, 8, 9, 10, 11, 12, 13]
+    assert plan.error_block_ids == [7, 8, 9, 10, 11, 12, 13]  # the blocks of positions 0..98
     assert side.build_connector_meta(step_output(req)).plans == []  # sent once
     done, params = side.request_finished(req, [])
     assert done is False and params["cachefuse"]["status"] == "planned"
