@@ -1,0 +1,83 @@
+"""Start-up: a misconfigured engine fails with the setting and the fix; the plugin is idempotent,
+captures models only for cachefuse engines, and its absence is reported with the fix."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cachefuse.errors import CacheFuseError, ConfigError, UnsupportedModelError
+from cachefuse.vllm import plugin
+from cachefuse.vllm.checks import check_engine
+from tests.helpers.vllm_engines import ENGINE_ARGS, start_engine, stop_engine
+
+
+def engine_config(**changes):
+    """A stand-in VllmConfig with every field check_engine reads, valid unless changed."""
+    values = dict(prefix_caching=False, policy="recompute", role="kv_both", architectures=["LlamaForCausalLM"],
+                  window=None, layer_types=None, lora=None, multimodal=False, pp=1)
+    values.update(changes)
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy=values["policy"], kv_role=values["role"]),
+        cache_config=SimpleNamespace(enable_prefix_caching=values["prefix_caching"]),
+        model_config=SimpleNamespace(architectures=values["architectures"], get_sliding_window=lambda: values["window"],
+                                     hf_text_config=SimpleNamespace(layer_types=values["layer_types"]),
+                                     is_multimodal_model=values["multimodal"]),
+        lora_config=values["lora"], parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]))
+
+
+@pytest.mark.parametrize(("changes", "error", "words"), [
+    ({"prefix_caching": True}, ConfigError, "--no-enable-prefix-caching"),
+    ({"policy": "fail"}, ConfigError, "\"kv_load_failure_policy\": \"recompute\""),
+    ({"role": "kv_producer"}, ConfigError, "kv_both"),
+    ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModelError, "GPT2LMHeadModel"),
+    ({"window": 4096}, UnsupportedModelError, "sliding_window=4096"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, UnsupportedModelError, "sliding"),
+    ({"lora": object()}, UnsupportedModelError, "--enable-lora"),
+    ({"multimodal": True}, UnsupportedModelError, "multimodal"),
+    ({"pp": 2}, UnsupportedModelError, "pipeline_parallel_size"),
+])
+def test_check_engine_names_the_fix(changes, error, words):
+    check_engine(engine_config())  # the valid baseline passes
+    with pytest.raises(error, match=None) as info:
+        check_engine(engine_config(**changes))
+    assert words in str(info.value)
+
+
+def test_real_engine_with_prefix_caching_fails_at_start(tiny_model_dir, tmp_path):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
+                          kv_role="kv_both", kv_load_failure_policy="recompute",
+                          kv_connector_extra_config={"store_dir": str(tmp_path)})
+    with pytest.raises(Exception, match="no-enable-prefix-caching"):
+        LLM(model=str(tiny_model_dir("llama")), kv_transfer_config=kv, **{**ENGINE_ARGS, "enable_prefix_caching": True})
+
+
+def test_real_engine_with_a_bad_config_field_fails_at_start(tiny_model_dir, tmp_path):
+    with pytest.raises(Exception, match=r"recompute_ratio=2\.0 is invalid"):
+        start_engine(tiny_model_dir("llama"), tmp_path, recompute_ratio=2.0)
+
+
+def test_missing_plugin_is_reported_with_the_fix(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("cachefuse.vllm.worker_side.captured_model", lambda *args: None)
+    with pytest.raises(Exception, match="cachefuse vLLM plugin did not run") as info:
+        start_engine(tiny_model_dir("llama"), tmp_path)
+    assert isinstance(info.value, CacheFuseError) or "VLLM_PLUGINS" in str(info.value)
+
+
+def test_plugin_is_idempotent_and_captures_only_cachefuse_engines(tiny_model_dir, tmp_path):
+    plugin.register()
+    plugin.register()  # vLLM calls it in every process, possibly more than once
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert Worker.load_model._cachefuse_wrapped
+    assert not getattr(Worker.load_model.__wrapped__, "_cachefuse_wrapped", False)  # wrapped once
+    plain = start_engine(tiny_model_dir("llama"))
+    assert plugin.captured_model(plain.llm_engine.vllm_config, 0) is None
+    stop_engine(plain)
+    fusing = start_engine(tiny_model_dir("llama"), tmp_path)
+    assert plugin.captured_model(fusing.llm_engine.vllm_config, 0) is not None
+    stop_engine(fusing)
