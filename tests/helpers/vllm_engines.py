@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-ENGINE_ARGS = dict(dtype="float32", max_model_len=4096, enforce_eager=True, enable_prefix_caching=False,
+ENGINE_ARGS = dict(dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
                    seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=20)
 
 
