@@ -18,6 +18,7 @@ from typing import Any
 from cachefuse.errors import ConfigError
 
 SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random")
+RATIO_MODES = ("fixed", "controller")
 DEVIATIONS = ("k", "v", "kv")
 EVICTION_POLICIES = ("lru",)
 # Bumped whenever the on-disk entry format changes; joins every chunk key through compute_hash().
@@ -34,6 +35,13 @@ class CacheFuseConfig:
     """Token selector, a module name under cachefuse/select/."""
     recompute_ratio: float = 0.15
     """Selected rows / cached tokens of the declared non-system chunks (DESIGN.md, Definitions)."""
+    ratio_mode: str = "fixed"
+    """"fixed": use recompute_ratio; "controller": the loading controller picks r >= recompute_ratio
+    from measured figures, and runs a request as plain vLLM when fusing would not be faster."""
+    max_recompute_ratio: float = 1.0
+    """Upper bound of the controller's ratio (r_max)."""
+    force_fuse: bool = False
+    """Disable the controller's go/no-go (tests, or when the measured figures are known to mislead)."""
     cacheblend_check_layers: tuple[int, ...] = (1,)
     """Layers where HKVD re-selects; layers 0..first are computed in full. First must be >= 1."""
     cacheblend_ratio_schedule: tuple[float, ...] = (1.0,)
@@ -71,6 +79,13 @@ class CacheFuseConfig:
             _fail("recompute_ratio", self.recompute_ratio, "a number in 0.0..1.0")
         if not 0.0 <= float(self.recompute_ratio) <= 1.0:
             _fail("recompute_ratio", self.recompute_ratio, "a number in 0.0..1.0")
+        if self.ratio_mode not in RATIO_MODES:
+            _fail("ratio_mode", self.ratio_mode, f"one of {', '.join(RATIO_MODES)}")
+        if (isinstance(self.max_recompute_ratio, bool) or not isinstance(self.max_recompute_ratio, int | float)
+                or not self.recompute_ratio <= self.max_recompute_ratio <= 1.0):
+            _fail("max_recompute_ratio", self.max_recompute_ratio, "a number in recompute_ratio..1.0")
+        if not isinstance(self.force_fuse, bool):
+            _fail("force_fuse", self.force_fuse, "true or false")
         self._validate_cacheblend()
         if self.cacheblend_deviation not in DEVIATIONS:
             _fail("cacheblend_deviation", self.cacheblend_deviation, f"one of {', '.join(DEVIATIONS)}")

@@ -51,6 +51,14 @@ class FusionStats:
     """Chunk keys stored by this request (holes)."""
     save_failures: int = 0
     """Holes the store refused (full of pinned entries, unwritable directory, ...)."""
+    load_seconds_by_tier: dict[str, float] = field(default_factory=dict)
+    """Time spent reading chunk entries, by the tier that served them (measured figures)."""
+    load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    """Bytes read, by serving tier."""
+    layer_seconds: list[float] = field(default_factory=list)
+    """Blend-pass time of each layer (the compute figures' samples)."""
+    layer_rows: list[int] = field(default_factory=list)
+    """Rows computed at each layer."""
     miss_reasons: dict[str, int] = field(default_factory=dict)
     """Why declared chunks became holes: "not_stored" (never saved), or the store's miss reason
     ("absent" after indexing, "corrupt", "truncated", "foreign_model", "shape_mismatch", "io_error",
@@ -75,6 +83,7 @@ class FusionEngine:
                  config: CacheFuseConfig, clock: Callable[[], float] = time.perf_counter) -> None:
         self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
+        self.fusor.clock = clock
         self.clock = clock
 
     def fusor_full_layers(self, selector: str) -> int:
@@ -122,8 +131,9 @@ class FusionEngine:
         segments = segment_prompt(len(token_ids), chunks)
         keys = {i: self.key(token_ids[s.start:s.end]) for i, s in enumerate(segments) if s.is_chunk}
         start = self.clock()
+        load_seconds, load_bytes = Counter(), Counter()
         with self.store.pinned(list(keys.values())):
-            loaded, miss_reasons = self._load(segments, keys)
+            loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
             result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector_obj)
         blend_time = self.clock() - start
         saved_keys, save_failures = self._save_holes(result, segments, keys) if save_holes else ((), 0)
@@ -137,10 +147,14 @@ class FusionEngine:
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
             bytes_loaded=sum(entry.nbytes for entry in loaded.values()), blend_time_s=blend_time,
             holes_saved=len(saved_keys), saved_keys=saved_keys, save_failures=save_failures,
-            miss_reasons=dict(miss_reasons))
+            miss_reasons=dict(miss_reasons), load_seconds_by_tier=dict(load_seconds),
+            load_bytes_by_tier=dict(load_bytes), layer_seconds=list(result.layer_seconds),
+            layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer])
         return result, stats
 
-    def _load(self, segments: list[Segment], keys: dict[int, str]) -> tuple[dict[int, ChunkKV], Counter]:
+    def _load(self, segments: list[Segment], keys: dict[int, str], load_seconds: Counter,
+              load_bytes: Counter) -> tuple[dict[int, ChunkKV], Counter]:
+        """Reads every declared chunk; records misses by reason and read time and bytes by tier."""
         loaded, miss_reasons = {}, Counter()
         for index, key in keys.items():
             seg = segments[index]
@@ -148,7 +162,12 @@ class FusionEngine:
                 miss_reasons["not_stored"] += 1
                 continue
             before = dict(self.store.stats.misses)
+            start = self.clock()
             entry = self.store.get(key)
+            if entry is not None:
+                tier = getattr(self.store, "last_hit_tier", None) or getattr(self.store, "name", "store")
+                load_seconds[tier] += self.clock() - start
+                load_bytes[tier] += entry.nbytes
             if entry is None:
                 after = self.store.stats.misses
                 new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]

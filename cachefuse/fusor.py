@@ -16,6 +16,7 @@ layers 0..f-1: every row        layers f..L-1: selected + forced rows over merge
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,8 @@ class FuseResult:
     num_forced: int
     """Holes, undeclared tokens, question and last token (computed in every layer)."""
     hole_segments: list[int] = field(default_factory=list)
+    layer_seconds: list[float] = field(default_factory=list)
+    """Time of each layer of the pass (Fusor.clock), the samples of the compute figures."""
 
 
 class _RequestLayout:
@@ -129,6 +132,7 @@ class Fusor:
         self.attention_fn = attention_fn
         self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.attention_backend: Any | None = None
+        self.clock: Callable[[], float] = time.perf_counter
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
@@ -148,8 +152,9 @@ class Fusor:
             rows, num_selected = layout.with_forced(initial), initial.numel()
         hidden = adapter.embed(request.token_ids if rows is None else request.token_ids[rows])
         residual = None
-        out_k, out_v, rows_per_layer = [], [], []
+        out_k, out_v, rows_per_layer, layer_seconds = [], [], [], []
         for layer in range(num_layers):
+            layer_start = self.clock()
             row_positions = positions if rows is None else rows
             x, residual = adapter.attention_input(layer, hidden, residual)
             q_nope, k_nope, v = adapter.project_qkv(layer, x)
@@ -182,6 +187,7 @@ class Fusor:
             attn = self._attend(layer, q, next_rows, k_merged, v_merged)
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
             rows = next_rows
+            layer_seconds.append(self.clock() - layer_start)
 
         logits = adapter.final_logits(hidden, residual)[0]  # the last row, position N-1
         if num_full >= num_layers:
@@ -189,7 +195,8 @@ class Fusor:
         return FuseResult(
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
-            num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments)
+            num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
+            layer_seconds=layer_seconds)
 
     def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""

@@ -31,6 +31,10 @@ INVALID = [
     ("max_blend_tokens_per_step", 0),
     ("separator_token_id", -3),
     ("allow_debug_overrides", 1),
+    ("ratio_mode", "auto"),
+    ("max_recompute_ratio", 0.05),
+    ("max_recompute_ratio", 1.5),
+    ("force_fuse", "no"),
 ]
 
 

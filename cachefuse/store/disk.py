@@ -160,6 +160,8 @@ def _fsync_dir(directory: Path) -> None:
 class DiskStore(base.PinnedKeysMixin):
     """Local-disk tier (see the module docstring for layout, atomicity and miss reasons).
 
+    `name` ("disk") labels the tier in measured load figures.
+
     Args:
         root: directory of the store; created if missing. An unusable root is logged and every put
             then returns False (the engine keeps running without this tier).
@@ -168,6 +170,8 @@ class DiskStore(base.PinnedKeysMixin):
         _before_rename: test hook, called with the temp file's path after it is fully written and
             fsynced, just before the rename.
     """
+
+    name = "disk"
 
     def __init__(self, root: str | Path, identity: StoreIdentity, capacity_bytes: int, *,
                  _before_rename: Callable[[Path], None] | None = None) -> None:

@@ -31,10 +31,14 @@ logger = logging.getLogger(__name__)
 class MemoryStore(PinnedKeysMixin):
     """LRU host-memory tier (see module docstring for the no-copy contract).
 
+    `name` ("memory") labels the tier in measured load figures.
+
     Args:
         identity: what every entry must match; `put` rejects others.
         capacity_bytes: budget of tensor bytes (ChunkKV.nbytes summed over entries).
     """
+
+    name = "memory"
 
     def __init__(self, identity: StoreIdentity, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

@@ -27,6 +27,8 @@ class TieredStore:
         tiers: the tiers, fastest first; may be empty (then every get misses and every put fails).
     """
 
+    last_hit_tier: str | None = None
+
     def __init__(self, tiers: list[KVStore]) -> None:
         self.tiers = list(tiers)
 
@@ -51,13 +53,18 @@ class TieredStore:
         return total
 
     def get(self, key: str) -> ChunkKV | None:
-        """The entry from the fastest tier that has it, promoted into the faster tiers; else None."""
+        """The entry from the fastest tier that has it, promoted into the faster tiers; else None.
+
+        `last_hit_tier` names the tier that served it (None on a miss), for measured load figures.
+        """
+        self.last_hit_tier = None
         for depth, tier in enumerate(self.tiers):
             if depth > 0 and not tier.contains(key):
                 continue  # skip the read and its "absent" count: the index already says no
             entry = tier.get(key)
             if entry is None:
                 continue
+            self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
             for faster in self.tiers[:depth]:
                 faster.put(key, entry)
             return entry

@@ -70,6 +70,11 @@ class CacheFuseConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.on_step_start(connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pass  # K/V are written through each attention layer's own do_kv_cache_update
 
@@ -85,7 +90,8 @@ class CacheFuseConnector(KVConnectorBase_V1):
         pass  # holes are saved by the blend pass itself, RoPE-stripped
 
     def wait_for_save(self) -> None:
-        pass
+        if self._worker is not None:  # runs after vLLM's forward: ends the step's timing
+            self._worker.on_step_end()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

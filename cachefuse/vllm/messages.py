@@ -42,6 +42,9 @@ class BlendPlan:
 @dataclass
 class CacheFuseMetadata(KVConnectorMetadata):
     plans: list[BlendPlan] = field(default_factory=list)
+    plain_prefill_tokens: int = 0
+    """When this step is nothing but plain (unfused) prefills: their tokens, so the worker can time
+    vLLM's own prefill speed (the loading controller's go/no-go baseline). Else 0."""
 
 
 @dataclass
@@ -50,6 +53,8 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
     """req_id -> the figures of its blend pass, or its fallback reason."""
     saved_keys: list[str] = field(default_factory=list)
     """Chunk keys the worker stored this step (the scheduler's index learns them)."""
+    figures: dict[str, Any] | None = None
+    """The worker's measured figures (tier bandwidth, blend and prefill speed), when they changed."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> CacheFuseWorkerMeta:
         """Merge across ranks: a fallback on any rank is the request's outcome (all ranks fall back)."""
@@ -58,4 +63,5 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
         for req_id, stats in other.request_stats.items():
             if req_id not in merged or stats.get("fallback_reason"):
                 merged[req_id] = stats
-        return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)))
+        return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)),
+                                   self.figures or other.figures)

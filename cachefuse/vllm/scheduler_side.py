@@ -28,6 +28,15 @@ from cachefuse.vllm.metrics import CacheFuseConnectorStats
 logger = logging.getLogger(__name__)
 
 
+def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
+    """Tokens of a step made only of new, unfused prefills (0 otherwise): a clean timing sample."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+    if plans or not scheduled or set(scheduled) != new_ids:
+        return 0
+    return int(sum(scheduled.values()))
+
+
 def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -63,6 +72,8 @@ class SchedulerSide:
         self._awaiting: dict[str, dict[str, Any]] = {}  # outcomes returned, awaiting this step's worker figures
         self._budget = _StepBudget()
         self.counters: Counter[str] = Counter()
+        self.figures: dict[str, Any] = {}
+        """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self._stats = CacheFuseConnectorStats()
         logger.info("cachefuse scheduler: %d stored chunk keys indexed under %s", len(self.index), config.store_path)
 
@@ -114,7 +125,7 @@ class SchedulerSide:
             pending.sent = True
             plans.append(self._blend_plan(req_id, pending, list(block_ids_of[req_id])))
         self._budget = _StepBudget()
-        return CacheFuseMetadata(plans)
+        return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
 
     def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
         num_tokens, bs = len(pending.token_ids), self.block_size
@@ -131,6 +142,8 @@ class SchedulerSide:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, CacheFuseWorkerMeta):
             self.index.update(meta.saved_keys)
+            if meta.figures is not None:
+                self.figures = meta.figures
             for req_id, figures in meta.request_stats.items():
                 outcome = self._awaiting.pop(req_id, None)
                 if outcome is None and req_id in self._pending:

@@ -20,6 +20,7 @@ from cachefuse.chunks import KeyContext, model_fingerprint
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError
+from cachefuse.figures import FigureRecorder
 from cachefuse.select import make_selector
 from cachefuse.select.fixed import FixedSelector
 from cachefuse.store.base import StoreIdentity
@@ -33,6 +34,9 @@ from cachefuse.vllm.plugin import captured_model
 from cachefuse.vllm.scheduler_side import dtype_name
 
 logger = logging.getLogger(__name__)
+
+# Per-layer samples and keys feed the figures and the scheduler's index, not the response.
+_NOT_IN_RESPONSE = ("saved_keys", "layer_seconds", "layer_rows")
 
 
 class WorkerSide:
@@ -63,6 +67,8 @@ class WorkerSide:
         # Full causal layers run on the engine's own paged kernel where it is vLLM's CPU backend;
         # decided at the first blend, once vLLM's attention backends are set up.
         self.paged_attention: bool | None = None
+        self.figures = FigureRecorder()
+        self._prefill_step: tuple[int, float] | None = None  # (plain prefill tokens, start) of this step
         self._load_errors: set[int] = set()
         self._meta = CacheFuseWorkerMeta()
         self._stats = CacheFuseConnectorStats()
@@ -105,7 +111,8 @@ class WorkerSide:
         if not self.paged_attention:
             self._write_kv(result, layers, slot_mapping[: len(plan.token_ids) - 1])
         self._meta.saved_keys.extend(stats.saved_keys)
-        figures = {key: value for key, value in stats.to_dict().items() if key != "saved_keys"}
+        self.figures.observe_blend(stats, len(plan.token_ids))
+        figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
         figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
         return figures
 
@@ -119,12 +126,26 @@ class WorkerSide:
             v = result.v[index][:num_written].to(dtype).contiguous()
             layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slot_mapping)
 
+    def on_step_start(self, metadata: CacheFuseMetadata) -> None:
+        """Before vLLM's forward: a step of plain prefills only is timed (vLLM's own prefill speed)."""
+        tokens = metadata.plain_prefill_tokens if isinstance(metadata, CacheFuseMetadata) else 0
+        self._prefill_step = (tokens, time.perf_counter()) if tokens else None
+
+    def on_step_end(self) -> None:
+        if self._prefill_step is not None:
+            tokens, start = self._prefill_step
+            self.figures.observe_prefill(tokens, time.perf_counter() - start)
+            self._prefill_step = None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_connector_worker_meta(self) -> CacheFuseWorkerMeta | None:
-        if not self._meta.request_stats and not self._meta.saved_keys:
+        if self.figures.changed:
+            self._meta.figures = self.figures.snapshot()
+            self.figures.changed = False
+        if not self._meta.request_stats and not self._meta.saved_keys and self._meta.figures is None:
             return None
         meta, self._meta = self._meta, CacheFuseWorkerMeta()
         return meta

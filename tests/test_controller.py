@@ -1,0 +1,248 @@
+"""Loading controller: pure math with injected figures (no torch, no clock)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefuse.controller import (
+    AccessCounter,
+    BandwidthMeter,
+    ComputeFigures,
+    EmaEstimator,
+    RequestShape,
+    TierFigures,
+    choose_ratio,
+    choose_tier,
+    decide,
+    fit_compute_figures,
+    fit_prefill,
+    load_time,
+    match_ratio,
+    placement_moves,
+    preload_depth,
+    recompute_time,
+)
+from cachefuse.errors import ConfigError
+
+MB = 1 << 20
+FIG = ComputeFigures(fixed_s=2e-4, per_row_s=2e-6, per_row_key_s=1e-9,
+                     prefill_fixed_s=5e-3, prefill_per_token_s=7e-5, prefill_per_token2_s=1e-9)
+SHAPE = RequestShape(num_tokens=4000, num_layers=32, num_full_layers=1, num_candidates=3000,
+                     num_forced=100, bytes_to_load=512 * MB)
+MEMORY = TierFigures("memory", 20e9, cost_rank=2)
+DISK = TierFigures("disk", 2e9, cost_rank=1)
+SLOW_DISK = TierFigures("slow_disk", 0.4e9, cost_rank=0)
+
+
+def _decide(shape=SHAPE, tiers=(MEMORY,), **kw):
+    args = dict(r_min=0.15, r_max=1.0, ratio_mode="controller", fixed_ratio=0.15, force_fuse=False)
+    return decide(shape, FIG, list(tiers), **{**args, **kw})
+
+
+def test_match_ratio_solves_recompute_equals_load():
+    r = match_ratio(SHAPE, FIG, DISK)
+    assert 0.0 < r < 1.0
+    one_row = (SHAPE.num_layers - SHAPE.num_full_layers) * (FIG.per_row_s + FIG.per_row_key_s * SHAPE.num_tokens)
+    # recompute_time rounds rows up: equal to load within one row at every selective layer
+    assert 0.0 <= recompute_time(SHAPE, FIG, r) - load_time(SHAPE, DISK) <= one_row + 1e-12
+
+
+def test_match_ratio_clamps():
+    assert match_ratio(SHAPE, FIG, MEMORY) == 0.0  # full layers alone outlast the load
+    assert match_ratio(SHAPE, FIG, TierFigures("tape", 1e6, 0)) == 1.0
+    no_candidates = RequestShape(100, 4, 1, 0, 10, 10 * MB)
+    assert match_ratio(no_candidates, FIG, TierFigures("tape", 1e6, 0)) == 1.0
+
+
+def test_choose_ratio_floor_raise_and_cap():
+    r, why = choose_ratio(SHAPE, FIG, MEMORY, 0.15, 1.0)
+    assert r == 0.15 and why.startswith("r_min: loading is faster than recomputing r_min")
+    r, why = choose_ratio(SHAPE, FIG, DISK, 0.15, 1.0)
+    assert r == pytest.approx(match_ratio(SHAPE, FIG, DISK)) and r > 0.15
+    assert why.startswith("load-bound: r raised to hide loading")
+    r, why = choose_ratio(SHAPE, FIG, DISK, 0.15, 0.2)
+    assert r == 0.2 and why.startswith("capped at r_max")
+
+
+def test_throttled_tier_raises_r_unthrottled_keeps_r_min():
+    fast = TierFigures("disk", 10e9, 1)
+    throttled = TierFigures("disk", 2e9, 1)  # 5x slower
+    assert _decide(tiers=[fast]).ratio == 0.15
+    raised = _decide(tiers=[throttled])
+    assert raised.ratio > 0.15 and "load-bound" in raised.reason
+    assert raised.est_recompute_s == pytest.approx(raised.est_load_s, rel=0.01)  # loading hidden
+
+
+def test_go_when_fused_beats_prefill():
+    d = _decide(tiers=[MEMORY])
+    assert d.fuse and d.reason.startswith("go: ") and d.tier == "memory"
+    assert d.est_fused_s == max(d.est_load_s, d.est_recompute_s) < d.est_prefill_s
+
+
+def test_no_go_slow_tier_and_force_fuse():
+    d = _decide(tiers=[TierFigures("disk", 0.05e9, 0)])
+    assert not d.fuse and d.reason.startswith("no-go: ") and "slow tier disk" in d.reason
+    assert d.est_fused_s >= d.est_prefill_s
+    forced = _decide(tiers=[TierFigures("disk", 0.05e9, 0)], force_fuse=True)
+    assert forced.fuse and forced.reason.startswith("force_fuse: ")
+
+
+def test_no_go_tiny_prompt():
+    tiny = RequestShape(num_tokens=8, num_layers=32, num_full_layers=1, num_candidates=4, num_forced=4,
+                        bytes_to_load=64 * 1024)
+    d = _decide(shape=tiny)
+    assert not d.fuse and "recompute-bound" in d.reason  # per-layer fixed costs beat a tiny prefill
+
+
+def test_fixed_mode_uses_fixed_ratio_and_validates():
+    d = _decide(tiers=[DISK], ratio_mode="fixed", fixed_ratio=0.5)
+    assert d.ratio == 0.5 and d.reason.endswith("fixed ratio 0.500")
+    with pytest.raises(ConfigError, match="ratio_mode"):
+        _decide(ratio_mode="auto")
+    with pytest.raises(ConfigError, match="r_min"):
+        _decide(r_min=0.5, r_max=0.2)
+
+
+def test_choose_tier_cheapest_without_delay_else_fastest():
+    tiers = [MEMORY, DISK, SLOW_DISK]
+    budget = recompute_time(SHAPE, FIG, 0.5)
+    assert load_time(SHAPE, DISK) <= budget < load_time(SHAPE, SLOW_DISK)
+    assert choose_tier(SHAPE, FIG, tiers, 0.5) == DISK
+    assert choose_tier(SHAPE, FIG, tiers, 0.15) == MEMORY  # disk would add delay at r = 0.15
+    assert choose_tier(SHAPE, FIG, [DISK, TierFigures("disk2", 4e9, 1)], 0.5).name == "disk2"  # tie: faster
+    huge = RequestShape(4000, 32, 1, 3000, 100, 100_000 * MB)
+    assert choose_tier(huge, FIG, tiers, 0.15) == MEMORY  # nothing hides loading: fastest
+    with pytest.raises(ValueError):
+        choose_tier(SHAPE, FIG, [], 0.15)
+
+
+def test_preload_depth_formula():
+    assert preload_depth(32, 1.0, 2.0) == math.ceil(31 * 0.5 + 1) == 17
+    assert preload_depth(32, 1.0, 10.0) == math.ceil(31 * 0.9 + 1) == 29
+    assert preload_depth(5, 1.0, 2.0) == 3  # Cache-Craft Fig. 19
+    assert preload_depth(32, 2.0, 1.0) == 1
+    assert preload_depth(32, 1.0, 1.0) == 1
+    assert preload_depth(1, 1.0, 100.0) == 1
+    assert preload_depth(32, 0.0, 1.0) == 32
+
+
+def test_ema_seed_and_convergence():
+    e = EmaEstimator(0.5)
+    assert e.value is None and e.count == 0
+    assert e.update(10.0) == 10.0
+    assert e.update(20.0) == 15.0 and e.count == 2
+    seeded = EmaEstimator(0.3, initial=100.0)
+    for _ in range(60):
+        seeded.update(5.0)
+    assert seeded.value == pytest.approx(5.0, rel=1e-6)
+    with pytest.raises(ValueError):
+        EmaEstimator(0.0)
+
+
+def test_bandwidth_meter_ignores_tiny_loads_and_converges():
+    m = BandwidthMeter(alpha=0.25, min_bytes=MB, probes={"memory": 10e9})
+    assert m.bytes_per_s("disk") is None
+    assert not m.observe("disk", 4096, 1e-6)  # tiny: would read as 4 GB/s
+    assert not m.observe("disk", 8 * MB, 0.0)
+    assert m.bytes_per_s("disk") is None
+    for _ in range(50):
+        assert m.observe("disk", 100 * MB, 100 * MB / 1e9)
+    assert m.bytes_per_s("disk") == pytest.approx(1e9, rel=1e-6)
+    assert m.bytes_per_s("memory") == 10e9
+    figs = {t.name: t for t in m.tier_figures({"memory": 2, "disk": 1, "redis": 0})}
+    assert set(figs) == {"memory", "disk"} and figs["disk"].cost_rank == 1
+
+
+def test_fit_compute_figures_recovers_coefficients():
+    true = ComputeFigures(fixed_s=3e-4, per_row_s=2e-6, per_row_key_s=5e-10)
+    samples = [(r, c, true.layer_time(r, c)) for r in (16, 128, 512, 2048) for c in (512, 2048, 8192)]
+    fit = fit_compute_figures(samples)
+    assert fit.fixed_s == pytest.approx(3e-4, rel=1e-6)
+    assert fit.per_row_s == pytest.approx(2e-6, rel=1e-6)
+    assert fit.per_row_key_s == pytest.approx(5e-10, rel=1e-6)
+
+
+def test_fit_compute_figures_non_negative_and_few_samples():
+    # a decreasing trend would need a negative slope: clamped to 0
+    fit = fit_compute_figures([(10, 100, 5.0), (20, 100, 4.0), (30, 200, 3.0), (40, 300, 2.0)])
+    assert min(fit.fixed_s, fit.per_row_s, fit.per_row_key_s) >= 0.0
+    base = ComputeFigures(fixed_s=1.0, per_row_s=1.0, per_row_key_s=0.0, prefill_fixed_s=7.0)
+    scaled = fit_compute_figures([(9, 50, 20.0)], base=base)  # base predicts 10: scale 2
+    assert (scaled.fixed_s, scaled.per_row_s, scaled.per_row_key_s) == pytest.approx((2.0, 2.0, 0.0))
+    assert scaled.prefill_fixed_s == 7.0
+    only = fit_compute_figures([(100, 10, 1e-3)])
+    assert only.per_row_s == pytest.approx(1e-5) and only.fixed_s == 0.0
+    assert fit_compute_figures([]) == ComputeFigures()
+
+
+def test_fit_prefill_recovers_coefficients():
+    samples = [(n, FIG.prefill_time(n)) for n in (64, 256, 1024, 4096, 16384)]
+    fit = fit_prefill(samples, base=ComputeFigures(fixed_s=1.0))
+    assert fit.fixed_s == 1.0
+    assert fit.prefill_fixed_s == pytest.approx(FIG.prefill_fixed_s, rel=1e-6)
+    assert fit.prefill_per_token_s == pytest.approx(FIG.prefill_per_token_s, rel=1e-6)
+    assert fit.prefill_per_token2_s == pytest.approx(FIG.prefill_per_token2_s, rel=1e-6)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_access_counter_decays_on_injected_clock():
+    clock = FakeClock()
+    c = AccessCounter(half_life_s=10.0, clock=clock)
+    c.record("a")
+    c.record("a")
+    assert c.frequency("a") == 2.0 and c.frequency("b") == 0.0
+    clock.now = 10.0
+    assert c.frequency("a") == pytest.approx(1.0)
+    assert c.record("a") == pytest.approx(2.0)
+    clock.now = 30.0
+    assert c.frequency("a") == pytest.approx(0.5)
+    c.forget("a")
+    assert c.frequency("a") == 0.0
+
+
+def test_placement_moves_promote_and_demote():
+    clock = FakeClock()
+    c = AccessCounter(half_life_s=60.0, clock=clock)
+    for _ in range(5):
+        c.record("hot")
+    c.record("warm")
+    c.record("hot_fastest")
+    c.record("hot_fastest")
+    c.record("hot_fastest")
+    tiers = [DISK, MEMORY, SLOW_DISK]
+    where = {"hot": "disk", "warm": "disk", "cold": "disk", "cold_slowest": "slow_disk",
+             "hot_fastest": "memory", "elsewhere": "redis"}
+    moves = placement_moves(c, where, tiers, hot_threshold=3.0, cold_threshold=0.5)
+    assert moves == [("hot", "disk", "memory"), ("cold", "disk", "slow_disk")]
+    clock.now = 600.0  # everything cools down
+    moves = placement_moves(c, {"hot": "memory"}, tiers, hot_threshold=3.0, cold_threshold=0.5)
+    assert moves == [("hot", "memory", "disk")]
+    with pytest.raises(ValueError):
+        placement_moves(c, where, tiers, hot_threshold=1.0, cold_threshold=1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_tokens=st.integers(1, 32768), num_layers=st.integers(1, 80), full=st.integers(0, 80),
+       cand_frac=st.floats(0.0, 1.0), forced=st.integers(0, 64), num_bytes=st.integers(0, 1 << 34),
+       bps=st.floats(1e6, 1e11), r_min=st.floats(0.0, 1.0), width=st.floats(0.0, 1.0),
+       force=st.booleans())
+def test_decide_properties(num_tokens, num_layers, full, cand_frac, forced, num_bytes, bps, r_min, width,
+                           force):
+    r_max = min(1.0, r_min + width)
+    shape = RequestShape(num_tokens, num_layers, min(full, num_layers), int(cand_frac * num_tokens),
+                         forced, num_bytes)
+    d = decide(shape, FIG, [TierFigures("t", bps, 0), MEMORY], r_min=r_min, r_max=r_max,
+               ratio_mode="controller", fixed_ratio=0.15, force_fuse=force)
+    assert r_min <= d.ratio <= r_max
+    assert d.est_fused_s >= d.est_recompute_s and d.est_fused_s >= d.est_load_s
+    assert 1 <= d.preload_depth <= num_layers
+    assert d.fuse == (force or d.est_fused_s < d.est_prefill_s)
