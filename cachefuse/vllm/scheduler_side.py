@@ -11,21 +11,29 @@ figures arrive (update_connector_output) after request_finished, so they are fil
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint, tokenize_piece
 from cachefuse.config import CacheFuseConfig
+from cachefuse.controller import ComputeFigures, RequestShape, TierFigures, decide
 from cachefuse.errors import RequestError
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
+from cachefuse.select import make_selector
 from cachefuse.store.disk import list_keys
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 
 logger = logging.getLogger(__name__)
+
+# Cheaper storage first (CacheBlend's storage-device choice picks the cheapest tier adding no delay).
+TIER_COST_RANK = {"disk": 0, "memory": 1}
 
 
 def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
@@ -66,6 +74,8 @@ class SchedulerSide:
             vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
         self.index: set[str] = list_keys(config.store_path) if config.disk_capacity_bytes else set()
         self._tokenizer_source = model_config.tokenizer
+        self._model_config = model_config
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._tokenizer = None
         self._pending: dict[str, _Pending] = {}
         self._fallbacks: dict[str, dict[str, Any]] = {}  # req_id -> outcome of a request running as plain vLLM
@@ -100,10 +110,49 @@ class SchedulerSide:
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
         keys = [chunk_key(prompt[s:e], self.key_context) for s, e in fusion.chunks]
+        controller = None
+        if self.config.ratio_mode == "controller":
+            controller = self._decide(fusion, len(prompt), [k in self.index for k in keys])
+            if not controller["fuse"]:
+                self._fall_back(req_id, "no_go", detail=controller["reason"])
+                return 0, False
+            fusion = dataclasses.replace(fusion, recompute_ratio=controller["ratio"])
         outcome = {"status": "planned", "selector": fusion.selector, "recompute_ratio": fusion.recompute_ratio,
                    "chunks": len(keys), "chunks_indexed": sum(k in self.index for k in keys)}
+        if controller is not None:
+            outcome["controller"] = controller
         self._pending[req_id] = _Pending(fusion, prompt, outcome)  # idempotent: a re-call replaces it
         return len(prompt) - 1, False
+
+    def _decide(self, fusion: FusionRequest, num_tokens: int, indexed: list[bool]) -> dict[str, Any]:
+        """The loading controller's choice for one request, from the worker's measured figures."""
+        figures = self.figures
+        samples = figures.get("samples", {})
+        if not figures.get("tiers") or not samples.get("blend_layers") or not samples.get("prefill_steps"):
+            return {"fuse": True, "ratio": fusion.recompute_ratio,
+                    "reason": "no measured figures yet (tier bandwidth, blend and prefill speed): fixed ratio"}
+        num_layers, bytes_per_token = self._kv_geometry()
+        spans = [(s, e) for (s, e), hit in zip(fusion.chunks, indexed, strict=True) if hit]
+        loaded_tokens = sum(e - s for s, e in spans)
+        shape = RequestShape(
+            num_tokens=num_tokens, num_layers=num_layers,
+            num_full_layers=make_selector(fusion.selector, self.config).num_full_layers(num_layers),
+            num_candidates=sum(e - s for s, e in spans if s != 0), num_forced=num_tokens - loaded_tokens,
+            bytes_to_load=loaded_tokens * bytes_per_token)
+        tiers = [TierFigures(name, bps, TIER_COST_RANK.get(name, 0)) for name, bps in figures["tiers"].items()]
+        decision = decide(shape, ComputeFigures(**figures["compute"]), tiers, r_min=fusion.recompute_ratio,
+                          r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
+                          ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,
+                          force_fuse=self.config.force_fuse)
+        return dataclasses.asdict(decision)
+
+    def _kv_geometry(self) -> tuple[int, int]:
+        """(layers, stored K/V bytes per token over all layers, this rank's heads)."""
+        hf = self._model_config.hf_text_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv_heads = max(1, hf.num_key_value_heads // self._tp_size)
+        itemsize = torch.empty(0, dtype=self._model_config.dtype).element_size()
+        return hf.num_hidden_layers, 2 * kv_heads * head_dim * itemsize * hf.num_hidden_layers
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pending = self._pending.get(request.request_id)

@@ -1,0 +1,95 @@
+"""The loading controller in a real engine: the worker's measured figures reach the scheduler, and
+the scheduler's decision (ratio, go/no-go) shapes the request, with injected figures so the
+outcome does not depend on this machine's speed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.vllm_engines import (
+    first_logprobs,
+    generate,
+    precompute,
+    scheduler_connector,
+    start_engine,
+    stop_engine,
+    worker_side,
+)
+
+
+@pytest.fixture(scope="module")
+def family():
+    return "llama"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    llm = start_engine(tiny_model_dir("llama"), tmp_path_factory.mktemp("controller-store"),
+                       ratio_mode="controller", recompute_ratio=0.15)
+    worker_side().figures.bandwidth.min_bytes = 0  # tiny test entries still count as loads
+    g = torch.Generator().manual_seed(5)
+    system, a, c, question = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (10, 60, 50, 9))
+    precompute(llm, system, [a, c])
+    ids = system + a + c + question
+    params = {"cachefuse": {"chunks": [[0, 10], [10, 70], [70, 120]]}}
+    yield llm, ids, params
+    stop_engine(llm)
+
+
+def test_measured_figures_reach_the_scheduler(setup):
+    llm, ids, params = setup
+    generate(llm, [ids], [None])  # a step of plain prefill only: vLLM's own speed
+    generate(llm, [ids], [params])  # a blend: load bandwidth and per-layer compute
+    figures = scheduler_connector(llm)._scheduler.figures
+    assert figures["samples"]["prefill_steps"] >= 1 and figures["samples"]["blend_layers"] >= 4, figures
+    assert figures["tiers"]["memory"] > 0
+    assert figures["compute"]["prefill_per_token_s"] + figures["compute"]["prefill_fixed_s"] > 0
+
+
+def inject(llm, *, bytes_per_s: float, prefill_per_token_s: float, per_row_s: float = 1e-6) -> None:
+    scheduler_connector(llm)._scheduler.figures = {
+        "tiers": {"memory": bytes_per_s},
+        "compute": {"fixed_s": 0.0, "per_row_s": per_row_s, "per_row_key_s": 0.0, "prefill_fixed_s": 0.0,
+                    "prefill_per_token_s": prefill_per_token_s, "prefill_per_token2_s": 0.0},
+        "samples": {"blend_layers": 100, "prefill_steps": 10}}
+
+
+def test_slow_tier_is_a_no_go_and_runs_plain(setup):
+    llm, ids, params = setup
+    (plain,) = generate(llm, [ids], [None])
+    inject(llm, bytes_per_s=1e3, prefill_per_token_s=1e-5)  # loading would take minutes
+    (out,) = generate(llm, [ids], [params])
+    stats = out.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fallback" and stats["fallback_reason"] == "no_go", stats
+    assert stats["detail"].startswith("no-go:") and "slow tier memory" in stats["detail"]
+    assert first_logprobs(out) == first_logprobs(plain)
+    assert scheduler_connector(llm).counters["fallback:no_go"] >= 1
+
+
+def test_force_fuse_overrides_the_no_go(setup):
+    llm, ids, params = setup
+    side = scheduler_connector(llm)._scheduler
+    inject(llm, bytes_per_s=1e3, prefill_per_token_s=1e-5)
+    config = side.config
+    side.config = config.replace(force_fuse=True)
+    try:
+        (out,) = generate(llm, [ids], [params])
+    finally:
+        side.config = config
+    stats = out.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused" and stats["controller"]["reason"].startswith("force_fuse:"), stats
+
+
+def test_fast_tier_fuses_at_r_min_and_slow_loading_raises_r(setup):
+    llm, ids, params = setup
+    inject(llm, bytes_per_s=1e12, prefill_per_token_s=1.0)  # loading free, vLLM's prefill slow
+    (out,) = generate(llm, [ids], [params])
+    stats = out.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused" and stats["recompute_ratio"] == 0.15, stats
+    assert stats["controller"]["reason"].startswith("go:") and "r_min" in stats["controller"]["reason"]
+    inject(llm, bytes_per_s=1e5, prefill_per_token_s=1.0, per_row_s=1e-4)  # loading slower than r_min's compute
+    (out,) = generate(llm, [ids], [params])
+    stats = out.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused" and stats["recompute_ratio"] > 0.15, stats
+    assert "load-bound" in stats["controller"]["reason"]
