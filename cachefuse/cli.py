@@ -2,6 +2,7 @@
 
     cachefuse precompute --model M --chunks chunks.jsonl --store DIR [--system TEXT | --system-file F]
                          [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
+    cachefuse profile --model M --store DIR [--tier memory|disk] [--prompt-tokens N] [--requests N] [--json]
 
 Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,
 parser)` that does the work; bad arguments and input files end in `parser.error` (exit status 2)
@@ -27,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cachefuse", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_precompute(subparsers)
+    _add_profile(subparsers)
     args = parser.parse_args(argv)
     return args.run(args, args.parser)
 
@@ -110,6 +112,86 @@ def _connector_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     return LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
                kv_transfer_config=kv_transfer_config, **kwargs)
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def _add_profile(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure the loading controller's figures on this machine and model",
+        description="Starts an in-process engine with CacheFuseConnector, stores a synthetic RAG prompt's chunks, "
+                    "then times plain vLLM prefills and fused prefills, and prints the figures the worker "
+                    "measured: each tier's read bandwidth, the blend pass's per-layer cost model and vLLM's own "
+                    "prefill speed (what ratio_mode=controller decides from).")
+    p.add_argument("--model", required=True, help="a local checkpoint directory")
+    p.add_argument("--store", required=True, type=Path, help="a store directory (chunks are written there)")
+    p.add_argument("--tier", choices=("memory", "disk"), default="memory",
+                   help="which tier serves the loads (disk: the memory tier is disabled; the OS page cache may "
+                        "still serve reads at memory speed)")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=2048, help="prompt length (default 2048)")
+    p.add_argument("--chunks", type=_positive_int, default=8, help="chunks per prompt (default 8)")
+    p.add_argument("--requests", type=_positive_int, default=5, help="timed requests of each kind (default 5)")
+    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (CacheFuseConfig fields)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM's max_model_len")
+    p.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype")
+    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None, help="vLLM's KV cache size")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(run=_run_profile, parser=p)
+
+
+def _run_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import os
+    import random
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the figures are read from this process's scheduler
+    extra: dict[str, Any] = {"store_dir": str(args.store.expanduser().resolve())}
+    if args.config is not None:
+        extra = {"config_file": str(args.config), **extra}
+    if args.tier == "disk":
+        extra["memory_capacity_bytes"] = 0
+    try:
+        CacheFuseConfig.from_dict(extra)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    llm = _connector_llm(args, extra)
+    from vllm import SamplingParams
+
+    rng = random.Random(0)
+    vocab = llm.get_tokenizer().vocab_size
+    chunk_len = max(1, (args.prompt_tokens - 96) // args.chunks)
+    pieces = [[rng.randrange(4, vocab) for _ in range(n)] for n in [64] + [chunk_len] * args.chunks + [32]]
+    ids = [t for piece in pieces for t in piece]
+    bounds = [0]
+    for piece in pieces[:-1]:
+        bounds.append(bounds[-1] + len(piece))
+    chunks = [[a, b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def run(selector: str | None) -> None:
+        params = None if selector is None else {"kv_transfer_params": {"cachefuse": {"chunks": chunks,
+                                                                                     "selector": selector}}}
+        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, extra_args=params), use_tqdm=False)
+
+    run("full_prefill")  # stores every chunk (holes are saved)
+    for _ in range(args.requests):
+        run(None)
+        run("cacheblend")
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    figures = connector.figures
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return 0
+    print(f"cachefuse profile: {args.model}, {len(ids)}-token prompt, {args.chunks} chunks, tier {args.tier}")
+    for name, bps in sorted(figures.get("tiers", {}).items()):
+        print(f"  {name:<8} read bandwidth {bps / 1e9:8.3f} GB/s")
+    compute = figures.get("compute", {})
+    print(f"  blend layer:  {compute.get('fixed_s', 0) * 1e3:.3f} ms + {compute.get('per_row_s', 0) * 1e6:.3f} us/row"
+          f" + {compute.get('per_row_key_s', 0) * 1e9:.3f} ns/(row x context)")
+    print(f"  vLLM prefill: {compute.get('prefill_fixed_s', 0) * 1e3:.3f} ms + "
+          f"{compute.get('prefill_per_token_s', 0) * 1e6:.3f} us/token + "
+          f"{compute.get('prefill_per_token2_s', 0) * 1e9:.4f} ns/token^2")
+    print(f"  samples: {figures.get('samples', {})}")
+    return 0
 
 
 def read_chunks_jsonl(path: str | Path) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ from cachefuse.errors import ConfigError
 
 SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random")
 RATIO_MODES = ("fixed", "controller")
+PLACEMENTS = ("lru", "frequency")
 DEVIATIONS = ("k", "v", "kv")
 EVICTION_POLICIES = ("lru",)
 # Bumped whenever the on-disk entry format changes; joins every chunk key through compute_hash().
@@ -54,6 +55,11 @@ class CacheFuseConfig:
     """Seed of the `random` control selector."""
     attention_block_rows: int = 64
     """Selected rows per attention call in the blend pass (sorted blocks with truncated keys)."""
+    preload_depth: int | None = 0
+    """Layers of chunk K/V fetched ahead of the blend pass on a loader thread (docs/loading.md).
+    0: entries are read whole before the pass (serial; the default, since on CPU a page-cache read
+    competes with compute); k >= 1: per-layer pipelined loading, at most k layers buffered;
+    None: derive from measured figures (today: 2)."""
     store_dir: str = "~/.cache/cachefuse"
     """Directory of the local disk tier (the embedded default store)."""
     memory_capacity_bytes: int = 2 << 30
@@ -62,6 +68,15 @@ class CacheFuseConfig:
     """Byte capacity of the disk tier; 0 disables it."""
     eviction_policy: str = "lru"
     """How a full tier picks its victims."""
+    placement: str = "lru"
+    """"lru": a disk hit is copied into memory (memory caches disk); "frequency": chunks move between
+    tiers by decayed access count (placement_hot / placement_cold), see cachefuse/placement.py."""
+    placement_hot: float = 3.0
+    """Decayed access count at which a chunk is promoted to the next faster tier."""
+    placement_cold: float = 0.5
+    """Decayed access count at or below which a chunk leaves its faster tier."""
+    placement_half_life_s: float = 600.0
+    """Half-life of the access counts, in seconds."""
     save_holes: bool = True
     """Store chunks the blend pass computed in full (holes) as new variants."""
     max_blend_tokens_per_step: int = 16384
@@ -95,12 +110,22 @@ class CacheFuseConfig:
             _fail("random_seed", self.random_seed, "an integer")
         if not _is_int(self.attention_block_rows) or not 1 <= self.attention_block_rows <= 4096:
             _fail("attention_block_rows", self.attention_block_rows, "an integer in 1..4096")
+        if self.preload_depth is not None and (not _is_int(self.preload_depth) or self.preload_depth < 0):
+            _fail("preload_depth", self.preload_depth, "null or an integer >= 0")
         if not isinstance(self.store_dir, str) or not self.store_dir:
             _fail("store_dir", self.store_dir, "a non-empty directory path")
         for name in ("memory_capacity_bytes", "disk_capacity_bytes"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail(name, value, "an integer number of bytes >= 0")
+        if self.placement not in PLACEMENTS:
+            _fail("placement", self.placement, f"one of {', '.join(PLACEMENTS)}")
+        for name in ("placement_hot", "placement_cold", "placement_half_life_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                _fail(name, value, "a positive number")
+        if not self.placement_cold < self.placement_hot:
+            _fail("placement_cold", self.placement_cold, f"a number below placement_hot={self.placement_hot!r}")
         if not isinstance(self.save_holes, bool):
             _fail("save_holes", self.save_holes, "true or false")
         if not _is_int(self.max_blend_tokens_per_step) or self.max_blend_tokens_per_step < 1:

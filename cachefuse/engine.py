@@ -1,8 +1,10 @@
 """FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
 
-Imports cachefuse.{chunks, config, fusor, select, store}; never vllm. The reference engine (demo,
+Imports cachefuse.{chunks, config, fusor, loader, select, store}; never vllm. The reference engine (demo,
 benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
-same steps over its own adapter.
+same steps over its own adapter. With `preload_depth` >= 1 (or None) chunk K/V are fetched layer by
+layer during the pass (docs/loading.md); a layer that misses mid-pass re-runs the pass with that
+chunk as a hole.
 
 ```
 | system (chunk 0) | chunk A (hit) | chunk B (miss: hole, saved) | question | last |
@@ -23,11 +25,15 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
+from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
 from cachefuse.select import Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_PRELOAD_DEPTH = 2
+"""preload_depth=None's depth until it is derived from measured figures (loader.preload_depth)."""
 
 
 @dataclass
@@ -133,8 +139,8 @@ class FusionEngine:
         start = self.clock()
         load_seconds, load_bytes = Counter(), Counter()
         with self.store.pinned(list(keys.values())):
-            loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector_obj)
+            result, loaded, miss_reasons, bytes_loaded = self._fuse(ids, segments, keys, ratio, selector_obj,
+                                                                    load_seconds, load_bytes)
         blend_time = self.clock() - start
         saved_keys, save_failures = self._save_holes(result, segments, keys) if save_holes else ((), 0)
         last = result.rows_per_layer[-1]
@@ -145,12 +151,66 @@ class FusionEngine:
             chunks_missed=len(keys) - len(loaded),
             tokens_reused=num_loaded - (num_loaded if last is None else int(_loaded_rows_in(last, segments, loaded))),
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
-            bytes_loaded=sum(entry.nbytes for entry in loaded.values()), blend_time_s=blend_time,
+            bytes_loaded=bytes_loaded, blend_time_s=blend_time,
             holes_saved=len(saved_keys), saved_keys=saved_keys, save_failures=save_failures,
             miss_reasons=dict(miss_reasons), load_seconds_by_tier=dict(load_seconds),
             load_bytes_by_tier=dict(load_bytes), layer_seconds=list(result.layer_seconds),
             layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer])
         return result, stats
+
+    def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], ratio: float,
+              selector: Selector, load_seconds: Counter, load_bytes: Counter
+              ) -> tuple[FuseResult, dict[int, ChunkKV] | dict[int, str], Counter, int]:
+        """One blend pass: entries read whole first (preload_depth 0) or fetched layer by layer.
+
+        A pipelined pass whose fetch misses mid-pass (LayerUnavailable) cannot turn the layers already
+        computed into a hole, so it is dropped: the miss is counted under its reason and the pass re-runs
+        serially with that key's segments as holes (the output equals a store without that chunk).
+
+        Returns:
+            the result, the loaded segments (index -> entry or key), misses by reason, bytes loaded.
+        """
+        depth = self.config.preload_depth
+        depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
+        if depth == 0:
+            loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector)
+            return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
+        miss_reasons = Counter()
+        fetched = {}
+        for index, key in keys.items():
+            if self.store.contains(key):
+                fetched[index] = key
+            else:
+                miss_reasons["not_stored"] += 1
+        fetch = self._timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())),
+                            load_seconds, load_bytes)
+        request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
+                              preload_depth=depth)
+        try:
+            return self.fusor.fuse(request, selector), fetched, miss_reasons, sum(load_bytes.values())
+        except LayerUnavailable as exc:
+            logger.warning("chunk %s missed at layer %d mid-pass (%s): re-running the pass with it as a hole",
+                           exc.key, exc.layer, exc.reason)
+            missed = exc
+        load_seconds.clear()
+        load_bytes.clear()
+        reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
+        rest = {index: key for index, key in keys.items() if key != missed.key}
+        loaded, more = self._load(segments, rest, load_seconds, load_bytes)
+        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector)
+        return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
+
+    def _timed(self, fetch: FetchLayer, load_seconds: Counter, load_bytes: Counter) -> FetchLayer:
+        """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass)."""
+        def timed_fetch(layer: int) -> LayerKV:
+            start = self.clock()
+            out = fetch(layer)
+            tier = getattr(self.store, "last_hit_tier", None) or getattr(self.store, "name", "store")
+            load_seconds[tier] += self.clock() - start
+            load_bytes[tier] += sum(k.nbytes + v.nbytes for k, v in out.values())
+            return out
+        return timed_fetch
 
     def _load(self, segments: list[Segment], keys: dict[int, str], load_seconds: Counter,
               load_bytes: Counter) -> tuple[dict[int, ChunkKV], Counter]:
@@ -199,7 +259,8 @@ class FusionEngine:
         return tuple(saved), failures
 
 
-def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment], loaded: dict[int, ChunkKV]) -> int:
+def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],
+                    loaded: dict[int, ChunkKV] | dict[int, str]) -> int:
     """How many of `rows` fall inside loaded segments."""
     count = 0
     for index in loaded:

@@ -1,11 +1,13 @@
 """Fusor: the layer-wise blend pass (CacheBlend section 4, generalised over selectors).
 
-Imports torch, cachefuse.{adapters.base, attention, chunks, ops, select, store.base}; never vllm.
+Imports torch, cachefuse.{adapters.base, attention, chunks, loader, ops, select, store.base}; never vllm.
 Given a prompt, its segments and the loaded RoPE-stripped chunk caches, it re-rotates cached K to
 target positions, runs the selector's full layers over every row, then recomputes only the
 selected rows plus the forced ones (holes, undeclared tokens, question, last token), attending
 with an exact per-query causal mask over the merged K/V. Stored tensors are only ever read: every
-merged K/V is a new tensor.
+merged K/V is a new tensor. Chunk K/V come whole (`FuseRequest.loaded`) or layer by layer from a fetch
+(`FuseRequest.fetch_layer`), pipelined on a loader thread that also re-rotates K (docs/loading.md);
+both give the same bytes.
 
 ```
 | system (loaded) | chunk A (loaded, candidates) | chunk B (hole) | question | last |
@@ -27,6 +29,7 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, rows_attention
 from cachefuse.chunks import Segment
+from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, PipelinedLoader, SerialLoader
 from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
@@ -45,6 +48,13 @@ class FuseRequest:
     """Segment index -> its stored K/V; a declared chunk absent here is a hole (computed in full)."""
     ratio: float
     """Recompute ratio over the candidate rows (DESIGN.md, Definitions)."""
+    fetch_layer: FetchLayer | None = None
+    """Layer -> K/V of the chunks in `fetched` (loader.store_layer_fetcher), called for layers 0..L-1
+    in order. A layer that misses raises loader.LayerUnavailable out of `fuse` (the caller re-runs)."""
+    fetched: Mapping[int, str] = field(default_factory=dict)
+    """Segment index -> chunk key served by `fetch_layer`; loaded like `loaded`, one layer at a time."""
+    preload_depth: int = 1
+    """Layers `fetch_layer` may run ahead on a loader thread; 0 fetches in the pass's own thread."""
 
 
 @dataclass
@@ -77,11 +87,15 @@ class _RequestLayout:
         candidate_segments, self.hole_segments = [], []
         for index, seg in enumerate(request.segments):
             entry = request.loaded.get(index)
-            if entry is None:
+            if index in request.fetched:
+                if entry is not None or request.fetch_layer is None:
+                    raise ValueError(f"segment {index}: fetched needs fetch_layer and excludes loaded")
+            elif entry is None:
                 if seg.is_chunk:
                     self.hole_segments.append(index)
                 continue
-            _check_entry(entry, seg, num_layers)
+            else:
+                _check_entry(entry, seg, num_layers)
             is_loaded[seg.start:seg.end] = True
             if not seg.is_system:
                 is_candidate[seg.start:seg.end] = True
@@ -136,14 +150,19 @@ class Fusor:
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
-        adapter, shape = self.adapter, self.adapter.shape
-        num_layers = shape.num_layers
-        layout = _RequestLayout(request, num_layers, self.reduce_scores)
+        shape = self.adapter.shape
+        layout = _RequestLayout(request, shape.num_layers, self.reduce_scores)
+        num_full = selector.num_full_layers(shape.num_layers)
+        with _LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full) as loaded_kv:
+            return self._fuse(request, selector, layout, loaded_kv)
+
+    def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
+              loaded_kv: _LoadedLayers) -> FuseResult:
+        """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`."""
+        adapter, num_layers = self.adapter, self.adapter.shape.num_layers
         num_full = selector.num_full_layers(num_layers)
         check_layers = selector.check_layers(num_layers)
         positions = torch.arange(layout.num_tokens, dtype=torch.int64)
-        loaded_kv = _LoadedLayers(request, layout.num_tokens, shape, adapter.rope_spec)
-
         rows: torch.Tensor | None = None  # rows whose K/V this layer computes; None: every row
         num_selected = layout.ctx.candidate_rows.numel()
         if num_full == 0:
@@ -155,6 +174,7 @@ class Fusor:
         out_k, out_v, rows_per_layer, layer_seconds = [], [], [], []
         for layer in range(num_layers):
             layer_start = self.clock()
+            loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
             row_positions = positions if rows is None else rows
             x, residual = adapter.attention_input(layer, hidden, residual)
             q_nope, k_nope, v = adapter.project_qkv(layer, x)
@@ -218,31 +238,89 @@ class Fusor:
         return selector.select_at_check(layout.ctx, check_layers.index(layer), kv)
 
 
+@dataclass
+class _Layer:
+    """One layer of every loaded segment, rows in segment order ([num_loaded, num_kv_heads, head_dim])."""
+
+    k_nope: torch.Tensor
+    v: torch.Tensor
+    k: torch.Tensor | None
+    """k_nope rotated at its target positions; None until a layer that merges needs it."""
+
+
 class _LoadedLayers:
-    """Per-layer full-length views of the loaded chunks."""
+    """Full-length views of the loaded chunks, one layer at a time: `advance(layer)` for layers 0, 1, ...
 
-    def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec) -> None:
-        self.request, self.num_tokens, self.shape, self.rope_spec = request, num_tokens, shape, rope_spec
-        self.entries = [request.loaded[i] for i in sorted(request.loaded)]
-        segments = [request.segments[i] for i in sorted(request.loaded)]
+    Whole entries (`request.loaded`) are sliced on first use in the pass's thread. Fetched chunks
+    (`request.fetched`) come through a PipelinedLoader (preload_depth >= 1) whose worker thread also
+    gathers and re-rotates, so layer i+1 is read and rotated while layer i computes, or a SerialLoader.
+    Use it as a context manager: leaving the block joins the loader thread, also on an exception.
+    """
+
+    def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec,
+                 first_merged_layer: int) -> None:
+        self.num_tokens, self.shape, self.rope_spec = num_tokens, shape, rope_spec
+        self.first_merged_layer = first_merged_layer  # layers before it compute every row: no rotation
+        indices = sorted({*request.loaded, *request.fetched})
+        self.sources = [(request.segments[i], request.loaded.get(i), request.fetched.get(i)) for i in indices]
         # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
-        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end) for s in segments]) if segments
-                            else torch.zeros(0, dtype=torch.int64))
+        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end) for s, _, _ in self.sources])
+                            if self.sources else torch.zeros(0, dtype=torch.int64))
+        self.fetch = request.fetch_layer if request.fetched else None
+        self.loader: SerialLoader | PipelinedLoader | None = None
+        if self.fetch is not None:
+            depth = request.preload_depth
+            self.loader = (PipelinedLoader(self._work, shape.num_layers, depth) if depth >= 1
+                           else SerialLoader(self._work, shape.num_layers))
+        self._layer, self._current = -1, None
 
-    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.entries:
+    def __enter__(self) -> _LoadedLayers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.loader is not None:
+            self.loader.close()
+
+    def advance(self, layer: int) -> None:
+        """Make `layer` current (layers in order); re-raises loader.LayerUnavailable at its layer."""
+        self._layer = layer
+        self._current = self.loader.layer(layer) if self.loader is not None else None
+
+    @torch.inference_mode()
+    def _work(self, layer: int) -> _Layer:
+        """Gather (and from the first merged layer on, re-rotate) one layer; the loader thread's work."""
+        fetched: LayerKV = self.fetch(layer) if self.fetch is not None else {}
+        if not self.sources:
             empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype)
-            return empty, empty
-        k_nope = torch.cat([entry.k_nope[layer] for entry in self.entries])  # [num_loaded, kv_heads, head_dim]
-        v = torch.cat([entry.v[layer] for entry in self.entries])
-        return k_nope, v
+            return _Layer(empty, empty, empty)
+        parts = []
+        for seg, entry, key in self.sources:
+            k_nope, v = (entry.k_nope[layer], entry.v[layer]) if entry is not None else fetched[key]
+            if k_nope.shape[0] != seg.length or v.shape[0] != seg.length:
+                raise LayerUnavailable(key, layer, "length_mismatch")
+            parts.append((k_nope, v))
+        k_nope = torch.cat([k for k, _ in parts])  # [num_loaded, num_kv_heads, head_dim]
+        v = torch.cat([v for _, v in parts])
+        k = self._rotate(k_nope) if layer >= self.first_merged_layer else None
+        return _Layer(k_nope, v, k)
+
+    def _rotate(self, k_nope: torch.Tensor) -> torch.Tensor:
+        return ops.apply_rope(k_nope, self.loaded_rows, self.rope_spec)
+
+    def _data(self, layer: int) -> _Layer:
+        if layer != self._layer:
+            raise RuntimeError(f"layer {layer} asked for while layer {self._layer} is current")
+        if self._current is None:
+            self._current = self._work(layer)  # whole entries: gathered here, on first use
+        return self._current
 
     def stripped(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, zeros where nothing is loaded."""
+        data = self._data(layer)
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
         k_nope = torch.zeros(shape, dtype=self.shape.dtype)
         v = torch.zeros(shape, dtype=self.shape.dtype)
-        k_nope[self.loaded_rows], v[self.loaded_rows] = self._gather(layer)
+        k_nope[self.loaded_rows], v[self.loaded_rows] = data.k_nope, data.v
         return k_nope, v
 
     def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,12 +329,12 @@ class _LoadedLayers:
         Rows outside loaded segments are left uninitialised: they are forced rows, which the
         caller overwrites with freshly computed K/V before anything reads them.
         """
+        data = self._data(layer)
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
         k = torch.empty(shape, dtype=self.shape.dtype)
         v = torch.empty(shape, dtype=self.shape.dtype)
-        k_nope, v_loaded = self._gather(layer)
-        k[self.loaded_rows] = ops.apply_rope(k_nope, self.loaded_rows, self.rope_spec)
-        v[self.loaded_rows] = v_loaded
+        k[self.loaded_rows] = data.k if data.k is not None else self._rotate(data.k_nope)
+        v[self.loaded_rows] = data.v
         return k, v
 
 

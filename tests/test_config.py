@@ -35,6 +35,10 @@ INVALID = [
     ("max_recompute_ratio", 0.05),
     ("max_recompute_ratio", 1.5),
     ("force_fuse", "no"),
+    ("placement", "lfu"),
+    ("placement_hot", 0),
+    ("placement_cold", 5.0),
+    ("placement_half_life_s", -1),
 ]
 
 

@@ -25,12 +25,15 @@ class TieredStore:
 
     Args:
         tiers: the tiers, fastest first; may be empty (then every get misses and every put fails).
+        promote_on_hit: copy an entry into the faster tiers when a slower one serves it (the faster
+            tiers then act as LRU caches); False leaves placement to a policy.
     """
 
     last_hit_tier: str | None = None
 
-    def __init__(self, tiers: list[KVStore]) -> None:
+    def __init__(self, tiers: list[KVStore], promote_on_hit: bool = True) -> None:
         self.tiers = list(tiers)
+        self.promote_on_hit = promote_on_hit
 
     @property
     def capacity_bytes(self) -> int:
@@ -65,8 +68,9 @@ class TieredStore:
             if entry is None:
                 continue
             self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
-            for faster in self.tiers[:depth]:
-                faster.put(key, entry)
+            if self.promote_on_hit:  # else a placement policy decides (cachefuse.placement)
+                for faster in self.tiers[:depth]:
+                    faster.put(key, entry)
             return entry
         return None
 

@@ -51,6 +51,11 @@ class CacheFuseConnector(KVConnectorBase_V1):
         """Scheduler side: requests fused and fallbacks by reason since start-up."""
         return self._scheduler.counters
 
+    @property
+    def figures(self) -> dict[str, Any]:
+        """Scheduler side: the worker's latest measured figures (the loading controller's inputs)."""
+        return self._scheduler.figures
+
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

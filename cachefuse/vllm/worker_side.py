@@ -21,6 +21,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError
 from cachefuse.figures import FigureRecorder
+from cachefuse.placement import FrequencyPlacement
 from cachefuse.select import make_selector
 from cachefuse.select.fixed import FixedSelector
 from cachefuse.store.base import StoreIdentity
@@ -58,6 +59,11 @@ class WorkerSide:
                            config.memory_capacity_bytes, config.disk_capacity_bytes)
         key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash())
         self.engine = FusionEngine(self.adapter, store, key_context, config)
+        self.placement = None
+        if config.placement == "frequency" and len(store.tiers) > 1:
+            store.promote_on_hit = False
+            self.placement = FrequencyPlacement(store, config.placement_hot, config.placement_cold,
+                                                config.placement_half_life_s, time.monotonic)
         if tp_size > 1:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
@@ -112,6 +118,10 @@ class WorkerSide:
             self._write_kv(result, layers, slot_mapping[: len(plan.token_ids) - 1])
         self._meta.saved_keys.extend(stats.saved_keys)
         self.figures.observe_blend(stats, len(plan.token_ids))
+        if self.placement is not None:
+            self.placement.record(self.engine.key(plan.token_ids[s:e]) for s, e in plan.chunks)
+            for key, source, target in self.placement.apply():
+                logger.debug("cachefuse placement: %s %s -> %s", key, source, target)
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
         figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
         return figures

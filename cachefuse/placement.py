@@ -1,0 +1,75 @@
+"""Tier placement by access frequency: hot chunks move to faster tiers, cold ones leave them.
+
+Imports cachefuse.controller (AccessCounter, placement_moves) and cachefuse.store; the worker owns
+the one instance (it is the store's single writer). With `placement="frequency"` the tiered store
+stops promoting on every hit (`promote_on_hit=False`), and this policy decides instead: a chunk
+whose decayed access count reaches `hot` is copied into the next faster tier; one that falls to
+`cold` is dropped from its faster tier (the slower tier keeps it: puts write through). With
+`placement="lru"` (the default) the faster tier is an LRU cache of the slower one and this policy
+is not used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from cachefuse.controller import AccessCounter, TierFigures, placement_moves
+from cachefuse.store.tiered import TieredStore
+
+logger = logging.getLogger(__name__)
+
+
+class FrequencyPlacement:
+    """Applies placement_moves to a TieredStore (tiers fastest first, e.g. memory over disk).
+
+    Args:
+        store: the tiered store; its tiers' `name` attributes label them.
+        hot, cold: decayed access counts that promote / demote (cold < hot).
+        half_life_s: how fast counts decay, in `clock` units.
+        clock: time source (injectable: tests never wait).
+    """
+
+    def __init__(self, store: TieredStore, hot: float, cold: float, half_life_s: float,
+                 clock: Callable[[], float]) -> None:
+        self.store, self.hot, self.cold = store, hot, cold
+        self.counter = AccessCounter(half_life_s, clock)
+        # Only the order matters to placement_moves: rank the tiers fastest first.
+        count = len(store.tiers)
+        self.tier_order = [TierFigures(tier.name, float(count - i), i) for i, tier in enumerate(store.tiers)]
+        self._by_name = {tier.name: tier for tier in store.tiers}
+        self._known: set[str] = set()
+
+    def record(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.counter.record(key)
+            self._known.add(key)
+
+    def apply(self) -> list[tuple[str, str, str]]:
+        """Performs this moment's moves; returns them as (key, from_tier, to_tier)."""
+        where = {}
+        for key in list(self._known):
+            fastest = next((tier.name for tier in self.store.tiers if tier.contains(key)), None)
+            if fastest is None:
+                self._known.discard(key)  # evicted everywhere: nothing to place
+                self.counter.forget(key)
+            else:
+                where[key] = fastest
+        moves = placement_moves(self.counter, where, self.tier_order, self.hot, self.cold)
+        done = []
+        for key, source, target in moves:
+            if self._move(key, self._by_name[source], self._by_name[target]):
+                done.append((key, source, target))
+        return done
+
+    def _move(self, key: str, source, target) -> bool:
+        order = [tier.name for tier in self.store.tiers]
+        if order.index(target.name) < order.index(source.name):  # promotion
+            entry = source.get(key)
+            return entry is not None and target.put(key, entry)
+        if not target.contains(key):  # demoting the only copy: write it below first
+            entry = source.get(key)
+            if entry is None or not target.put(key, entry):
+                return False
+        source.remove(key)
+        return True

@@ -1,0 +1,68 @@
+"""Frequency placement over memory-over-disk: hot chunks are promoted into memory, cold ones leave
+it (disk keeps them); with the policy on, a disk hit alone no longer promotes."""
+
+from cachefuse.placement import FrequencyPlacement
+from cachefuse.store.tiered import TieredStore, open_store
+from tests.helpers.store import IDENTITY, make_entry
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store(tmp_path) -> TieredStore:
+    store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=1 << 20, disk_capacity_bytes=1 << 20)
+    store.promote_on_hit = False
+    return store
+
+
+def test_hot_key_is_promoted_and_cold_key_demoted(tmp_path):
+    store = make_store(tmp_path)
+    memory, disk = store.tiers
+    for i, key in enumerate(("hot01", "cold1")):
+        disk.put(key, make_entry(7, seed=i))
+    memory.put("cold1", make_entry(7, seed=1))
+    clock = FakeClock()
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=10.0, clock=clock)
+    for _ in range(4):
+        assert store.get("hot01") is not None
+        policy.record(["hot01"])
+    assert not memory.contains("hot01")  # served from disk, not promoted on hit
+    policy.record(["cold1"])
+    clock.now = 30.0  # three half-lives: cold1 decays to 0.125, hot01 to 0.5
+    assert policy.apply() == [("cold1", "memory", "disk")]
+    assert not memory.contains("cold1") and disk.contains("cold1")
+    for _ in range(3):
+        policy.record(["hot01"])
+    assert policy.apply() == [("hot01", "disk", "memory")]
+    assert memory.contains("hot01") and store.get("hot01") is not None and store.last_hit_tier == "memory"
+
+
+def test_demoting_the_only_copy_writes_it_below_first(tmp_path):
+    store = make_store(tmp_path)
+    memory, disk = store.tiers
+    memory.put("only1", make_entry(5))
+    clock = FakeClock()
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1.0, clock=clock)
+    policy.record(["only1"])
+    clock.now = 10.0
+    assert policy.apply() == [("only1", "memory", "disk")]
+    assert disk.contains("only1") and not memory.contains("only1")
+
+
+def test_evicted_keys_are_forgotten(tmp_path):
+    store = make_store(tmp_path)
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1.0, clock=FakeClock())
+    policy.record(["gone1"])
+    assert policy.apply() == [] and "gone1" not in policy._known
+
+
+def test_default_store_still_promotes_on_hit(tmp_path):
+    store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=1 << 20, disk_capacity_bytes=1 << 20)
+    memory, disk = store.tiers
+    disk.put("key01", make_entry(3))
+    assert store.get("key01") is not None and memory.contains("key01")
