@@ -33,7 +33,7 @@ from cachefuse.store.base import ChunkKV, KVStore
 logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD_DEPTH = 2
-"""preload_depth=None's depth until it is derived from measured figures (loader.preload_depth)."""
+"""preload_depth=None's depth when no measured figures gave one (the controller's L_p, in the vLLM worker)."""
 
 
 @dataclass
@@ -124,10 +124,11 @@ class FusionEngine:
 
     def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]], *,
                 selector: str | Selector | None = None, ratio: float | None = None,
-                save_holes: bool = True) -> tuple[FuseResult, FusionStats]:
+                save_holes: bool = True, preload_depth: int | None = None) -> tuple[FuseResult, FusionStats]:
         """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets).
 
-        `selector` is a registry name (built from the config) or a ready Selector instance.
+        `selector` is a registry name (built from the config) or a ready Selector instance;
+        `preload_depth` overrides the config's (the loading controller's L_p for this request).
         """
         selector = selector or self.config.selector
         selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
@@ -140,7 +141,7 @@ class FusionEngine:
         load_seconds, load_bytes = Counter(), Counter()
         with self.store.pinned(list(keys.values())):
             result, loaded, miss_reasons, bytes_loaded = self._fuse(ids, segments, keys, ratio, selector_obj,
-                                                                    load_seconds, load_bytes)
+                                                                    load_seconds, load_bytes, preload_depth)
         blend_time = self.clock() - start
         saved_keys, save_failures = self._save_holes(result, segments, keys) if save_holes else ((), 0)
         last = result.rows_per_layer[-1]
@@ -159,7 +160,7 @@ class FusionEngine:
         return result, stats
 
     def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], ratio: float,
-              selector: Selector, load_seconds: Counter, load_bytes: Counter
+              selector: Selector, load_seconds: Counter, load_bytes: Counter, depth: int | None = None
               ) -> tuple[FuseResult, dict[int, ChunkKV] | dict[int, str], Counter, int]:
         """One blend pass: entries read whole first (preload_depth 0) or fetched layer by layer.
 
@@ -170,7 +171,7 @@ class FusionEngine:
         Returns:
             the result, the loaded segments (index -> entry or key), misses by reason, bytes loaded.
         """
-        depth = self.config.preload_depth
+        depth = self.config.preload_depth if depth is None else depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if depth == 0:
             loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)

@@ -37,6 +37,8 @@ class BlendPlan:
     error_block_ids: list[int]
     """The blocks covering 0..N-2 (cachefuse's hit): reported as load errors if the blend fails."""
     selected_rows: tuple[int, ...] | None = None
+    preload_depth: int | None = None
+    """The controller's L_p for this request (config preload_depth null); None: the config's."""
 
 
 @dataclass

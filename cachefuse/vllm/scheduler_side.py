@@ -177,13 +177,16 @@ class SchedulerSide:
         return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
 
     def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
+        depth = None
+        if self.config.preload_depth is None:  # derived: the controller's L_p when it decided
+            depth = (pending.outcome.get("controller") or {}).get("preload_depth")
         num_tokens, bs = len(pending.token_ids), self.block_size
         slots = [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
         fusion = pending.request
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
                          slots, block_ids[: (num_tokens + bs - 1) // bs], block_ids[:num_hit_blocks],
-                         fusion.selected_rows)
+                         fusion.selected_rows, depth)
 
     # ------------------------------------------------------------------ outcomes
 

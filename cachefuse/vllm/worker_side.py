@@ -111,7 +111,8 @@ class WorkerSide:
                 layers, self.layer_names, slot_mapping, torch.tensor([plan.block_ids], dtype=torch.int32))
         try:
             result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
-                                                ratio=plan.recompute_ratio, save_holes=self.config.save_holes)
+                                                ratio=plan.recompute_ratio, save_holes=self.config.save_holes,
+                                                preload_depth=plan.preload_depth)
         finally:
             self.engine.fusor.attention_backend = None
         if not self.paged_attention:

@@ -93,3 +93,28 @@ def test_fast_tier_fuses_at_r_min_and_slow_loading_raises_r(setup):
     stats = out.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fused" and stats["recompute_ratio"] > 0.15, stats
     assert "load-bound" in stats["controller"]["reason"]
+
+
+def test_derived_preload_depth_pipelines_with_the_same_output(setup, monkeypatch):
+    llm, ids, params = setup
+    side = scheduler_connector(llm)._scheduler
+    depths = []
+    original = worker_side().engine.prefill
+
+    def spy(*args, **kwargs):
+        depths.append(kwargs.get("preload_depth"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(worker_side().engine, "prefill", spy)
+    inject(llm, bytes_per_s=1e5, prefill_per_token_s=1.0, per_row_s=1e-4)
+    (serial,) = generate(llm, [ids], [params])  # config preload_depth 0: serial
+    config = side.config
+    side.config = config.replace(preload_depth=None)  # derived from the controller's decision
+    try:
+        inject(llm, bytes_per_s=1e5, prefill_per_token_s=1.0, per_row_s=1e-4)
+        (pipelined,) = generate(llm, [ids], [params])
+    finally:
+        side.config = config
+    decided = pipelined.kv_transfer_params["cachefuse"]["controller"]["preload_depth"]
+    assert depths == [None, decided] and decided >= 1
+    assert first_logprobs(pipelined) == first_logprobs(serial)
