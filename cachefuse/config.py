@@ -41,6 +41,8 @@ class CacheFuseConfig:
     from measured figures, and runs a request as plain vLLM when fusing would not be faster."""
     max_recompute_ratio: float = 1.0
     """Upper bound of the controller's ratio (r_max)."""
+    controller_margin: float = 0.1
+    """Fuse only if the estimated fused time is this fraction below vLLM's own prefill (the estimates are fits)."""
     force_fuse: bool = False
     """Disable the controller's go/no-go (tests, or when the measured figures are known to mislead)."""
     cacheblend_check_layers: tuple[int, ...] = (1,)
@@ -99,6 +101,9 @@ class CacheFuseConfig:
         if (isinstance(self.max_recompute_ratio, bool) or not isinstance(self.max_recompute_ratio, int | float)
                 or not self.recompute_ratio <= self.max_recompute_ratio <= 1.0):
             _fail("max_recompute_ratio", self.max_recompute_ratio, "a number in recompute_ratio..1.0")
+        if (isinstance(self.controller_margin, bool) or not isinstance(self.controller_margin, int | float)
+                or not 0.0 <= self.controller_margin < 1.0):
+            _fail("controller_margin", self.controller_margin, "a number in 0.0..1.0 (exclusive)")
         if not isinstance(self.force_fuse, bool):
             _fail("force_fuse", self.force_fuse, "true or false")
         self._validate_cacheblend()

@@ -265,6 +265,48 @@ def preload_depth(num_layers: int, t_prefill_layer: float, t_load_layer: float) 
     return min(num_layers, max(1, math.ceil(depth - 1e-9)))
 
 
+def pipeline_finish(layer_compute_s: Sequence[float], layer_load_s: float, depth: int) -> float:
+    """When a pipelined pass ends: one loader thread reads layer after layer (`layer_load_s` each),
+    at most `depth` layers ahead of the compute, which needs layer i loaded before it starts."""
+    loaded_at: list[float] = []
+    compute_start: list[float] = []
+    compute_end = 0.0
+    for i, compute in enumerate(layer_compute_s):
+        # The loader may start layer i once layer i - depth has been consumed (its compute began).
+        free_at = 0.0 if i < depth else compute_start[i - depth]
+        start = max(loaded_at[-1] if loaded_at else 0.0, free_at)
+        loaded_at.append(start + layer_load_s)
+        compute_start.append(max(compute_end, loaded_at[i]))
+        compute_end = compute_start[i] + compute
+    return compute_end
+
+
+def pipeline_depth(layer_compute_s: Sequence[float], layer_load_s: float, slack: float = 0.02) -> int:
+    """The smallest depth whose pipelined pass ends within `slack` of the deepest one's.
+
+    Eq. 16 (preload_depth) assumes every layer computes alike; CacheBlend's full layers are several
+    times heavier than the selective ones, and while they run a depth-1 loader sits idle. Simulating
+    the pipeline over the per-layer estimates sizes the buffer for the real profile.
+    """
+    num_layers = len(layer_compute_s)
+    if num_layers == 0:
+        return 1
+    best = pipeline_finish(layer_compute_s, layer_load_s, num_layers)
+    for depth in range(1, num_layers + 1):
+        if pipeline_finish(layer_compute_s, layer_load_s, depth) <= best * (1.0 + slack):
+            return depth
+    return num_layers
+
+
+def layer_compute_times(shape: RequestShape, figures: ComputeFigures, ratio: float) -> list[float]:
+    """Estimated compute of each layer of the blend pass at `ratio` (full layers, then selective)."""
+    rows = math.ceil(ratio * shape.num_candidates - 1e-9) + shape.num_forced
+    full = figures.layer_time(shape.num_tokens, shape.num_tokens)
+    selective = figures.layer_time(min(rows, shape.num_tokens), shape.num_tokens)
+    num_full = min(shape.num_full_layers, shape.num_layers)
+    return [full] * num_full + [selective] * (shape.num_layers - num_full)
+
+
 def choose_tier(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFigures],
                 ratio: float) -> TierFigures:
     """CacheBlend E11: the cheapest tier whose load time <= recompute time at `ratio` (adds no delay).
@@ -281,14 +323,17 @@ def choose_tier(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[Ti
 
 
 def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFigures], *,
-           r_min: float, r_max: float, ratio_mode: str, fixed_ratio: float, force_fuse: bool) -> Decision:
+           r_min: float, r_max: float, ratio_mode: str, fixed_ratio: float, force_fuse: bool,
+           margin: float = 0.1) -> Decision:
     """Ratio, tier, preload depth and go/no-go for one request.
 
     `tiers` are where the request's bytes may be read from (one tier: where they are). "fixed" uses
     `fixed_ratio` and the cheapest tier hiding loading at it; "controller" picks the cheapest tier
     hiding loading at r_min, then raises r against that tier (choose_ratio). Fuse only if the
-    estimated fused TTFT max(load, recompute) is below vLLM's own prefill of the prompt, unless
-    `force_fuse`.
+    estimated fused TTFT max(load, recompute) is below vLLM's own prefill of the prompt by `margin`
+    (the estimates are fits: a thin predicted win is not a win), and fewer than every row is
+    recomputed (at r = 1 the pass is a full prefill plus loading), unless `force_fuse`. The preload
+    depth comes from simulating the pipeline over the per-layer estimates (pipeline_depth).
     """
     if ratio_mode not in RATIO_MODES:
         raise ConfigError(f"ratio_mode={ratio_mode!r} is invalid: expected one of {RATIO_MODES}")
@@ -306,15 +351,17 @@ def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFig
     est_fused = max(est_load, est_recompute)
     est_prefill = figures.prefill_time(shape.num_tokens)
     layers = max(1, shape.num_layers)
-    depth = preload_depth(layers, est_recompute / layers, est_load / layers)
+    depth = pipeline_depth(layer_compute_times(shape, figures, ratio), est_load / layers)
     cmp = f"estimated fused {est_fused * 1e3:.1f} ms"
     vllm = f"vLLM prefill {est_prefill * 1e3:.1f} ms"
-    if est_fused < est_prefill:
-        fuse, verdict = True, f"go: {cmp} < {vllm}"
+    if est_fused < (1.0 - margin) * est_prefill and ratio < 1.0:
+        fuse, verdict = True, f"go: {cmp} < {vllm} less {margin:.0%}"
     else:
         bound = f"slow tier {tier.name}" if est_load >= est_recompute else f"recompute-bound at r={ratio:.3f}"
+        if ratio >= 1.0:
+            bound = f"every row recomputed (r={ratio:.2f}): a full prefill plus loading; {bound}"
         fuse = force_fuse
-        verdict = f"{'force_fuse' if force_fuse else 'no-go'}: {cmp} >= {vllm} ({bound})"
+        verdict = f"{'force_fuse' if force_fuse else 'no-go'}: {cmp} >= {vllm} less {margin:.0%} ({bound})"
     return Decision(fuse=fuse, ratio=ratio, tier=tier.name, reason=f"{verdict}; {why}", est_fused_s=est_fused,
                     est_prefill_s=est_prefill, est_load_s=est_load, est_recompute_s=est_recompute,
                     preload_depth=depth)

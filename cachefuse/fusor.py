@@ -153,7 +153,9 @@ class Fusor:
         shape = self.adapter.shape
         layout = _RequestLayout(request, shape.num_layers, self.reduce_scores)
         num_full = selector.num_full_layers(shape.num_layers)
-        with _LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full) as loaded_kv:
+        check_layers = selector.check_layers(shape.num_layers)
+        with _LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
+                           set(check_layers)) as loaded_kv:
             return self._fuse(request, selector, layout, loaded_kv)
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
@@ -258,9 +260,11 @@ class _LoadedLayers:
     """
 
     def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec,
-                 first_merged_layer: int) -> None:
+                 first_merged_layer: int, check_layers: set[int] | frozenset[int] = frozenset()) -> None:
         self.num_tokens, self.shape, self.rope_spec = num_tokens, shape, rope_spec
         self.first_merged_layer = first_merged_layer  # layers before it compute every row: no rotation
+        # A full layer that is no check layer never reads loaded K/V (CacheBlend's layer 0): not fetched.
+        self.unread_layers = set(range(first_merged_layer)) - set(check_layers)
         indices = sorted({*request.loaded, *request.fetched})
         self.sources = [(request.segments[i], request.loaded.get(i), request.fetched.get(i)) for i in indices]
         # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
@@ -289,10 +293,10 @@ class _LoadedLayers:
     @torch.inference_mode()
     def _work(self, layer: int) -> _Layer:
         """Gather (and from the first merged layer on, re-rotate) one layer; the loader thread's work."""
-        fetched: LayerKV = self.fetch(layer) if self.fetch is not None else {}
-        if not self.sources:
+        if not self.sources or layer in self.unread_layers:
             empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype)
             return _Layer(empty, empty, empty)
+        fetched: LayerKV = self.fetch(layer) if self.fetch is not None else {}
         parts = []
         for seg, entry, key in self.sources:
             k_nope, v = (entry.k_nope[layer], entry.v[layer]) if entry is not None else fetched[key]

@@ -35,6 +35,7 @@ INVALID = [
     ("max_recompute_ratio", 0.05),
     ("max_recompute_ratio", 1.5),
     ("force_fuse", "no"),
+    ("controller_margin", 1.0),
     ("placement", "lfu"),
     ("placement_hot", 0),
     ("placement_cold", 5.0),

@@ -245,4 +245,28 @@ def test_decide_properties(num_tokens, num_layers, full, cand_frac, forced, num_
     assert r_min <= d.ratio <= r_max
     assert d.est_fused_s >= d.est_recompute_s and d.est_fused_s >= d.est_load_s
     assert 1 <= d.preload_depth <= num_layers
-    assert d.fuse == (force or d.est_fused_s < d.est_prefill_s)
+    assert d.fuse == (force or (d.est_fused_s < 0.9 * d.est_prefill_s and d.ratio < 1.0))
+
+
+def test_pipeline_depth_sizes_the_buffer_for_heavy_full_layers():
+    from cachefuse.controller import pipeline_depth, pipeline_finish
+
+    # CacheBlend-like: two heavy full layers, ten light ones; loading about as slow as the average layer.
+    compute = [0.122, 0.041] + [0.027] * 10
+    load = sum(compute) / len(compute)
+    assert preload_depth(12, sum(compute) / 12, load) == 1  # Eq. 16 on averages: depth 1
+    depth = pipeline_depth(compute, load)
+    assert depth > 1
+    assert pipeline_finish(compute, load, depth) < pipeline_finish(compute, load, 1)
+    assert pipeline_finish(compute, load, depth) <= 1.02 * pipeline_finish(compute, load, 12)
+    assert pipeline_depth([0.01] * 8, 0.001) == 1  # loading far faster: one layer ahead suffices
+
+
+def test_every_row_recomputed_is_a_no_go():
+    shape = RequestShape(num_tokens=1000, num_layers=8, num_full_layers=2, num_candidates=900, num_forced=100,
+                         bytes_to_load=10**9)
+    figures = ComputeFigures(per_row_s=1e-6, prefill_per_token_s=1e-3)
+    slow = TierFigures("disk", 1e6, 0)  # loading takes 1000 s: r climbs to r_max
+    d = decide(shape, figures, [slow], r_min=0.15, r_max=1.0, ratio_mode="controller", fixed_ratio=0.15,
+               force_fuse=False)
+    assert d.ratio == 1.0 and not d.fuse and "every row recomputed" in d.reason

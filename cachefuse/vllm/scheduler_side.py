@@ -143,7 +143,7 @@ class SchedulerSide:
         decision = decide(shape, ComputeFigures(**figures["compute"]), tiers, r_min=fusion.recompute_ratio,
                           r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                           ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,
-                          force_fuse=self.config.force_fuse)
+                          force_fuse=self.config.force_fuse, margin=self.config.controller_margin)
         return dataclasses.asdict(decision)
 
     def _kv_geometry(self) -> tuple[int, int]:

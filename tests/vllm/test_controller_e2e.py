@@ -88,7 +88,7 @@ def test_fast_tier_fuses_at_r_min_and_slow_loading_raises_r(setup):
     stats = out.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fused" and stats["recompute_ratio"] == 0.15, stats
     assert stats["controller"]["reason"].startswith("go:") and "r_min" in stats["controller"]["reason"]
-    inject(llm, bytes_per_s=1e5, prefill_per_token_s=1.0, per_row_s=1e-4)  # loading slower than r_min's compute
+    inject(llm, bytes_per_s=6e6, prefill_per_token_s=1.0, per_row_s=1e-4)  # loading between r_min and r=1 compute
     (out,) = generate(llm, [ids], [params])
     stats = out.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fused" and stats["recompute_ratio"] > 0.15, stats
@@ -106,12 +106,12 @@ def test_derived_preload_depth_pipelines_with_the_same_output(setup, monkeypatch
         return original(*args, **kwargs)
 
     monkeypatch.setattr(worker_side().engine, "prefill", spy)
-    inject(llm, bytes_per_s=1e5, prefill_per_token_s=1.0, per_row_s=1e-4)
+    inject(llm, bytes_per_s=6e6, prefill_per_token_s=1.0, per_row_s=1e-4)
     (serial,) = generate(llm, [ids], [params])  # config preload_depth 0: serial
     config = side.config
     side.config = config.replace(preload_depth=None)  # derived from the controller's decision
     try:
-        inject(llm, bytes_per_s=1e5, prefill_per_token_s=1.0, per_row_s=1e-4)
+        inject(llm, bytes_per_s=6e6, prefill_per_token_s=1.0, per_row_s=1e-4)
         (pipelined,) = generate(llm, [ids], [params])
     finally:
         side.config = config
