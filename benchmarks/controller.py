@@ -68,7 +68,7 @@ RATIO = 0.15
 CALIBRATION_RATIOS = (0.15, 0.5)  # two ratios give the compute fit a slope
 PIPELINED_TARGET, CONTROLLER_TARGET = 1.15, 1.05
 SERIES = ("serial", "pipelined", "pipelined_depth_l", "controller", "full")
-LABELS = dict(serial="serial (load, then compute)", pipelined="pipelined, depth from Eq. 16",
+LABELS = dict(serial="serial (load, then compute)", pipelined="pipelined, depth from pipeline_depth",
               pipelined_depth_l="pipelined, depth L (diagnostic)", controller="controller (r chosen)",
               full="full prefill")
 
