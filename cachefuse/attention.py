@@ -3,7 +3,7 @@
 Imports only torch. `rows_attention` is the specification (and CPU path) of the sparse-query
 attention kernel: a query at position p sees exactly the keys at positions <= p, whatever rows
 were selected around it. Rows are processed in sorted blocks, each attending only to keys up to
-its last row's position (key truncation), which research/fused-prefill-prototype.md measured as
+its last row's position (key truncation), which an early prototype measured as
 the fastest exact variant on CPU (10-30% below one dense [R x N] mask).
 """
 

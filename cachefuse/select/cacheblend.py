@@ -1,6 +1,6 @@
 """cacheblend: HKVD selection with gradual filtering (CacheBlend, EuroSys'25, section 4.3).
 
-Choices the paper leaves open (research/seed-cacheblend.md section 9), decided here and documented
+Choices the paper leaves open, decided here and documented
 in docs/selectors.md:
 - Layers 0..c0 run in full, c0 = the first check layer (>= 1: layer-0 K/V cannot deviate).
 - Deviation = squared L2 of fresh minus loaded K (before RoPE: rotation preserves the norm), V, or
