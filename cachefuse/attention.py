@@ -65,3 +65,42 @@ def rows_attention(
             attn_mask=mask[None, None], scale=scale, enable_gqa=True)
         out[begin:end] = block[0].transpose(0, 1)
     return out
+
+
+def segment_attention_mass(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k: torch.Tensor,
+    segment_of_key: torch.Tensor,
+    num_segments: int,
+    scale: float,
+    block_rows: int = 64,
+) -> torch.Tensor:
+    """Softmax attention mass each segment of keys receives from the given rows, summed over rows.
+
+    The Cache-Craft statistics (inter/intra attention) of a chunk computed in full: per segment, the
+    attention weights from the chunk's rows to that segment's keys, with the exact per-query causal
+    mask, computed in row blocks so no [rows x keys] matrix larger than a block is held.
+
+    Args:
+        q: [num_rows, num_heads, head_dim]; q_positions: sorted int64 [num_rows].
+        k: [num_tokens, num_kv_heads, head_dim]; segment_of_key: int64 [num_tokens], each key's segment.
+        num_segments: S.
+
+    Returns:
+        [num_heads, S] fp32: per head, the summed mass on each segment (each row's weights sum to 1).
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    k_heads = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, num_tokens, head_dim]
+    key_ids = torch.arange(k.shape[0], device=k.device)
+    mass = torch.zeros(num_heads, num_segments, dtype=torch.float32, device=q.device)
+    for begin in range(0, q.shape[0], block_rows):
+        end = min(begin + block_rows, q.shape[0])
+        num_keys = int(q_positions[end - 1]) + 1
+        scores = torch.einsum("rhd,hkd->hrk", q[begin:end].float(), k_heads[:, :num_keys]) * scale
+        visible = key_ids[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [heads, block, keys]
+        per_key = probs.sum(dim=1)  # [heads, num_keys]
+        mass.index_add_(1, segment_of_key[:num_keys], per_key)
+    return mass

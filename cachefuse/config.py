@@ -81,6 +81,9 @@ class CacheFuseConfig:
     """Half-life of the access counts, in seconds."""
     save_holes: bool = True
     """Store chunks the blend pass computed in full (holes) as new variants."""
+    collect_attention_stats: bool = False
+    """Gather each hole's attention mass per segment in the blend pass and store it with the variant
+    (Cache-Craft's inter/intra attention, for CCI); costs one extra softmax pass over the hole's rows."""
     max_blend_tokens_per_step: int = 16384
     """Prompt tokens the connector admits for blending per scheduler step; at least one request always runs."""
     separator_token_id: int | None = None
@@ -131,6 +134,8 @@ class CacheFuseConfig:
                 _fail(name, value, "a positive number")
         if not self.placement_cold < self.placement_hot:
             _fail("placement_cold", self.placement_cold, f"a number below placement_hot={self.placement_hot!r}")
+        if not isinstance(self.collect_attention_stats, bool):
+            _fail("collect_attention_stats", self.collect_attention_stats, "true or false")
         if not isinstance(self.save_holes, bool):
             _fail("save_holes", self.save_holes, "true or false")
         if not _is_int(self.max_blend_tokens_per_step) or self.max_blend_tokens_per_step < 1:

@@ -13,6 +13,7 @@ chunk as a hole.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -90,6 +91,7 @@ class FusionEngine:
         self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
+        self.fusor.collect_attention_stats = config.collect_attention_stats
         self.clock = clock
 
     def fusor_full_layers(self, selector: str) -> int:
@@ -250,14 +252,25 @@ class FusionEngine:
             key = keys[index]
             if self.store.contains(key):
                 continue
-            prefix = ",".join(keys[i] for i in sorted(keys) if i < index and not segments[i].is_system)
-            entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec,
-                                     meta={"variant": "fused", "prefix": prefix})
+            prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
+            meta = {"variant": "fused", "prefix": ",".join(keys[i] for i in prefix_ids)}
+            if index in result.hole_attention:
+                meta["attention"] = _attention_meta(result.hole_attention[index], index, prefix_ids, keys, segments)
+            entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec, meta=meta)
             if self.store.put(key, entry):
                 saved.append(key)
             else:
                 failures += 1
         return tuple(saved), failures
+
+
+def _attention_meta(mass: list[float], index: int, prefix_ids: list[int], keys: dict[int, str],
+                    segments: list[Segment]) -> str:
+    """The variant's Cache-Craft statistics as JSON, in cachefuse.meta.Variant's terms: inter-attention
+    to each prefix chunk (declared, non-system, before it), intra-attention, and the token counts."""
+    return json.dumps({
+        "inter": {keys[i]: mass[i] for i in prefix_ids}, "intra": mass[index],
+        "num_tokens": segments[index].length, "prefix_num_tokens": {keys[i]: segments[i].length for i in prefix_ids}})
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],

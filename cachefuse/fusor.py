@@ -27,7 +27,7 @@ import torch
 
 from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
-from cachefuse.attention import causal_attention, rows_attention
+from cachefuse.attention import causal_attention, rows_attention, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, PipelinedLoader, SerialLoader
 from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
@@ -75,6 +75,9 @@ class FuseResult:
     hole_segments: list[int] = field(default_factory=list)
     layer_seconds: list[float] = field(default_factory=list)
     """Time of each layer of the pass (Fusor.clock), the samples of the compute figures."""
+    hole_attention: dict[int, list[float]] = field(default_factory=dict)
+    """With Fusor.collect_attention_stats: hole segment index -> attention mass its rows put on each
+    segment (summed over the hole's rows, averaged over heads and layers; Cache-Craft's inter/intra)."""
 
 
 class _RequestLayout:
@@ -147,6 +150,7 @@ class Fusor:
         self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.attention_backend: Any | None = None
         self.clock: Callable[[], float] = time.perf_counter
+        self.collect_attention_stats = False
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
@@ -174,6 +178,7 @@ class Fusor:
         hidden = adapter.embed(request.token_ids if rows is None else request.token_ids[rows])
         residual = None
         out_k, out_v, rows_per_layer, layer_seconds = [], [], [], []
+        stats = _HoleStats(request.segments, layout) if self.collect_attention_stats and layout.hole_segments else None
         for layer in range(num_layers):
             layer_start = self.clock()
             loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
@@ -189,6 +194,8 @@ class Fusor:
             out_k.append(k_merged)
             out_v.append(v_merged)
             rows_per_layer.append(rows)
+            if stats is not None:  # before q is cut down to the continuing rows
+                stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows)
 
             # Rows that continue to the next layer: only they need this layer's attention and MLP;
             # every row's K/V is already merged above.
@@ -218,7 +225,7 @@ class Fusor:
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
-            layer_seconds=layer_seconds)
+            layer_seconds=layer_seconds, hole_attention={} if stats is None else stats.result(num_layers))
 
     def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
@@ -248,6 +255,27 @@ class _Layer:
     v: torch.Tensor
     k: torch.Tensor | None
     """k_nope rotated at its target positions; None until a layer that merges needs it."""
+
+
+class _HoleStats:
+    """Accumulates, per hole, the attention mass its rows put on each segment, layer by layer."""
+
+    def __init__(self, segments: Sequence[Segment], layout: _RequestLayout) -> None:
+        self.segments, self.holes = list(segments), list(layout.hole_segments)
+        self.segment_of_key = torch.cat([torch.full((s.length,), i, dtype=torch.int64)
+                                         for i, s in enumerate(self.segments)])
+        self.total = {h: torch.zeros(len(self.segments)) for h in self.holes}
+
+    def add_layer(self, q, row_positions, k_merged, scale, block_rows) -> None:
+        for h in self.holes:
+            seg = self.segments[h]
+            index = torch.searchsorted(row_positions, torch.arange(seg.start, seg.end))  # holes are always rows
+            mass = segment_attention_mass(q[index], row_positions[index], k_merged, self.segment_of_key,
+                                          len(self.segments), scale, block_rows)  # [heads, segments]
+            self.total[h] += mass.mean(dim=0)
+
+    def result(self, num_layers: int) -> dict[int, list[float]]:
+        return {h: (total / num_layers).tolist() for h, total in self.total.items()}
 
 
 class _LoadedLayers:

@@ -28,6 +28,7 @@ INVALID = [
     ("disk_capacity_bytes", 1.5),
     ("eviction_policy", "fifo"),
     ("save_holes", "yes"),
+    ("collect_attention_stats", "no"),
     ("max_blend_tokens_per_step", 0),
     ("separator_token_id", -3),
     ("allow_debug_overrides", 1),

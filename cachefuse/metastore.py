@@ -1,0 +1,324 @@
+"""Persistent chunk-variant metadata: one SQLite file (WAL) holding every stored variant's scores.
+
+Imports only the standard library, `cachefuse.meta` (the Cache-Craft math, not repeated here) and
+`cachefuse.errors`; no torch, no vllm: the scheduler reads it. The K/V bytes live in `cachefuse.store`;
+this module holds what Cache-Craft's Metadata Store holds per variant (research seed, §2.2): the ordered
+prefix, inter/intra attention, CCI, the recompute-token ranking, access count, f_r, size and tier.
+
+Choices (each pinned by a test in tests/test_metastore.py):
+
+1. Identity. A variant is one (chunk key, ordered prefix) pair; `variant_id` is the first 16 hex
+   digits of sha256 over the JSON of both, so the same pair always gets the same id. `put` of an
+   existing id is an upsert: every field is replaced (f_r and access_count too) and the variant keeps
+   its insertion order, which `variants()` returns and `choose()` breaks ties by (meta choice 9).
+2. Budget. `max_variants` is N x M, the total number of variants over all chunks; one chunk may own
+   all of them (M is not a per-chunk cap). The per-tier byte budget belongs to the K/V tiers; this
+   store only reports `size_by_tier()`.
+3. Admission evicts on demand: a `put` of a new variant into a full store evicts, in the same
+   transaction, the lowest-f_r unpinned variants (ties: least recently used, then oldest) until the
+   new one fits, and returns them so the caller deletes their K/V. There is no periodic pass.
+   Policy "lru" orders victims by `last_access` instead (ties: lower f_r, then oldest); it exists as
+   the comparison baseline. `last_access` is stamped by the store's clock on `put` and `record_use`.
+4. Pins. `pin(id)` marks a variant in use by a request (nested: n pins need n unpins); a pinned
+   variant is never evicted and `remove()` refuses it. Pins live in memory only: after a restart no
+   request holds one.
+5. Refusal. When the store is full and too few variants are unpinned, `put` raises `StoreError` and
+   changes nothing: the caller drops the K/V it computed (the chunk stays a miss). A refusal is the
+   only way `count()` stays at the budget without admitting; it never exceeds it.
+6. Misses are return values: `get`, `choose` and `record_use` return None for an unknown id/chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from cachefuse import meta
+from cachefuse.errors import ConfigError, StoreError
+
+SCHEMA_VERSION = 1
+POLICIES = ("f_r", "lru")
+
+_COLUMNS = ("variant_id", "chunk_key", "prefix", "inter", "intra", "num_tokens", "prefix_num_tokens",
+            "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS variants (
+    seq INTEGER PRIMARY KEY,            -- insertion order; explicit so VACUUM keeps it
+    variant_id TEXT NOT NULL UNIQUE,
+    chunk_key TEXT NOT NULL,
+    prefix TEXT NOT NULL,               -- JSON list of chunk keys, prompt order
+    inter TEXT NOT NULL,                -- JSON object: prefix chunk key -> float
+    intra REAL NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    prefix_num_tokens TEXT NOT NULL,    -- JSON object: prefix chunk key -> int
+    ranked_tokens TEXT NOT NULL,        -- JSON list of token offsets, highest inter-attention first
+    cci REAL NOT NULL,                  -- derived (meta.cci), kept for inspection
+    access_count INTEGER NOT NULL,
+    f_r REAL NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    last_access REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS variants_chunk ON variants (chunk_key);
+"""
+_ORDER = {"f_r": "f_r, last_access, seq", "lru": "last_access, f_r, seq"}
+
+
+def make_variant_id(chunk_key: str, prefix: Sequence[str]) -> str:
+    """The stable id of the (chunk, ordered prefix) pair: sha256[:16] of their JSON (choice 1)."""
+    blob = json.dumps([chunk_key, list(prefix)], separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class VariantRecord:
+    """One stored variant's metadata: a snapshot; change it through the store (put, record_use).
+
+    `variant_id` and `cci` are derived in `__post_init__`; construction validates the attention
+    fields exactly as `meta.Variant` does.
+    """
+
+    chunk_key: str
+    prefix: tuple[str, ...]
+    """Chunk keys before the chunk when its K/V was computed, in prompt order."""
+    inter: dict[str, float]
+    intra: float
+    num_tokens: int
+    prefix_num_tokens: dict[str, int] = field(default_factory=dict)
+    ranked_tokens: tuple[int, ...] = ()
+    """Token offsets within the chunk, highest inter-attention from the prefix first (recompute order)."""
+    access_count: int = 0
+    f_r: float = 0.0
+    size_bytes: int = 0
+    tier: str = "disk"
+    last_access: float = 0.0
+    variant_id: str = field(init=False)
+    cci: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", tuple(self.prefix))
+        object.__setattr__(self, "ranked_tokens", tuple(int(t) for t in self.ranked_tokens))
+        bad = [t for t in self.ranked_tokens if not 0 <= t < self.num_tokens]
+        if bad:
+            raise ValueError(f"ranked_tokens {bad[:5]} outside 0..{self.num_tokens - 1}")
+        if self.size_bytes < 0 or self.access_count < 0:
+            raise ValueError(f"size_bytes={self.size_bytes!r}, access_count={self.access_count!r}, expected >= 0")
+        object.__setattr__(self, "variant_id", make_variant_id(self.chunk_key, self.prefix))
+        object.__setattr__(self, "cci", self.to_variant().cci)
+
+    def to_variant(self) -> meta.Variant:
+        """The scoring view (a fresh meta.Variant; mutating it does not change the record)."""
+        return meta.Variant(prefix=self.prefix, inter=dict(self.inter), intra=self.intra,
+                            num_tokens=self.num_tokens, prefix_num_tokens=dict(self.prefix_num_tokens),
+                            access_count=self.access_count, f_r=self.f_r)
+
+
+def _row_values(record: VariantRecord) -> tuple:
+    return (record.variant_id, record.chunk_key, json.dumps(list(record.prefix)), json.dumps(record.inter),
+            record.intra, record.num_tokens, json.dumps(record.prefix_num_tokens),
+            json.dumps(list(record.ranked_tokens)), record.cci, record.access_count, record.f_r,
+            record.size_bytes, record.tier, record.last_access)
+
+
+def _from_row(row: sqlite3.Row) -> VariantRecord:
+    record = VariantRecord(
+        chunk_key=row["chunk_key"], prefix=tuple(json.loads(row["prefix"])), inter=json.loads(row["inter"]),
+        intra=row["intra"], num_tokens=row["num_tokens"], prefix_num_tokens=json.loads(row["prefix_num_tokens"]),
+        ranked_tokens=tuple(json.loads(row["ranked_tokens"])), access_count=row["access_count"],
+        f_r=row["f_r"], size_bytes=row["size_bytes"], tier=row["tier"], last_access=row["last_access"])
+    assert record.variant_id == row["variant_id"], (record.variant_id, row["variant_id"])
+    return record
+
+
+class SqliteMetaStore:
+    """Variant metadata in one SQLite file (WAL), budgeted to `max_variants` (see the module docstring).
+
+    Thread-safe: one connection (`check_same_thread=False`) guarded by one lock; every multi-step
+    operation is one `BEGIN IMMEDIATE` transaction, so a crash leaves the old or the new state.
+    """
+
+    def __init__(self, path: str, *, max_variants: int, policy: str = "f_r",
+                 clock: Callable[[], float] = time.time) -> None:
+        """Open or create the store.
+
+        Args:
+            path: the database file (conventionally next to the disk tier), or ":memory:".
+            max_variants: N x M, the total variant budget over all chunks (>= 1).
+            policy: "f_r" (Cache-Craft, lowest f_r evicted first) or "lru" (the baseline).
+            clock: seconds, stamped into `last_access`; injectable for tests.
+        """
+        if max_variants < 1:
+            raise ConfigError(f"max_variants={max_variants!r}, expected >= 1")
+        if policy not in POLICIES:
+            raise ConfigError(f"policy={policy!r}, expected one of {POLICIES}")
+        self.max_variants, self.policy, self._clock = max_variants, policy, clock
+        self._lock = threading.Lock()
+        self._pins: dict[str, int] = {}
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps it consistent
+        self._conn.executescript(_SCHEMA)  # autocommit mode: each CREATE ... IF NOT EXISTS commits alone
+        with self._txn() as cur:
+            rows = cur.execute("SELECT version FROM schema_version").fetchall()
+            if not rows:
+                cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            elif [r[0] for r in rows] != [SCHEMA_VERSION]:
+                raise StoreError(f"{path}: schema version {[r[0] for r in rows]}, expected [{SCHEMA_VERSION}]")
+
+    @contextlib.contextmanager
+    def _txn(self) -> Iterator[sqlite3.Cursor]:
+        with self._lock:
+            cur = self._conn.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                yield cur
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+
+    def put(self, record: VariantRecord) -> list[VariantRecord]:
+        """Insert or replace `record` (last_access := clock()), evicting on demand when full.
+
+        Returns:
+            The evicted variants (empty when none): the caller deletes their K/V.
+
+        Raises:
+            StoreError: the store is full and too few variants are unpinned; nothing changed.
+        """
+        record = dataclasses.replace(record, last_access=self._clock())
+        with self._txn() as cur:
+            exists = cur.execute("SELECT 1 FROM variants WHERE variant_id = ?", (record.variant_id,)).fetchone()
+            evicted: list[VariantRecord] = []
+            if exists is None:
+                count = cur.execute("SELECT COUNT(*) FROM variants").fetchone()[0]
+                evicted = self._victims(cur, count + 1 - self.max_variants)
+                cur.executemany("DELETE FROM variants WHERE variant_id = ?", [(r.variant_id,) for r in evicted])
+            updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[1:])
+            cur.execute(f"INSERT INTO variants ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
+                        f"ON CONFLICT (variant_id) DO UPDATE SET {updates}", _row_values(record))
+        return evicted
+
+    def _victims(self, cur: sqlite3.Cursor, need: int) -> list[VariantRecord]:
+        """The first `need` unpinned variants in eviction order; StoreError when there are fewer."""
+        victims: list[VariantRecord] = []
+        if need <= 0:
+            return victims
+        for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}"):
+            if self._pins.get(row["variant_id"], 0) == 0:
+                victims.append(_from_row(row))
+                if len(victims) == need:
+                    return victims
+        raise StoreError(f"metastore full: {self.max_variants} variants, {len(victims)} unpinned, "
+                         f"{need} must be evicted to admit a new one; not admitted")
+
+    def get(self, variant_id: str) -> VariantRecord | None:
+        """The variant with this id, or None."""
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+        return None if row is None else _from_row(row)
+
+    def variants(self, chunk_key: str) -> list[VariantRecord]:
+        """The chunk's variants in insertion order (empty: a miss)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM variants WHERE chunk_key = ? ORDER BY seq",
+                                      (chunk_key,)).fetchall()
+        return [_from_row(row) for row in rows]
+
+    def choose(self, chunk_key: str, new_prefix: Sequence[str],
+               alpha: float) -> tuple[VariantRecord, float] | None:
+        """The variant to reuse after `new_prefix` and its CFO (meta.choose_variant), or None on a miss."""
+        records = self.variants(chunk_key)
+        if not records:
+            return None
+        index, cfo_value = meta.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        return records[index], cfo_value
+
+    def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None:
+        """Persist one reuse: access_count += 1, f_r += 1 / max(CFO, eps) (meta.record_use), last_access.
+
+        Returns:
+            The updated record, or None when the variant is gone (evicted or removed).
+        """
+        with self._txn() as cur:
+            row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+            if row is None:
+                return None
+            record = _from_row(row)
+            variant = record.to_variant()
+            meta.record_use(variant, cfo, eps)
+            record = dataclasses.replace(record, access_count=variant.access_count, f_r=variant.f_r,
+                                         last_access=self._clock())
+            cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
+                        (record.access_count, record.f_r, record.last_access, variant_id))
+        return record
+
+    def remove(self, variant_id: str) -> VariantRecord | None:
+        """Delete a variant; returns it, or None when absent. StoreError when it is pinned."""
+        with self._txn() as cur:
+            if self._pins.get(variant_id, 0):
+                raise StoreError(f"remove({variant_id!r}): pinned {self._pins[variant_id]} time(s)")
+            row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+            cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
+        return None if row is None else _from_row(row)
+
+    def pin(self, variant_id: str) -> None:
+        """Protect a stored variant from eviction until the matching unpin (nested). KeyError if absent."""
+        with self._lock:
+            if self._conn.execute("SELECT 1 FROM variants WHERE variant_id = ?", (variant_id,)).fetchone() is None:
+                raise KeyError(variant_id)
+            self._pins[variant_id] = self._pins.get(variant_id, 0) + 1
+
+    def unpin(self, variant_id: str) -> None:
+        """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
+        with self._lock:
+            count = self._pins.get(variant_id, 0)
+            if count == 0:
+                raise StoreError(f"unpin({variant_id!r}): not pinned")
+            if count == 1:
+                del self._pins[variant_id]
+            else:
+                self._pins[variant_id] = count - 1
+
+    def pin_count(self, variant_id: str) -> int:
+        """How many pins the variant holds (0 when unpinned or absent)."""
+        with self._lock:
+            return self._pins.get(variant_id, 0)
+
+    def count(self) -> int:
+        """The number of stored variants, over all chunks (<= max_variants when the store began empty)."""
+        with self._lock:
+            return self._conn.execute("SELECT COUNT(*) FROM variants").fetchone()[0]
+
+    def all_records(self) -> list[VariantRecord]:
+        """Every variant, in insertion order."""
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM variants ORDER BY seq").fetchall()
+        return [_from_row(row) for row in rows]
+
+    def size_by_tier(self) -> dict[str, int]:
+        """tier -> total size_bytes of its variants (what a per-tier byte budget checks against)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT tier, SUM(size_bytes) FROM variants GROUP BY tier").fetchall()
+        return {tier: int(total) for tier, total in rows}
+
+    def close(self) -> None:
+        """Close the connection (idempotent); pins are dropped."""
+        with self._lock:
+            self._conn.close()
+            self._pins.clear()
+
+    def __enter__(self) -> SqliteMetaStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
