@@ -191,20 +191,34 @@ def time_ttft(llm, workload: dict, cachefuse: bool) -> dict:
 
 
 def time_decode(llm, workload: dict, num_tokens: int, cachefuse: bool) -> dict:
-    """Decode tokens/s per request: (tokens - 1) / (total - TTFT), TTFT from vLLM's first-token time."""
+    """Decode tokens/s per request: (tokens - 1) / (total - TTFT), TTFT from vLLM's first-token time.
+
+    In a cachefuse engine each fused request is paired with the same prompt sent plainly to the same
+    engine right before it, which isolates what fusing does to decode from drift between subprocesses.
+    """
     generate(llm, workload["warmup"][0], num_tokens, cachefuse)
     rows = []
     for request in workload["decode"]:
-        submitted = time.monotonic()  # the engine's timestamps are time.monotonic() of this process
-        out = generate(llm, request, num_tokens, cachefuse)
-        finished = time.monotonic()
-        if out.metrics is None:
-            raise RuntimeError("RequestOutput.metrics is None: the engine must run with log stats on")
-        first = out.metrics.first_token_ts
-        tokens = len(out.outputs[0].token_ids)
-        rows.append(dict(tokens=tokens, total_s=finished - submitted, ttft_s=first - submitted,
-                         tokens_per_s=(tokens - 1) / (finished - first), **request_record(out)))
-    return dict(tokens_per_s=[r["tokens_per_s"] for r in rows], requests=rows)
+        row = decode_once(llm, request, num_tokens, cachefuse)
+        if cachefuse:
+            row["paired_plain_tokens_per_s"] = decode_once(llm, request, num_tokens, False)["tokens_per_s"]
+        rows.append(row)
+    result = dict(tokens_per_s=[r["tokens_per_s"] for r in rows], requests=rows)
+    if cachefuse:
+        result["paired_ratio"] = statistics.median(r["tokens_per_s"] / r["paired_plain_tokens_per_s"] for r in rows)
+    return result
+
+
+def decode_once(llm, request, num_tokens: int, cachefuse: bool) -> dict:
+    submitted = time.monotonic()  # the engine's timestamps are time.monotonic() of this process
+    out = generate(llm, request, num_tokens, cachefuse)
+    finished = time.monotonic()
+    if out.metrics is None:
+        raise RuntimeError("RequestOutput.metrics is None: the engine must run with log stats on")
+    first = out.metrics.first_token_ts
+    tokens = len(out.outputs[0].token_ids)
+    return dict(tokens=tokens, total_s=finished - submitted, ttft_s=first - submitted,
+                tokens_per_s=(tokens - 1) / (finished - first), **request_record(out))
 
 
 # --------------------------------------------------------------------------- parent (all engines)
@@ -307,7 +321,8 @@ def summarize(raw: dict[str, dict], args: argparse.Namespace) -> dict:
         decode = dict(median_tokens_per_s={n: statistics.median(configs[n]["decode"]["tokens_per_s"])
                                            for n in DECODE_CONFIGS},
                       ratio_cacheblend_vs_plain=statistics.median(d) / statistics.median(a),
-                      ci95=bootstrap_ratio(d, a, args.seed), tokens=args.decode_tokens)
+                      ci95=bootstrap_ratio(d, a, args.seed), tokens=args.decode_tokens,
+                      paired_ratio_same_engine=configs["cacheblend"]["decode"].get("paired_ratio"))
     targets = {}
     for base in ("plain", "prefix_caching"):
         key = f"cacheblend_vs_{base}"
@@ -354,6 +369,8 @@ def report(result: dict) -> None:
         print(f"{key:30s} {s['ratio_of_medians']:5.2f}x  (95% CI {s['ci95'][0]:.2f}..{s['ci95'][1]:.2f})")
     if result["decode"]:
         d = result["decode"]
+        print(f"decode, fused vs plain requests in the same cachefuse engine (paired): "
+              f"{d.get('paired_ratio_same_engine') or float('nan'):.3f}")
         print(f"decode tok/s {d['median_tokens_per_s']}; cacheblend / plain {d['ratio_cacheblend_vs_plain']:.3f} "
               f"(95% CI {d['ci95'][0]:.3f}..{d['ci95'][1]:.3f})")
     print(f"targets: {result['targets']}; threads: cpus {result['threads']['cpus']}, in-process engines")
@@ -418,7 +435,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16, help="timed TTFT requests per configuration")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--decode-requests", type=int, default=8)
+    parser.add_argument("--decode-requests", type=int, default=12)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpus", default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
