@@ -75,6 +75,7 @@ def segment_attention_mass(
     num_segments: int,
     scale: float,
     block_rows: int = 64,
+    per_row: bool = False,
 ) -> torch.Tensor:
     """Softmax attention mass each segment of keys receives from the given rows, summed over rows.
 
@@ -88,19 +89,21 @@ def segment_attention_mass(
         num_segments: S.
 
     Returns:
-        [num_heads, S] fp32: per head, the summed mass on each segment (each row's weights sum to 1).
+        [num_heads, S] fp32: per head, the summed mass on each segment (each row's weights sum to 1);
+        with `per_row=True`, [num_rows, num_heads, S] (not summed over rows).
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     k_heads = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, num_tokens, head_dim]
     key_ids = torch.arange(k.shape[0], device=k.device)
-    mass = torch.zeros(num_heads, num_segments, dtype=torch.float32, device=q.device)
+    mass = torch.zeros(q.shape[0], num_heads, num_segments, dtype=torch.float32, device=q.device)
     for begin in range(0, q.shape[0], block_rows):
         end = min(begin + block_rows, q.shape[0])
         num_keys = int(q_positions[end - 1]) + 1
         scores = torch.einsum("rhd,hkd->hrk", q[begin:end].float(), k_heads[:, :num_keys]) * scale
         visible = key_ids[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [heads, block, keys]
-        per_key = probs.sum(dim=1)  # [heads, num_keys]
-        mass.index_add_(1, segment_of_key[:num_keys], per_key)
-    return mass
+        block = torch.zeros(num_heads, end - begin, num_segments, dtype=torch.float32, device=q.device)
+        block.index_add_(2, segment_of_key[:num_keys], probs)  # [heads, block, segments]
+        mass[begin:end] = block.transpose(0, 1)
+    return mass if per_row else mass.sum(dim=0)

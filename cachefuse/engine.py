@@ -255,7 +255,8 @@ class FusionEngine:
             prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
             meta = {"variant": "fused", "prefix": ",".join(keys[i] for i in prefix_ids)}
             if index in result.hole_attention:
-                meta["attention"] = _attention_meta(result.hole_attention[index], index, prefix_ids, keys, segments)
+                meta["attention"] = _attention_meta(result.hole_attention[index], result.hole_token_mass[index],
+                                                    index, prefix_ids, keys, segments)
             entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec, meta=meta)
             if self.store.put(key, entry):
                 saved.append(key)
@@ -264,13 +265,18 @@ class FusionEngine:
         return tuple(saved), failures
 
 
-def _attention_meta(mass: list[float], index: int, prefix_ids: list[int], keys: dict[int, str],
-                    segments: list[Segment]) -> str:
+def _attention_meta(mass: list[float], token_mass: list[list[float]], index: int, prefix_ids: list[int],
+                    keys: dict[int, str], segments: list[Segment]) -> str:
     """The variant's Cache-Craft statistics as JSON, in cachefuse.meta.Variant's terms: inter-attention
-    to each prefix chunk (declared, non-system, before it), intra-attention, and the token counts."""
+    to each prefix chunk (declared, non-system, before it), intra-attention, the token counts, and the
+    chunk's token offsets ranked by the inter-attention each pays to the prefix (recompute candidates,
+    most contextualised first; ties by offset)."""
+    from_prefix = [sum(row[i] for i in prefix_ids) for row in token_mass]
+    ranked = sorted(range(len(from_prefix)), key=lambda t: (-from_prefix[t], t))
     return json.dumps({
         "inter": {keys[i]: mass[i] for i in prefix_ids}, "intra": mass[index],
-        "num_tokens": segments[index].length, "prefix_num_tokens": {keys[i]: segments[i].length for i in prefix_ids}})
+        "num_tokens": segments[index].length, "prefix_num_tokens": {keys[i]: segments[i].length for i in prefix_ids},
+        "ranked_tokens": ranked})
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],

@@ -78,6 +78,8 @@ class FuseResult:
     hole_attention: dict[int, list[float]] = field(default_factory=dict)
     """With Fusor.collect_attention_stats: hole segment index -> attention mass its rows put on each
     segment (summed over the hole's rows, averaged over heads and layers; Cache-Craft's inter/intra)."""
+    hole_token_mass: dict[int, list[list[float]]] = field(default_factory=dict)
+    """Likewise per token of the hole: [token][segment] mass, averaged over heads and layers."""
 
 
 class _RequestLayout:
@@ -225,7 +227,8 @@ class Fusor:
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
-            layer_seconds=layer_seconds, hole_attention={} if stats is None else stats.result(num_layers))
+            layer_seconds=layer_seconds, **({} if stats is None else dict(zip(
+                ("hole_attention", "hole_token_mass"), stats.result(num_layers), strict=True))))
 
     def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
@@ -264,18 +267,20 @@ class _HoleStats:
         self.segments, self.holes = list(segments), list(layout.hole_segments)
         self.segment_of_key = torch.cat([torch.full((s.length,), i, dtype=torch.int64)
                                          for i, s in enumerate(self.segments)])
-        self.total = {h: torch.zeros(len(self.segments)) for h in self.holes}
+        self.per_token = {h: torch.zeros(self.segments[h].length, len(self.segments)) for h in self.holes}
 
     def add_layer(self, q, row_positions, k_merged, scale, block_rows) -> None:
         for h in self.holes:
             seg = self.segments[h]
             index = torch.searchsorted(row_positions, torch.arange(seg.start, seg.end))  # holes are always rows
             mass = segment_attention_mass(q[index], row_positions[index], k_merged, self.segment_of_key,
-                                          len(self.segments), scale, block_rows)  # [heads, segments]
-            self.total[h] += mass.mean(dim=0)
+                                          len(self.segments), scale, block_rows, per_row=True)
+            self.per_token[h] += mass.mean(dim=1)  # [tokens, segments], averaged over heads
 
-    def result(self, num_layers: int) -> dict[int, list[float]]:
-        return {h: (total / num_layers).tolist() for h, total in self.total.items()}
+    def result(self, num_layers: int) -> tuple[dict[int, list[float]], dict[int, list[list[float]]]]:
+        per_token = {h: mass / num_layers for h, mass in self.per_token.items()}
+        return ({h: mass.sum(dim=0).tolist() for h, mass in per_token.items()},
+                {h: mass.tolist() for h, mass in per_token.items()})
 
 
 class _LoadedLayers:

@@ -60,6 +60,17 @@ def test_hole_statistics_equal_transformers_attention_weights(tiny_model_dir):
                       prefix_num_tokens=stats["prefix_num_tokens"])
     assert 0.5 <= variant.cci < 1.0  # the stored statistics are what CCI needs
 
+    # Recompute candidates: the hole's tokens ranked by the attention each pays to the prefix chunk A.
+    a_start, a_end = case.chunks[1]
+    per_token = torch.stack([layer[0, :, b_start:b_end, a_start:a_end].sum(dim=-1).mean(dim=0)
+                             for layer in attentions]).mean(dim=0)  # [hole tokens]
+    torch.testing.assert_close(
+        torch.tensor([row[1] for row in result.hole_token_mass[hole]]), per_token, atol=1e-4, rtol=1e-4)
+    ranked = stats["ranked_tokens"]
+    assert sorted(ranked) == list(range(len(case.pieces[1])))
+    values = per_token[ranked]
+    assert bool((values[:-1] >= values[1:] - 1e-4).all())  # descending inter-attention
+
 
 def test_stats_off_by_default(tiny_model_dir):
     adapter = HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
