@@ -209,11 +209,15 @@ class FusionEngine:
         def timed_fetch(layer: int) -> LayerKV:
             start = self.clock()
             out = fetch(layer)
-            tier = getattr(self.store, "last_hit_tier", None) or getattr(self.store, "name", "store")
+            tier = self._serving_tier()
             load_seconds[tier] += self.clock() - start
             load_bytes[tier] += sum(k.nbytes + v.nbytes for k, v in out.values())
             return out
         return timed_fetch
+
+    def _serving_tier(self) -> str:
+        """The tier that served the store's last read (a tiered store says which), for load figures."""
+        return getattr(self.store, "last_hit_tier", None) or getattr(self.store, "name", "store")
 
     def _load(self, segments: list[Segment], keys: dict[int, str], load_seconds: Counter,
               load_bytes: Counter) -> tuple[dict[int, ChunkKV], Counter]:
@@ -227,15 +231,14 @@ class FusionEngine:
             before = dict(self.store.stats.misses)
             start = self.clock()
             entry = self.store.get(key)
-            if entry is not None:
-                tier = getattr(self.store, "last_hit_tier", None) or getattr(self.store, "name", "store")
-                load_seconds[tier] += self.clock() - start
-                load_bytes[tier] += entry.nbytes
             if entry is None:
                 after = self.store.stats.misses
                 new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]
                 miss_reasons[new[0] if new else "absent"] += 1
                 continue
+            tier = self._serving_tier()
+            load_seconds[tier] += self.clock() - start
+            load_bytes[tier] += entry.nbytes
             if entry.num_tokens != seg.length or entry.num_layers != self.adapter.shape.num_layers:
                 logger.warning("chunk %s: stored entry has %d tokens x %d layers, prompt needs %d x %d; "
                                "computing it as a hole", key, entry.num_tokens, entry.num_layers,
@@ -254,9 +257,8 @@ class FusionEngine:
                 continue
             prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
             meta = {"variant": "fused", "prefix": ",".join(keys[i] for i in prefix_ids)}
-            if index in result.hole_attention:
-                meta["attention"] = _attention_meta(result.hole_attention[index], result.hole_token_mass[index],
-                                                    index, prefix_ids, keys, segments)
+            if index in result.hole_token_mass:
+                meta["attention"] = _attention_meta(result.hole_token_mass[index], index, prefix_ids, keys, segments)
             entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec, meta=meta)
             if self.store.put(key, entry):
                 saved.append(key)
@@ -265,12 +267,13 @@ class FusionEngine:
         return tuple(saved), failures
 
 
-def _attention_meta(mass: list[float], token_mass: list[list[float]], index: int, prefix_ids: list[int],
+def _attention_meta(token_mass: list[list[float]], index: int, prefix_ids: list[int],
                     keys: dict[int, str], segments: list[Segment]) -> str:
     """The variant's Cache-Craft statistics as JSON, in cachefuse.meta.Variant's terms: inter-attention
     to each prefix chunk (declared, non-system, before it), intra-attention, the token counts, and the
     chunk's token offsets ranked by the inter-attention each pays to the prefix (recompute candidates,
     most contextualised first; ties by offset)."""
+    mass = [sum(column) for column in zip(*token_mass, strict=True)]  # [segment], summed over tokens
     from_prefix = [sum(row[i] for i in prefix_ids) for row in token_mass]
     ranked = sorted(range(len(from_prefix)), key=lambda t: (-from_prefix[t], t))
     return json.dumps({

@@ -75,11 +75,15 @@ class FuseResult:
     hole_segments: list[int] = field(default_factory=list)
     layer_seconds: list[float] = field(default_factory=list)
     """Time of each layer of the pass (Fusor.clock), the samples of the compute figures."""
-    hole_attention: dict[int, list[float]] = field(default_factory=dict)
-    """With Fusor.collect_attention_stats: hole segment index -> attention mass its rows put on each
-    segment (summed over the hole's rows, averaged over heads and layers; Cache-Craft's inter/intra)."""
     hole_token_mass: dict[int, list[list[float]]] = field(default_factory=dict)
-    """Likewise per token of the hole: [token][segment] mass, averaged over heads and layers."""
+    """With Fusor.collect_attention_stats: hole segment index -> [token][segment] attention mass each
+    of its tokens puts on each segment, averaged over heads and layers."""
+
+    @property
+    def hole_attention(self) -> dict[int, list[float]]:
+        """Per hole, the mass its rows put on each segment (summed over its tokens; Cache-Craft's
+        inter/intra attention)."""
+        return {h: [sum(column) for column in zip(*rows, strict=True)] for h, rows in self.hole_token_mass.items()}
 
 
 class _RequestLayout:
@@ -162,14 +166,12 @@ class Fusor:
         check_layers = selector.check_layers(shape.num_layers)
         with _LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
                            set(check_layers)) as loaded_kv:
-            return self._fuse(request, selector, layout, loaded_kv)
+            return self._fuse(request, selector, layout, loaded_kv, num_full, check_layers)
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
-              loaded_kv: _LoadedLayers) -> FuseResult:
+              loaded_kv: _LoadedLayers, num_full: int, check_layers: tuple[int, ...]) -> FuseResult:
         """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`."""
         adapter, num_layers = self.adapter, self.adapter.shape.num_layers
-        num_full = selector.num_full_layers(num_layers)
-        check_layers = selector.check_layers(num_layers)
         positions = torch.arange(layout.num_tokens, dtype=torch.int64)
         rows: torch.Tensor | None = None  # rows whose K/V this layer computes; None: every row
         num_selected = layout.ctx.candidate_rows.numel()
@@ -227,8 +229,7 @@ class Fusor:
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
-            layer_seconds=layer_seconds, **({} if stats is None else dict(zip(
-                ("hole_attention", "hole_token_mass"), stats.result(num_layers), strict=True))))
+            layer_seconds=layer_seconds, hole_token_mass={} if stats is None else stats.result(num_layers))
 
     def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
@@ -277,10 +278,8 @@ class _HoleStats:
                                           len(self.segments), scale, block_rows, per_row=True)
             self.per_token[h] += mass.mean(dim=1)  # [tokens, segments], averaged over heads
 
-    def result(self, num_layers: int) -> tuple[dict[int, list[float]], dict[int, list[list[float]]]]:
-        per_token = {h: mass / num_layers for h, mass in self.per_token.items()}
-        return ({h: mass.sum(dim=0).tolist() for h, mass in per_token.items()},
-                {h: mass.tolist() for h, mass in per_token.items()})
+    def result(self, num_layers: int) -> dict[int, list[list[float]]]:
+        return {h: (mass / num_layers).tolist() for h, mass in self.per_token.items()}
 
 
 class _LoadedLayers:

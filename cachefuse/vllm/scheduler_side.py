@@ -110,15 +110,16 @@ class SchedulerSide:
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
         keys = [chunk_key(prompt[s:e], self.key_context) for s, e in fusion.chunks]
+        indexed = [key in self.index for key in keys]
         controller = None
         if self.config.ratio_mode == "controller":
-            controller = self._decide(fusion, len(prompt), [k in self.index for k in keys])
+            controller = self._decide(fusion, len(prompt), indexed)
             if not controller["fuse"]:
                 self._fall_back(req_id, "no_go", detail=controller["reason"])
                 return 0, False
             fusion = dataclasses.replace(fusion, recompute_ratio=controller["ratio"])
         outcome = {"status": "planned", "selector": fusion.selector, "recompute_ratio": fusion.recompute_ratio,
-                   "chunks": len(keys), "chunks_indexed": sum(k in self.index for k in keys)}
+                   "chunks": len(keys), "chunks_indexed": sum(indexed)}
         if controller is not None:
             outcome["controller"] = controller
         self._pending[req_id] = _Pending(fusion, prompt, outcome)  # idempotent: a re-call replaces it
