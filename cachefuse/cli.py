@@ -52,12 +52,8 @@ def _add_precompute(subparsers: Any) -> None:
     system = p.add_mutually_exclusive_group()
     system.add_argument("--system", default=None, help="the system prompt text (default: none)")
     system.add_argument("--system-file", type=Path, default=None, help="read the system prompt from this file")
-    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (CacheFuseConfig fields)")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="prompts per generate call (default 16)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM's max_model_len")
-    p.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype (default auto; float32 on CPU)")
-    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
-                   help="vLLM's KV cache size in bytes (on CPU, or set VLLM_CPU_KVCACHE_SPACE in GiB)")
+    _add_engine_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_precompute, parser=p)
 
@@ -73,13 +69,7 @@ def _run_precompute(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             system = args.system_file.read_text(encoding="utf-8")
         except OSError as exc:
             parser.error(f"--system-file {str(args.system_file)!r}: {exc.strerror}")
-    extra: dict[str, Any] = {"store_dir": str(args.store.expanduser().resolve())}  # the same for every process
-    if args.config is not None:
-        extra = {"config_file": str(args.config), **extra}
-    try:
-        config = CacheFuseConfig.from_dict(extra)  # fail on a bad config before the engine starts
-    except ConfigError as exc:
-        parser.error(str(exc))
+    extra, config = _connector_config(args, parser)
 
     from cachefuse.offline.precompute import precompute_chunks
 
@@ -94,6 +84,28 @@ def _run_precompute(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         name = "system prompt" if failure.index is None else f"chunk {entries[failure.index][0]}"
         print(f"  {name}: {failure.reason}: {failure.detail}")
     return 0 if report.ok else 1
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The options of every subcommand that starts an engine (read by _connector_config/_connector_llm)."""
+    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (CacheFuseConfig fields)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM's max_model_len")
+    p.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype (default auto; float32 on CPU)")
+    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                   help="vLLM's KV cache size in bytes (on CPU, or set VLLM_CPU_KVCACHE_SPACE in GiB)")
+
+
+def _connector_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                      **overrides: Any) -> tuple[dict[str, Any], CacheFuseConfig]:
+    """kv_connector_extra_config from --store, --config and `overrides`, validated before any engine starts."""
+    extra: dict[str, Any] = {"store_dir": str(args.store.expanduser().resolve())}  # the same for every process
+    if args.config is not None:
+        extra = {"config_file": str(args.config), **extra}
+    extra.update(overrides)
+    try:
+        return extra, CacheFuseConfig.from_dict(extra)
+    except ConfigError as exc:
+        parser.error(str(exc))
 
 
 def _connector_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
@@ -132,10 +144,7 @@ def _add_profile(subparsers: Any) -> None:
     p.add_argument("--prompt-tokens", type=_positive_int, default=2048, help="prompt length (default 2048)")
     p.add_argument("--chunks", type=_positive_int, default=8, help="chunks per prompt (default 8)")
     p.add_argument("--requests", type=_positive_int, default=5, help="timed requests of each kind (default 5)")
-    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (CacheFuseConfig fields)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None, help="vLLM's max_model_len")
-    p.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype")
-    p.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None, help="vLLM's KV cache size")
+    _add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(run=_run_profile, parser=p)
 
@@ -145,15 +154,7 @@ def _run_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     import random
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the figures are read from this process's scheduler
-    extra: dict[str, Any] = {"store_dir": str(args.store.expanduser().resolve())}
-    if args.config is not None:
-        extra = {"config_file": str(args.config), **extra}
-    if args.tier == "disk":
-        extra["memory_capacity_bytes"] = 0
-    try:
-        CacheFuseConfig.from_dict(extra)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    extra, _ = _connector_config(args, parser, **({"memory_capacity_bytes": 0} if args.tier == "disk" else {}))
     llm = _connector_llm(args, extra)
     from vllm import SamplingParams
 
