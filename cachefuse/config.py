@@ -17,11 +17,12 @@ from typing import Any
 
 from cachefuse.errors import ConfigError
 
-SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random")
+SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random", "cachecraft")
 RATIO_MODES = ("fixed", "controller")
 PLACEMENTS = ("lru", "frequency")
 DEVIATIONS = ("k", "v", "kv")
 EVICTION_POLICIES = ("lru",)
+VARIANT_EVICTIONS = ("f_r", "lru")
 # Bumped whenever the on-disk entry format changes; joins every chunk key through compute_hash().
 CACHE_FORMAT_VERSION = 1
 
@@ -81,9 +82,33 @@ class CacheFuseConfig:
     """Half-life of the access counts, in seconds."""
     save_holes: bool = True
     """Store chunks the blend pass computed in full (holes) as new variants."""
-    collect_attention_stats: bool = False
+    collect_attention_stats: bool | None = None
     """Gather each hole's attention mass per segment in the blend pass and store it with the variant
-    (Cache-Craft's inter/intra attention, for CCI); costs one extra softmax pass over the hole's rows."""
+    (Cache-Craft's inter/intra attention, for CCI, and its recompute-token ranking); costs one extra
+    softmax pass over the hole's rows. None: on when `selector` is "cachecraft"."""
+    cachecraft_alpha: float = 1.0
+    """Cache-Craft's alpha: CFO = alpha * CCI * (1 - beta'), the fraction of a chunk's tokens recomputed
+    (Eq. 12); fit it with `cachefuse tune-alpha` (Eq. 13)."""
+    cachecraft_window: int = 3
+    """Algorithm 1's layer confidence window w: the focused-chunk set must stay equal for w layers."""
+    cachecraft_early_termination: bool = True
+    """Stop recomputing unfocused chunks after the layer where the focused set stabilises (Algorithm 1)."""
+    force_cfo: float | None = None
+    """Debug/test override of every chunk's CFO in the cachecraft selector (variant choice keeps the real one)."""
+    max_variants: int = 10000
+    """N x M: the total number of chunk variants (K/V entries) the metadata store admits, over all chunks."""
+    variant_eviction: str = "f_r"
+    """Which variant a full metadata store evicts: "f_r" (Cache-Craft: lowest frequency-reuse score) or "lru"."""
+    variant_admission_cfo: float | None = None
+    """A stored chunk whose best variant has CFO >= this is computed in full in the fused prompt and
+    stored as a new variant for its prefix; None: only chunks with no variant at all are computed in full."""
+    redis_url: str | None = None
+    """A shared tier for several vLLM instances: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
+    K/V and variant metadata then live in Redis (memory and disk tiers, when enabled, cache it locally)."""
+    redis_timeout_s: float = 0.5
+    """Socket connect/read timeout of every Redis call: a slow or unreachable Redis is a miss after this."""
+    index_refresh_interval_s: float = 1.0
+    """How often the scheduler's background thread re-reads the variant index (other engines' saves)."""
     max_blend_tokens_per_step: int = 16384
     """Prompt tokens the connector admits for blending per scheduler step; at least one request always runs."""
     separator_token_id: int | None = None
@@ -134,8 +159,9 @@ class CacheFuseConfig:
                 _fail(name, value, "a positive number")
         if not self.placement_cold < self.placement_hot:
             _fail("placement_cold", self.placement_cold, f"a number below placement_hot={self.placement_hot!r}")
-        if not isinstance(self.collect_attention_stats, bool):
-            _fail("collect_attention_stats", self.collect_attention_stats, "true or false")
+        if self.collect_attention_stats is not None and not isinstance(self.collect_attention_stats, bool):
+            _fail("collect_attention_stats", self.collect_attention_stats, "null, true or false")
+        self._validate_variants()
         if not isinstance(self.save_holes, bool):
             _fail("save_holes", self.save_holes, "true or false")
         if not _is_int(self.max_blend_tokens_per_step) or self.max_blend_tokens_per_step < 1:
@@ -147,6 +173,36 @@ class CacheFuseConfig:
             _fail("allow_debug_overrides", self.allow_debug_overrides, "true or false")
         if self.eviction_policy not in EVICTION_POLICIES:
             _fail("eviction_policy", self.eviction_policy, f"one of {', '.join(EVICTION_POLICIES)}")
+
+    def _validate_variants(self) -> None:
+        if not _is_number(self.cachecraft_alpha) or not 0.0 <= self.cachecraft_alpha <= 100.0:
+            _fail("cachecraft_alpha", self.cachecraft_alpha, "a number in 0..100 (1.0 is the paper's scale)")
+        if not _is_int(self.cachecraft_window) or self.cachecraft_window < 1:
+            _fail("cachecraft_window", self.cachecraft_window, "an integer >= 1")
+        if not isinstance(self.cachecraft_early_termination, bool):
+            _fail("cachecraft_early_termination", self.cachecraft_early_termination, "true or false")
+        for name in ("force_cfo", "variant_admission_cfo"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not 0.0 <= value <= 1.0):
+                _fail(name, value, "null or a number in 0.0..1.0")
+        if not _is_int(self.max_variants) or self.max_variants < 1:
+            _fail("max_variants", self.max_variants, "an integer >= 1 (N x M variants over all chunks)")
+        if self.variant_eviction not in VARIANT_EVICTIONS:
+            _fail("variant_eviction", self.variant_eviction, f"one of {', '.join(VARIANT_EVICTIONS)}")
+        if self.redis_url is not None and (not isinstance(self.redis_url, str)
+                                           or not self.redis_url.startswith(("redis://", "rediss://"))):
+            _fail("redis_url", self.redis_url, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')
+        for name in ("redis_timeout_s", "index_refresh_interval_s"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0.0 < value <= 3600.0:
+                _fail(name, value, "a positive number of seconds (at most 3600)")
+
+    @property
+    def gathers_attention_stats(self) -> bool:
+        """collect_attention_stats, with None resolved: on for the cachecraft selector."""
+        if self.collect_attention_stats is None:
+            return self.selector == "cachecraft"
+        return self.collect_attention_stats
 
     def _validate_cacheblend(self) -> None:
         layers, schedule = self.cacheblend_check_layers, self.cacheblend_ratio_schedule
@@ -212,6 +268,10 @@ class CacheFuseConfig:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
 def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class FusionEngine:
         self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
-        self.fusor.collect_attention_stats = config.collect_attention_stats
+        self.fusor.collect_attention_stats = config.gathers_attention_stats
         self.clock = clock
 
     def fusor_full_layers(self, selector: str) -> int:

@@ -30,7 +30,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, rows_attention, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, PipelinedLoader, SerialLoader
-from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
+from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
 RowsAttention = Callable[..., torch.Tensor]
@@ -55,6 +55,8 @@ class FuseRequest:
     """Segment index -> chunk key served by `fetch_layer`; loaded like `loaded`, one layer at a time."""
     preload_depth: int = 1
     """Layers `fetch_layer` may run ahead on a loader thread; 0 fetches in the pass's own thread."""
+    reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
+    """Segment index -> the chosen variant's CFO and recompute ranking (SelectionContext.reuse)."""
 
 
 @dataclass
@@ -119,7 +121,7 @@ class _RequestLayout:
             num_tokens=num_tokens, num_layers=num_layers, segments=tuple(request.segments),
             candidate_rows=is_candidate.nonzero().flatten(),
             candidate_segments=tuple(candidate_segments), ratio=float(request.ratio),
-            reduce_scores=reduce_scores)
+            reduce_scores=reduce_scores, reuse=dict(request.reuse))
 
     def with_forced(self, selected: torch.Tensor) -> torch.Tensor:
         return torch.cat([selected, self.forced_rows]).unique(sorted=True)

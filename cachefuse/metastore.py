@@ -26,6 +26,13 @@ Choices (each pinned by a test in tests/test_metastore.py):
    changes nothing: the caller drops the K/V it computed (the chunk stays a miss). A refusal is the
    only way `count()` stays at the budget without admitting; it never exceeds it.
 6. Misses are return values: `get`, `choose` and `record_use` return None for an unknown id/chunk.
+7. K/V location. A variant's K/V entry lives in the K/V tiers under `store_key`: the plain chunk key
+   for the empty prefix (the base variant precompute stores, also what stores without metadata hold),
+   `<chunk key>-<variant id>` otherwise. `generation()` changes whenever the set of variants changes
+   (put of a new id, eviction, remove), so an index can poll it cheaply and reload only on change.
+
+`MetaStore` is the contract every backend follows (this SQLite one and cachefuse.redis_meta's);
+tests/test_metastore_contract.py runs the same suite over both.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from cachefuse import meta
 from cachefuse.errors import ConfigError, StoreError
@@ -47,7 +55,8 @@ SCHEMA_VERSION = 1
 POLICIES = ("f_r", "lru")
 
 _COLUMNS = ("variant_id", "chunk_key", "prefix", "inter", "intra", "num_tokens", "prefix_num_tokens",
-            "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access")
+            "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access",
+            "recompute_ratio", "has_stats")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS variants (
@@ -65,9 +74,12 @@ CREATE TABLE IF NOT EXISTS variants (
     f_r REAL NOT NULL,
     size_bytes INTEGER NOT NULL,
     tier TEXT NOT NULL,
-    last_access REAL NOT NULL
+    last_access REAL NOT NULL,
+    recompute_ratio REAL,               -- ratio the prefix was fused under; NULL: computed alone (precompute)
+    has_stats INTEGER NOT NULL          -- 0: no attention statistics (inter/intra are zeros, CCI 0.5)
 );
 CREATE INDEX IF NOT EXISTS variants_chunk ON variants (chunk_key);
+CREATE TABLE IF NOT EXISTS generation (value INTEGER NOT NULL);
 """
 _ORDER = {"f_r": "f_r, last_access, seq", "lru": "last_access, f_r, seq"}
 
@@ -76,6 +88,11 @@ def make_variant_id(chunk_key: str, prefix: Sequence[str]) -> str:
     """The stable id of the (chunk, ordered prefix) pair: sha256[:16] of their JSON (choice 1)."""
     blob = json.dumps([chunk_key, list(prefix)], separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def variant_store_key(chunk_key: str, prefix: Sequence[str]) -> str:
+    """Where the variant's K/V live in the K/V tiers (choice 7): the chunk key for the empty prefix."""
+    return chunk_key if not prefix else f"{chunk_key}-{make_variant_id(chunk_key, prefix)}"
 
 
 @dataclass(frozen=True)
@@ -100,6 +117,11 @@ class VariantRecord:
     size_bytes: int = 0
     tier: str = "disk"
     last_access: float = 0.0
+    recompute_ratio: float | None = None
+    """The recompute ratio its prefix was fused under; None when computed after the system prompt alone."""
+    has_stats: bool = True
+    """False when the K/V were stored without attention statistics (inter/intra zeros: CCI 0.5,
+    beta the unweighted share of meta choice 6, no ranking)."""
     variant_id: str = field(init=False)
     cci: float = field(init=False)
 
@@ -114,6 +136,22 @@ class VariantRecord:
         object.__setattr__(self, "variant_id", make_variant_id(self.chunk_key, self.prefix))
         object.__setattr__(self, "cci", self.to_variant().cci)
 
+    @property
+    def store_key(self) -> str:
+        """The key of this variant's K/V entry in the K/V tiers (choice 7)."""
+        return variant_store_key(self.chunk_key, self.prefix)
+
+    @classmethod
+    def without_stats(cls, chunk_key: str, prefix: Sequence[str], num_tokens: int,
+                      prefix_num_tokens: dict[str, int] | None = None, **kw) -> VariantRecord:
+        """A variant whose K/V came without attention statistics (zeros; see `has_stats`)."""
+        prefix = tuple(prefix)
+        lengths = dict(prefix_num_tokens or {})
+        for key in prefix:
+            lengths.setdefault(key, 1)
+        return cls(chunk_key=chunk_key, prefix=prefix, inter=dict.fromkeys(prefix, 0.0), intra=0.0,
+                   num_tokens=num_tokens, prefix_num_tokens=lengths, has_stats=False, **kw)
+
     def to_variant(self) -> meta.Variant:
         """The scoring view (a fresh meta.Variant; mutating it does not change the record)."""
         return meta.Variant(prefix=self.prefix, inter=dict(self.inter), intra=self.intra,
@@ -125,7 +163,7 @@ def _row_values(record: VariantRecord) -> tuple:
     return (record.variant_id, record.chunk_key, json.dumps(list(record.prefix)), json.dumps(record.inter),
             record.intra, record.num_tokens, json.dumps(record.prefix_num_tokens),
             json.dumps(list(record.ranked_tokens)), record.cci, record.access_count, record.f_r,
-            record.size_bytes, record.tier, record.last_access)
+            record.size_bytes, record.tier, record.last_access, record.recompute_ratio, int(record.has_stats))
 
 
 def _from_row(row: sqlite3.Row) -> VariantRecord:
@@ -133,9 +171,47 @@ def _from_row(row: sqlite3.Row) -> VariantRecord:
         chunk_key=row["chunk_key"], prefix=tuple(json.loads(row["prefix"])), inter=json.loads(row["inter"]),
         intra=row["intra"], num_tokens=row["num_tokens"], prefix_num_tokens=json.loads(row["prefix_num_tokens"]),
         ranked_tokens=tuple(json.loads(row["ranked_tokens"])), access_count=row["access_count"],
-        f_r=row["f_r"], size_bytes=row["size_bytes"], tier=row["tier"], last_access=row["last_access"])
+        f_r=row["f_r"], size_bytes=row["size_bytes"], tier=row["tier"], last_access=row["last_access"],
+        recompute_ratio=row["recompute_ratio"], has_stats=bool(row["has_stats"]))
     assert record.variant_id == row["variant_id"], (record.variant_id, row["variant_id"])
     return record
+
+
+@runtime_checkable
+class MetaStore(Protocol):
+    """The variant metadata contract (module docstring, choices 1-7); SQLite and Redis implement it."""
+
+    max_variants: int
+    policy: str
+
+    def put(self, record: VariantRecord) -> list[VariantRecord]: ...
+
+    def get(self, variant_id: str) -> VariantRecord | None: ...
+
+    def variants(self, chunk_key: str) -> list[VariantRecord]: ...
+
+    def choose(self, chunk_key: str, new_prefix: Sequence[str],
+               alpha: float) -> tuple[VariantRecord, float] | None: ...
+
+    def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None: ...
+
+    def remove(self, variant_id: str) -> VariantRecord | None: ...
+
+    def pin(self, variant_id: str) -> None: ...
+
+    def unpin(self, variant_id: str) -> None: ...
+
+    def pin_count(self, variant_id: str) -> int: ...
+
+    def count(self) -> int: ...
+
+    def all_records(self) -> list[VariantRecord]: ...
+
+    def size_by_tier(self) -> dict[str, int]: ...
+
+    def generation(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class SqliteMetaStore:
@@ -173,6 +249,8 @@ class SqliteMetaStore:
                 cur.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif [r[0] for r in rows] != [SCHEMA_VERSION]:
                 raise StoreError(f"{path}: schema version {[r[0] for r in rows]}, expected [{SCHEMA_VERSION}]")
+            if cur.execute("SELECT COUNT(*) FROM generation").fetchone()[0] == 0:
+                cur.execute("INSERT INTO generation (value) VALUES (0)")
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Cursor]:
@@ -206,6 +284,8 @@ class SqliteMetaStore:
             updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[1:])
             cur.execute(f"INSERT INTO variants ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
                         f"ON CONFLICT (variant_id) DO UPDATE SET {updates}", _row_values(record))
+            if exists is None:
+                cur.execute("UPDATE generation SET value = value + 1")
         return evicted
 
     def _victims(self, cur: sqlite3.Cursor, need: int) -> list[VariantRecord]:
@@ -268,8 +348,15 @@ class SqliteMetaStore:
             if self._pins.get(variant_id, 0):
                 raise StoreError(f"remove({variant_id!r}): pinned {self._pins[variant_id]} time(s)")
             row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-            cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
+            if row is not None:
+                cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
+                cur.execute("UPDATE generation SET value = value + 1")
         return None if row is None else _from_row(row)
+
+    def generation(self) -> int:
+        """A counter that changes whenever the set of variants changes (choice 7), in any process."""
+        with self._lock:
+            return int(self._conn.execute("SELECT value FROM generation").fetchone()[0])
 
     def pin(self, variant_id: str) -> None:
         """Protect a stored variant from eviction until the matching unpin (nested). KeyError if absent."""

@@ -41,6 +41,17 @@ INVALID = [
     ("placement_hot", 0),
     ("placement_cold", 5.0),
     ("placement_half_life_s", -1),
+    ("cachecraft_alpha", -0.5),
+    ("cachecraft_alpha", float("nan")),
+    ("cachecraft_window", 0),
+    ("cachecraft_early_termination", "yes"),
+    ("force_cfo", 1.5),
+    ("variant_admission_cfo", -0.1),
+    ("max_variants", 0),
+    ("variant_eviction", "lfu"),
+    ("redis_url", "http://localhost:6379"),
+    ("redis_timeout_s", 0),
+    ("index_refresh_interval_s", -1.0),
 ]
 
 

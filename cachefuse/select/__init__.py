@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from cachefuse.config import CacheFuseConfig
-from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
+from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
 
-__all__ = ["CheckLayerKV", "SelectionContext", "Selector", "make_selector"]
+__all__ = ["CheckLayerKV", "ChunkReuse", "SelectionContext", "Selector", "make_selector"]
 
 
 def make_selector(name: str, config: CacheFuseConfig) -> Selector:
@@ -31,4 +31,10 @@ def make_selector(name: str, config: CacheFuseConfig) -> Selector:
         from cachefuse.select.random import RandomSelector
 
         return RandomSelector(config.random_seed)
-    raise ValueError(f"selector={name!r}: expected one of full_prefill, full_reuse, cacheblend, epic, random")
+    if name == "cachecraft":
+        from cachefuse.select.cachecraft import CacheCraftSelector
+
+        return CacheCraftSelector(force_cfo=config.force_cfo, window=config.cachecraft_window,
+                                  early_termination=config.cachecraft_early_termination)
+    raise ValueError(f"selector={name!r}: expected one of full_prefill, full_reuse, cacheblend, epic, random, "
+                     "cachecraft")

@@ -14,12 +14,23 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from cachefuse.chunks import Segment
+
+
+@dataclass(frozen=True)
+class ChunkReuse:
+    """What the variant metadata says about one loaded chunk's chosen variant (Cache-Craft)."""
+
+    cfo: float
+    """The chosen variant's CFO for this prompt: the fraction of the chunk's tokens to recompute."""
+    ranked_tokens: tuple[int, ...] = ()
+    """Offsets within the chunk, most contextualised first (Eq. 14); empty: the variant has no ranking."""
+    variant_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,8 @@ class SelectionContext:
     ratio: float
     reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Sums per-row scores over tensor-parallel ranks (each rank sees its own heads); None: one rank."""
+    reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
+    """Segment index -> the chosen variant's CFO and ranking, for loaded chunks the metadata knows."""
 
     def reduce(self, scores: torch.Tensor) -> torch.Tensor:
         return scores if self.reduce_scores is None else self.reduce_scores(scores)
