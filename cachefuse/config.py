@@ -21,8 +21,7 @@ SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random", "cach
 RATIO_MODES = ("fixed", "controller")
 PLACEMENTS = ("lru", "frequency")
 DEVIATIONS = ("k", "v", "kv")
-EVICTION_POLICIES = ("lru",)
-VARIANT_EVICTIONS = ("f_r", "lru")
+EVICTION_POLICIES = ("f_r", "lru")
 # Bumped whenever the on-disk entry format changes; joins every chunk key through compute_hash().
 CACHE_FORMAT_VERSION = 1
 
@@ -69,8 +68,9 @@ class CacheFuseConfig:
     """Byte capacity of the host-memory tier; 0 disables it."""
     disk_capacity_bytes: int = 20 << 30
     """Byte capacity of the disk tier; 0 disables it."""
-    eviction_policy: str = "lru"
-    """How a full tier picks its victims."""
+    eviction_policy: str = "f_r"
+    """Which variant a full metadata store (max_variants) evicts: "f_r" (Cache-Craft: the lowest
+    frequency-reuse score) or "lru" (the comparison baseline). Byte budgets of the tiers evict LRU."""
     placement: str = "lru"
     """"lru": a disk hit is copied into memory (memory caches disk); "frequency": chunks move between
     tiers by decayed access count (placement_hot / placement_cold), see cachefuse/placement.py."""
@@ -97,8 +97,6 @@ class CacheFuseConfig:
     """Debug/test override of every chunk's CFO in the cachecraft selector (variant choice keeps the real one)."""
     max_variants: int = 10000
     """N x M: the total number of chunk variants (K/V entries) the metadata store admits, over all chunks."""
-    variant_eviction: str = "f_r"
-    """Which variant a full metadata store evicts: "f_r" (Cache-Craft: lowest frequency-reuse score) or "lru"."""
     variant_admission_cfo: float | None = None
     """A stored chunk whose best variant has CFO >= this is computed in full in the fused prompt and
     stored as a new variant for its prefix; None: only chunks with no variant at all are computed in full."""
@@ -187,8 +185,6 @@ class CacheFuseConfig:
                 _fail(name, value, "null or a number in 0.0..1.0")
         if not _is_int(self.max_variants) or self.max_variants < 1:
             _fail("max_variants", self.max_variants, "an integer >= 1 (N x M variants over all chunks)")
-        if self.variant_eviction not in VARIANT_EVICTIONS:
-            _fail("variant_eviction", self.variant_eviction, f"one of {', '.join(VARIANT_EVICTIONS)}")
         if self.redis_url is not None and (not isinstance(self.redis_url, str)
                                            or not self.redis_url.startswith(("redis://", "rediss://"))):
             _fail("redis_url", self.redis_url, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')

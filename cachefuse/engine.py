@@ -1,8 +1,10 @@
 """FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
 
-Imports cachefuse.{chunks, config, fusor, loader, select, store}; never vllm. The reference engine (demo,
+Imports cachefuse.{chunks, config, fusor, loader, metastore, select, store, variant_index}; never vllm. The reference engine (demo,
 benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
-same steps over its own adapter. With `preload_depth` >= 1 (or None) chunk K/V are fetched layer by
+same steps over its own adapter. Each declared chunk reuses the variant the metadata store scores
+best for its prefix (cachefuse.variant_index); holes are saved as the variant for their prefix.
+With `preload_depth` >= 1 (or None) chunk K/V are fetched layer by
 layer during the pass (docs/loading.md); a layer that misses mid-pass re-runs the pass with that
 chunk as a hole.
 
@@ -13,11 +15,13 @@ chunk as a hole.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,11 +29,14 @@ import torch
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
+from cachefuse.errors import StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
 from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
-from cachefuse.select import Selector, make_selector
+from cachefuse.metastore import MetaStore, SqliteMetaStore, VariantRecord, make_variant_id, record_to_dict
+from cachefuse.select import ChunkReuse, Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
+from cachefuse.variant_index import VariantChoice, VariantIndex, new_prefixes, plan_variants
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +73,21 @@ class FusionStats:
     """Blend-pass time of each layer (the compute figures' samples)."""
     layer_rows: list[int] = field(default_factory=list)
     """Rows computed at each layer."""
+    chunk_cfo: list[float | None] = field(default_factory=list)
+    """Per declared chunk, the CFO of the variant it reused (None: computed in full)."""
+    saved_variants: tuple[VariantRecord, ...] = ()
+    """Metadata of the variants this request stored (the scheduler's index learns them)."""
+    evicted_variants: tuple[str, ...] = ()
+    """Variant ids this request evicted (the N x M budget) to admit its holes."""
     miss_reasons: dict[str, int] = field(default_factory=dict)
     """Why declared chunks became holes: "not_stored" (never saved), or the store's miss reason
     ("absent" after indexing, "corrupt", "truncated", "foreign_model", "shape_mismatch", "io_error",
     "length_mismatch")."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["saved_variants"] = [record_to_dict(r) for r in self.saved_variants]
+        return data
 
 
 class FusionEngine:
@@ -84,11 +99,22 @@ class FusionEngine:
         key_context: model fingerprint, KV dtype, TP layout and config hash for chunk keys.
         config: selector, ratio and fusor settings.
         clock: time source for blend_time_s (injectable so tests never depend on wall time).
+        metastore: the variant metadata (default: an in-memory SQLite store of config.max_variants).
+        meta_key_context: the key context of metadata rows (tensor parallelism: rank 0's, so every rank
+            plans with the same variants); K/V entries use `key_context`, this rank's.
+        writes_metadata: False on tensor-parallel ranks other than 0 (rank 0 owns the metadata rows;
+            the others store and load K/V only).
     """
 
     def __init__(self, adapter: ModelAdapter, store: KVStore, key_context: KeyContext,
-                 config: CacheFuseConfig, clock: Callable[[], float] = time.perf_counter) -> None:
+                 config: CacheFuseConfig, clock: Callable[[], float] = time.perf_counter,
+                 metastore: MetaStore | None = None, meta_key_context: KeyContext | None = None,
+                 writes_metadata: bool = True) -> None:
         self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
+        self.meta_key_context = key_context if meta_key_context is None else meta_key_context
+        self.writes_metadata = writes_metadata
+        self.metastore: MetaStore = metastore if metastore is not None else SqliteMetaStore(
+            ":memory:", max_variants=config.max_variants, policy=config.eviction_policy)
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
         self.fusor.collect_attention_stats = config.gathers_attention_stats
@@ -100,6 +126,14 @@ class FusionEngine:
 
     def key(self, token_ids: Sequence[int]) -> str:
         return chunk_key(token_ids, self.key_context)
+
+    def meta_key(self, token_ids: Sequence[int]) -> str:
+        """The chunk's key in the metadata (rank 0's under tensor parallelism)."""
+        return chunk_key(token_ids, self.meta_key_context)
+
+    def own_store_key(self, own_key: str, choice: VariantChoice) -> str:
+        """This rank's K/V key of the chosen variant: its own chunk key, plus the variant id unless base."""
+        return own_key if choice.store_key == choice.chunk_key else f"{own_key}-{choice.variant_id}"
 
     # ------------------------------------------------------------------ precompute
 
@@ -118,19 +152,49 @@ class FusionEngine:
         for chunk_ids in chunks:
             key = self.key(chunk_ids)
             if not self.store.contains(key):
-                self.store.put(key, self.compute_chunk(chunk_ids, prefix_ids))
+                entry = self.compute_chunk(chunk_ids, prefix_ids)
+                if self.store.put(key, entry):
+                    record = VariantRecord.without_stats(key, (), len(chunk_ids), size_bytes=entry.nbytes,
+                                                         tier=self._home_tier())
+                    for victim in self.metastore.put(record):
+                        self.store.remove(victim.store_key)
             keys.append(key)
         return keys
+
+    # ------------------------------------------------------------------ variants
+
+    def plan_variants(self, token_ids: Sequence[int],
+                      chunks: Sequence[Sequence[int]]) -> list[VariantChoice | None]:
+        """Which variant each declared chunk reuses (cachefuse.variant_index rules), from this engine's
+        metadata store; the vLLM scheduler makes the same choice from its in-process index."""
+        segments = [s for s in segment_prompt(len(token_ids), chunks) if s.is_chunk]
+        keys = [self.meta_key(token_ids[s.start:s.end]) for s in segments]
+        index = VariantIndex()
+        for key in dict.fromkeys(keys):
+            try:
+                records = self.metastore.variants(key)
+            except StoreError as exc:
+                logger.warning("cachefuse: variant metadata unavailable (%s): chunk %s is a miss", exc, key)
+                continue
+            for record in records:
+                index.add(record)
+            if not records and self.key_context == self.meta_key_context and self.store.contains(key):
+                index.add_plain_keys([key])
+        return plan_variants(index, keys, [s.is_system for s in segments], [s.length for s in segments],
+                             self.config.cachecraft_alpha, self.config.variant_admission_cfo)
 
     # ------------------------------------------------------------------ fused prefill
 
     def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]], *,
                 selector: str | Selector | None = None, ratio: float | None = None,
-                save_holes: bool = True, preload_depth: int | None = None) -> tuple[FuseResult, FusionStats]:
+                save_holes: bool = True, preload_depth: int | None = None,
+                choices: Sequence[VariantChoice | None] | None = None) -> tuple[FuseResult, FusionStats]:
         """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets).
 
         `selector` is a registry name (built from the config) or a ready Selector instance;
-        `preload_depth` overrides the config's (the loading controller's L_p for this request).
+        `preload_depth` overrides the config's (the loading controller's L_p for this request);
+        `choices` are the variants to reuse per declared chunk (the scheduler's plan; None: chosen
+        here by `plan_variants`).
         """
         selector = selector or self.config.selector
         selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
@@ -138,14 +202,28 @@ class FusionEngine:
         ratio = self.config.recompute_ratio if ratio is None else ratio
         ids = torch.tensor(list(token_ids), dtype=torch.int64)
         segments = segment_prompt(len(token_ids), chunks)
-        keys = {i: self.key(token_ids[s.start:s.end]) for i, s in enumerate(segments) if s.is_chunk}
+        chunk_indices = [i for i, s in enumerate(segments) if s.is_chunk]
+        keys = {i: self.key(token_ids[segments[i].start:segments[i].end]) for i in chunk_indices}
+        meta_keys = keys if self.meta_key_context == self.key_context else {
+            i: self.meta_key(token_ids[segments[i].start:segments[i].end]) for i in chunk_indices}
+        if choices is None:
+            choices = self.plan_variants(token_ids, chunks)
+        if len(choices) != len(chunk_indices):
+            raise ValueError(f"{len(choices)} variant choices for {len(chunk_indices)} declared chunks")
+        chosen = {i: c for i, c in zip(chunk_indices, choices, strict=True) if c is not None}
+        load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
+        reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
         start = self.clock()
         load_seconds, load_bytes = Counter(), Counter()
-        with self.store.pinned(list(keys.values())):
-            result, loaded, miss_reasons, bytes_loaded = self._fuse(ids, segments, keys, ratio, selector_obj,
-                                                                    load_seconds, load_bytes, preload_depth)
+        miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
+        with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()):
+            result, loaded, more_misses, bytes_loaded = self._fuse(ids, segments, load_keys, ratio, selector_obj,
+                                                                   load_seconds, load_bytes, preload_depth, reuse)
+        miss_reasons += more_misses
         blend_time = self.clock() - start
-        saved_keys, save_failures = self._save_holes(result, segments, keys) if save_holes else ((), 0)
+        self._record_uses(chosen, loaded)
+        saved_keys, saved_records, evicted, save_failures = (
+            self._save_holes(result, segments, keys, meta_keys, ratio) if save_holes else ((), (), [], 0))
         last = result.rows_per_layer[-1]
         num_recomputed = len(ids) if last is None else last.numel()
         num_loaded = sum(segments[i].length for i in loaded)
@@ -156,13 +234,45 @@ class FusionEngine:
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
             bytes_loaded=bytes_loaded, blend_time_s=blend_time,
             holes_saved=len(saved_keys), saved_keys=saved_keys, save_failures=save_failures,
-            miss_reasons=dict(miss_reasons), load_seconds_by_tier=dict(load_seconds),
+            miss_reasons=dict(+miss_reasons), load_seconds_by_tier=dict(load_seconds),
             load_bytes_by_tier=dict(load_bytes), layer_seconds=list(result.layer_seconds),
-            layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer])
+            layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer],
+            chunk_cfo=[None if c is None else c.cfo for c in choices],
+            saved_variants=saved_records, evicted_variants=tuple(evicted))
         return result, stats
 
+    @contextlib.contextmanager
+    def _pinned_variants(self, choices: Iterable[VariantChoice]):
+        """Pins the chosen variants' metadata for the pass (an eviction must not pick them meanwhile)."""
+        pinned = []
+        try:
+            for choice in choices:
+                if choice.has_metadata and self.writes_metadata:
+                    try:
+                        self.metastore.pin(choice.variant_id)
+                        pinned.append(choice.variant_id)
+                    except (KeyError, StoreError):
+                        pass  # gone since planning: its K/V load decides (a miss, then stale)
+            yield
+        finally:
+            for variant_id in pinned:
+                self.metastore.unpin(variant_id)
+
+    def _record_uses(self, chosen: dict[int, VariantChoice], loaded: dict) -> None:
+        """f_r += 1/CFO for every variant reused. A chosen variant whose K/V turned out missing keeps its
+        row (`cachefuse inspect` lists it as stale): the hole computed instead is saved as the variant
+        for this prefix, a re-save of the same pair restores it, and an unused row has the lowest f_r."""
+        for index, choice in chosen.items():
+            if index not in loaded or not choice.has_metadata or not self.writes_metadata:
+                continue
+            try:
+                self.metastore.record_use(choice.variant_id, choice.cfo)
+            except StoreError as exc:
+                logger.warning("cachefuse: variant %s metadata not updated (%s)", choice.variant_id, exc)
+
     def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], ratio: float,
-              selector: Selector, load_seconds: Counter, load_bytes: Counter, depth: int | None = None
+              selector: Selector, load_seconds: Counter, load_bytes: Counter, depth: int | None = None,
+              reuse: dict[int, ChunkReuse] | None = None
               ) -> tuple[FuseResult, dict[int, ChunkKV] | dict[int, str], Counter, int]:
         """One blend pass: entries read whole first (preload_depth 0) or fetched layer by layer.
 
@@ -177,7 +287,7 @@ class FusionEngine:
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if depth == 0:
             loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector)
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {}), selector)
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         miss_reasons = Counter()
         fetched = {}
@@ -189,7 +299,7 @@ class FusionEngine:
         fetch = self._timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())),
                             load_seconds, load_bytes)
         request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
-                              preload_depth=depth)
+                              preload_depth=depth, reuse=reuse or {})
         try:
             return self.fusor.fuse(request, selector), fetched, miss_reasons, sum(load_bytes.values())
         except LayerUnavailable as exc:
@@ -201,7 +311,7 @@ class FusionEngine:
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
         loaded, more = self._load(segments, rest, load_seconds, load_bytes)
-        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio), selector)
+        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {}), selector)
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
     def _timed(self, fetch: FetchLayer, load_seconds: Counter, load_bytes: Counter) -> FetchLayer:
@@ -248,23 +358,76 @@ class FusionEngine:
             loaded[index] = entry
         return loaded, miss_reasons
 
-    def _save_holes(self, result: FuseResult, segments: list[Segment],
-                    keys: dict[int, str]) -> tuple[tuple[str, ...], int]:
-        saved, failures = [], 0
+    def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
+                    meta_keys: dict[int, str], ratio: float
+                    ) -> tuple[tuple[str, ...], tuple[VariantRecord, ...], list[str], int]:
+        """Stores every hole as the variant for its prefix: K/V first, then the metadata row (a reader
+        never sees metadata whose K/V are not there yet). A full metadata store evicts on demand; the
+        victims' K/V are deleted here (the worker owns both).
+
+        Returns:
+            (store keys saved, their records, variant ids evicted, failures).
+        """
+        order = sorted(keys)
+        prefixes = dict(zip(order, new_prefixes([meta_keys[i] for i in order],
+                                                [segments[i].is_system for i in order]), strict=True))
+        saved, records, evicted, failures = [], [], [], 0
         for index in result.hole_segments:
-            key = keys[index]
-            if self.store.contains(key):
-                continue
-            prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
-            meta = {"variant": "fused", "prefix": ",".join(keys[i] for i in prefix_ids)}
-            if index in result.hole_token_mass:
-                meta["attention"] = _attention_meta(result.hole_token_mass[index], index, prefix_ids, keys, segments)
-            entry = extract_chunk_kv(result, segments[index], self.adapter.rope_spec, meta=meta)
-            if self.store.put(key, entry):
-                saved.append(key)
-            else:
+            key, prefix, seg = meta_keys[index], prefixes[index], segments[index]
+            variant_id = make_variant_id(key, prefix)
+            store_key = keys[index] if not prefix else f"{keys[index]}-{variant_id}"
+            try:
+                if self.store.contains(store_key) and (not self.writes_metadata
+                                                       or self.metastore.get(variant_id) is not None):
+                    continue
+                record = self._variant_record(result, index, key, prefix, segments, meta_keys, ratio)
+            except StoreError as exc:
+                logger.warning("cachefuse: variant metadata unavailable (%s): hole %s not saved", exc, key)
                 failures += 1
-        return tuple(saved), failures
+                continue
+            entry = extract_chunk_kv(result, seg, self.adapter.rope_spec,
+                                     meta={"variant": "fused" if prefix else "base", "prefix": ",".join(prefix)})
+            if not self.store.put(store_key, entry):
+                failures += 1
+                continue
+            record = dataclasses.replace(record, size_bytes=entry.nbytes, tier=self._home_tier())
+            if not self.writes_metadata:
+                saved.append(store_key)
+                continue
+            try:
+                victims = self.metastore.put(record)
+            except StoreError as exc:  # full of pinned variants, or the metadata store is unreachable
+                logger.warning("cachefuse: hole %s not admitted as a variant (%s)", key, exc)
+                self.store.remove(store_key)
+                failures += 1
+                continue
+            for victim in victims:
+                self.store.remove(victim.store_key)
+                evicted.append(victim.variant_id)
+            saved.append(store_key)
+            records.append(record)
+        return tuple(saved), tuple(records), evicted, failures
+
+    def _variant_record(self, result: FuseResult, index: int, key: str, prefix: tuple[str, ...],
+                        segments: list[Segment], keys: dict[int, str], ratio: float) -> VariantRecord:
+        """The hole's metadata: its attention statistics when the pass gathered them, else none."""
+        seg = segments[index]
+        lengths = {keys[i]: segments[i].length for i in keys if keys[i] in prefix}
+        fused_ratio = float(ratio) if prefix else None
+        if index not in result.hole_token_mass:
+            return VariantRecord.without_stats(key, prefix, seg.length, lengths, recompute_ratio=fused_ratio)
+        prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
+        stats = json.loads(_attention_meta(result.hole_token_mass[index], index, prefix_ids, keys, segments))
+        return VariantRecord(chunk_key=key, prefix=prefix, inter=stats["inter"], intra=stats["intra"],
+                             num_tokens=stats["num_tokens"], prefix_num_tokens=stats["prefix_num_tokens"],
+                             ranked_tokens=tuple(stats["ranked_tokens"]), recompute_ratio=fused_ratio)
+
+    def _home_tier(self) -> str:
+        """The slowest tier's name (where a saved variant persists), for the metadata's `tier`."""
+        tiers = getattr(self.store, "tiers", None)
+        if tiers:
+            return getattr(tiers[-1], "name", type(tiers[-1]).__name__)
+        return getattr(self.store, "name", "store")
 
 
 def _attention_meta(token_mass: list[list[float]], index: int, prefix_ids: list[int],
@@ -277,9 +440,17 @@ def _attention_meta(token_mass: list[list[float]], index: int, prefix_ids: list[
     from_prefix = [sum(row[i] for i in prefix_ids) for row in token_mass]
     ranked = sorted(range(len(from_prefix)), key=lambda t: (-from_prefix[t], t))
     return json.dumps({
-        "inter": {keys[i]: mass[i] for i in prefix_ids}, "intra": mass[index],
+        "inter": _sum_by_key((keys[i], mass[i]) for i in prefix_ids), "intra": mass[index],
         "num_tokens": segments[index].length, "prefix_num_tokens": {keys[i]: segments[i].length for i in prefix_ids},
         "ranked_tokens": ranked})
+
+
+def _sum_by_key(pairs) -> dict[str, float]:
+    """A chunk repeated in the prefix pays its attention into one entry."""
+    out: dict[str, float] = {}
+    for key, value in pairs:
+        out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],

@@ -53,6 +53,8 @@ from cachefuse.errors import ConfigError, StoreError
 
 SCHEMA_VERSION = 1
 POLICIES = ("f_r", "lru")
+META_FILE = "meta.sqlite"
+"""The SQLite file's name inside the disk tier's directory (never a K/V key: keys have no dot)."""
 
 _COLUMNS = ("variant_id", "chunk_key", "prefix", "inter", "intra", "num_tokens", "prefix_num_tokens",
             "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access",
@@ -409,3 +411,38 @@ class SqliteMetaStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def record_to_dict(record: VariantRecord) -> dict:
+    """A plain dict of the record's constructor fields (JSON- and pickle-safe; derived fields left out)."""
+    data = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
+    data["prefix"], data["ranked_tokens"] = list(record.prefix), list(record.ranked_tokens)
+    return data
+
+
+def record_from_dict(data: dict) -> VariantRecord:
+    """The inverse of record_to_dict (validates like the constructor)."""
+    return VariantRecord(**data)
+
+
+def open_metastore(store_dir: str | None, *, max_variants: int, policy: str = "f_r",
+                   redis_url: str | None = None, redis_timeout_s: float = 0.5) -> MetaStore:
+    """The configured metadata store: Redis when `redis_url` is set, else SQLite in `store_dir/meta.sqlite`
+    (one file next to the disk tier), or in memory when there is no disk tier (`store_dir` None)."""
+    if redis_url is not None:
+        from cachefuse.redis_meta import RedisMetaStore
+
+        return RedisMetaStore(redis_url, max_variants=max_variants, policy=policy, timeout_s=redis_timeout_s)
+    if store_dir is None:
+        return SqliteMetaStore(":memory:", max_variants=max_variants, policy=policy)
+    import os
+
+    os.makedirs(store_dir, exist_ok=True)
+    return SqliteMetaStore(os.path.join(store_dir, META_FILE), max_variants=max_variants, policy=policy)
+
+
+def open_config_metastore(config) -> MetaStore:
+    """`open_metastore` for a CacheFuseConfig: SQLite next to the disk tier, in memory without one, or Redis."""
+    store_dir = str(config.store_path) if config.disk_capacity_bytes else None
+    return open_metastore(store_dir, max_variants=config.max_variants, policy=config.eviction_policy,
+                          redis_url=config.redis_url, redis_timeout_s=config.redis_timeout_s)

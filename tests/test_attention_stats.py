@@ -51,9 +51,11 @@ def test_hole_statistics_equal_transformers_attention_weights(tiny_model_dir):
         for layer in attentions]).mean(dim=0)
     torch.testing.assert_close(torch.tensor(result.hole_attention[hole]), expected, atol=1e-4, rtol=1e-4)
 
-    saved = engine.store.get(engine.key(case.pieces[1]))
-    stats = json.loads(saved.meta["attention"])
     key_a = engine.key(case.pieces[0])
+    (record,) = engine.metastore.variants(engine.key(case.pieces[1]))  # stored with the variant's metadata
+    assert record.prefix == (key_a,) and record.has_stats
+    stats = {"inter": record.inter, "intra": record.intra, "num_tokens": record.num_tokens,
+             "prefix_num_tokens": record.prefix_num_tokens, "ranked_tokens": list(record.ranked_tokens)}
     assert list(stats["inter"]) == [key_a] and stats["num_tokens"] == len(case.pieces[1])
     assert abs(stats["inter"][key_a] - float(expected[1])) < 1e-4 and abs(stats["intra"] - float(expected[2])) < 1e-4
     variant = Variant(prefix=(key_a,), inter=stats["inter"], intra=stats["intra"], num_tokens=stats["num_tokens"],
@@ -79,4 +81,5 @@ def test_stats_off_by_default(tiny_model_dir):
     precompute_case(engine, case)
     result, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=True)
     assert result.hole_attention == {}
-    assert "attention" not in engine.store.get(engine.key(case.pieces[1])).meta
+    (record,) = engine.metastore.variants(engine.key(case.pieces[1]))
+    assert not record.has_stats and record.ranked_tokens == () and record.cci == 0.5

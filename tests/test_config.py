@@ -48,7 +48,6 @@ INVALID = [
     ("force_cfo", 1.5),
     ("variant_admission_cfo", -0.1),
     ("max_variants", 0),
-    ("variant_eviction", "lfu"),
     ("redis_url", "http://localhost:6379"),
     ("redis_timeout_s", 0),
     ("index_refresh_interval_s", -1.0),

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -20,6 +22,7 @@ from cachefuse.attention import rows_attention
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, Fusor
+from cachefuse.metastore import variant_store_key
 from cachefuse.select import make_selector
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.models import ALL_FAMILIES
@@ -246,8 +249,14 @@ def test_holes_are_saved_and_hit_next_time(adapters):
     assert first.chunks_missed == 1 and first.holes_saved == 1
     _, second = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15)
     assert second.chunks_hit == 4 and second.chunks_missed == 0 and second.holes_saved == 0
-    hole_key = engine.key(case.pieces[1])
-    assert engine.store.get(hole_key).meta["variant"] == "fused"
+    hole_key, prefix = engine.key(case.pieces[1]), (engine.key(case.pieces[0]),)
+    assert first.saved_keys == (variant_store_key(hole_key, prefix),) and not engine.store.contains(hole_key)
+    entry = engine.store.get(first.saved_keys[0])
+    assert entry.meta == {"variant": "fused", "prefix": prefix[0]}
+    (record,) = engine.metastore.variants(hole_key)  # the variant for its prefix, with its ratio
+    assert record.prefix == prefix and record.recompute_ratio == 0.15 and record.access_count == 1
+    assert first.saved_variants == (dataclasses.replace(record, access_count=0, f_r=0.0,
+                                                         last_access=first.saved_variants[0].last_access),)
 
 
 def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):

@@ -104,6 +104,12 @@ class CacheFuseConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self):
         return self._worker.build_connector_worker_meta() if self._worker else None
 
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
+
     # ------------------------------------------------------------------ stats
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -13,6 +13,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from cachefuse.variant_index import VariantChoice
+
 
 @dataclass
 class BlendPlan:
@@ -39,6 +41,9 @@ class BlendPlan:
     selected_rows: tuple[int, ...] | None = None
     preload_depth: int | None = None
     """The controller's L_p for this request (config preload_depth null); None: the config's."""
+    variants: list[VariantChoice | None] | None = None
+    """Per declared chunk, the variant to reuse (chosen by CFO from the scheduler's index; None in the
+    list: computed in full). None: the worker plans from its own metadata store."""
 
 
 @dataclass
@@ -57,6 +62,10 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
     """Chunk keys the worker stored this step (the scheduler's index learns them)."""
     figures: dict[str, Any] | None = None
     """The worker's measured figures (tier bandwidth, blend and prefill speed), when they changed."""
+    saved_variants: list[dict[str, Any]] = field(default_factory=list)
+    """Metadata of variants stored this step (metastore.record_to_dict), for the scheduler's index."""
+    evicted_variants: list[str] = field(default_factory=list)
+    """Variant ids whose metadata the worker removed this step (N x M eviction, or K/V found gone)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> CacheFuseWorkerMeta:
         """Merge across ranks: a fallback on any rank is the request's outcome (all ranks fall back)."""
@@ -66,4 +75,5 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
             if req_id not in merged or stats.get("fallback_reason"):
                 merged[req_id] = stats
         return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)),
-                                   self.figures or other.figures)
+                                   self.figures or other.figures, self.saved_variants + other.saved_variants,
+                                   sorted(set(self.evicted_variants) | set(other.evicted_variants)))

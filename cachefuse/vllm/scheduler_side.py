@@ -1,8 +1,10 @@
 """The scheduler half of CacheFuseConnector: plans, budget, index, per-request outcomes.
 
 Runs inside vLLM's `Scheduler.schedule()` hot path: no tensors, no network, no file reads per
-request. The index of stored chunk keys is a directory listing taken at start-up, kept current by
-the keys the worker reports saving (advisory: the worker re-checks every entry when it loads).
+request. The variant index (cachefuse.variant_index) is loaded from the metadata store at start-up,
+kept current by the variants the worker reports saving and evicting, and reloaded by a background
+thread when the store's generation changes (other engines sharing it). Each declared chunk's variant
+is chosen here by CFO and sent in the plan (advisory: the worker re-checks every entry when it loads).
 
 A request's outcome dict is created when it is planned and returned by `request_finished`; vLLM
 passes that same object on to the response, and in the step where the blend ran the worker's
@@ -23,9 +25,11 @@ from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint, tokenize_
 from cachefuse.config import CacheFuseConfig
 from cachefuse.controller import ComputeFigures, RequestShape, TierFigures, decide
 from cachefuse.errors import RequestError
+from cachefuse.metastore import open_config_metastore, record_from_dict
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import make_selector
 from cachefuse.store.disk import list_keys
+from cachefuse.variant_index import IndexRefresher, VariantChoice, VariantIndex, plan_variants
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
@@ -54,6 +58,7 @@ class _Pending:
     request: FusionRequest
     token_ids: list[int]
     outcome: dict[str, Any]
+    variants: list[VariantChoice | None] = field(default_factory=list)
     block_ids: list[int] | None = None
     sent: bool = False
 
@@ -72,7 +77,8 @@ class SchedulerSide:
         self.key_context = KeyContext(
             model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
             vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
-        self.index: set[str] = list_keys(config.store_path) if config.disk_capacity_bytes else set()
+        self.index = VariantIndex(plain_keys=self._plain_keys())
+        self._refresher = self._start_index(config)
         self._tokenizer_source = model_config.tokenizer
         self._model_config = model_config
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -85,7 +91,38 @@ class SchedulerSide:
         self.figures: dict[str, Any] = {}
         """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self._stats = CacheFuseConnectorStats()
-        logger.info("cachefuse scheduler: %d stored chunk keys indexed under %s", len(self.index), config.store_path)
+        logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
+                    config.redis_url or config.store_path)
+
+    def _plain_keys(self) -> set[str]:
+        """K/V entries on the local disk tier (those without metadata rows are base variants)."""
+        return list_keys(self.config.store_path) if self.config.disk_capacity_bytes else set()
+
+    def _start_index(self, config: CacheFuseConfig) -> IndexRefresher | None:
+        """Loads the variant index once, then keeps it current on a background thread (other engines'
+        saves reach it through the shared store). Never blocks planning: a failing store leaves the
+        last snapshot and is retried every `index_refresh_interval_s`."""
+        if config.redis_url is None and not config.disk_capacity_bytes:
+            return None  # metadata in the worker's memory only: the worker's reports are the index
+        refresher = IndexRefresher(self.index, lambda: open_config_metastore(config),
+                                   config.index_refresh_interval_s,
+                                   plain_keys=self._plain_keys if config.disk_capacity_bytes else None)
+        try:
+            store = open_config_metastore(config)
+            try:
+                refresher.refresh_once(store)
+            finally:
+                store.close()
+        except Exception as exc:  # noqa: BLE001 - start serving; the refresher retries
+            logger.warning("cachefuse scheduler: variant metadata unavailable at start-up (%s: %s); "
+                           "chunks are misses until it answers", type(exc).__name__, exc)
+        return refresher.start()
+
+    def close(self) -> None:
+        """Stops the index refresher (vLLM calls the connector's shutdown)."""
+        if self._refresher is not None:
+            self._refresher.stop()
+            self._refresher = None
 
     # ------------------------------------------------------------------ planning
 
@@ -110,7 +147,10 @@ class SchedulerSide:
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
         keys = [chunk_key(prompt[s:e], self.key_context) for s, e in fusion.chunks]
-        indexed = [key in self.index for key in keys]
+        variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
+                                 [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
+                                 self.config.variant_admission_cfo)
+        indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":
             controller = self._decide(fusion, len(prompt), indexed)
@@ -122,7 +162,7 @@ class SchedulerSide:
                    "chunks": len(keys), "chunks_indexed": sum(indexed)}
         if controller is not None:
             outcome["controller"] = controller
-        self._pending[req_id] = _Pending(fusion, prompt, outcome)  # idempotent: a re-call replaces it
+        self._pending[req_id] = _Pending(fusion, prompt, outcome, variants)  # idempotent: a re-call replaces it
         return len(prompt) - 1, False
 
     def _decide(self, fusion: FusionRequest, num_tokens: int, indexed: list[bool]) -> dict[str, Any]:
@@ -187,14 +227,18 @@ class SchedulerSide:
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
                          slots, block_ids[: (num_tokens + bs - 1) // bs], block_ids[:num_hit_blocks],
-                         fusion.selected_rows, depth)
+                         fusion.selected_rows, depth, pending.variants)
 
     # ------------------------------------------------------------------ outcomes
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, CacheFuseWorkerMeta):
-            self.index.update(meta.saved_keys)
+            self.index.add_plain_keys(meta.saved_keys)
+            for data in meta.saved_variants:
+                self.index.add(record_from_dict(data))
+            for variant_id in meta.evicted_variants:
+                self.index.remove(variant_id)
             if meta.figures is not None:
                 self.figures = meta.figures
             for req_id, figures in meta.request_stats.items():

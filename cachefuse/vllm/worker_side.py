@@ -10,6 +10,7 @@ kv_load_failure_policy="recompute", checked at start-up) recomputes it as a plai
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError
 from cachefuse.figures import FigureRecorder
+from cachefuse.metastore import open_config_metastore, record_to_dict
 from cachefuse.placement import FrequencyPlacement
 from cachefuse.select import make_selector
 from cachefuse.select.fixed import FixedSelector
@@ -37,7 +39,7 @@ from cachefuse.vllm.scheduler_side import dtype_name
 logger = logging.getLogger(__name__)
 
 # Per-layer samples and keys feed the figures and the scheduler's index, not the response.
-_NOT_IN_RESPONSE = ("saved_keys", "layer_seconds", "layer_rows")
+_NOT_IN_RESPONSE = ("saved_keys", "layer_seconds", "layer_rows", "saved_variants", "evicted_variants")
 
 
 class WorkerSide:
@@ -58,7 +60,12 @@ class WorkerSide:
         store = open_store(config.store_path, StoreIdentity(fingerprint, shape.num_layers, shape.dtype),
                            config.memory_capacity_bytes, config.disk_capacity_bytes)
         key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash())
-        self.engine = FusionEngine(self.adapter, store, key_context, config)
+        # Rank 0 owns the variant metadata (in rank 0's keys, so the scheduler's plan names them); every
+        # rank keeps its own K/V under its own keys.
+        meta_key_context = dataclasses.replace(key_context, tp_rank=0)
+        self.engine = FusionEngine(self.adapter, store, key_context, config,
+                                   metastore=open_config_metastore(config), meta_key_context=meta_key_context,
+                                   writes_metadata=tp_rank == 0)
         self.placement = None
         if config.placement == "frequency" and len(store.tiers) > 1:
             store.promote_on_hit = False
@@ -112,12 +119,14 @@ class WorkerSide:
         try:
             result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
                                                 ratio=plan.recompute_ratio, save_holes=self.config.save_holes,
-                                                preload_depth=plan.preload_depth)
+                                                preload_depth=plan.preload_depth, choices=plan.variants)
         finally:
             self.engine.fusor.attention_backend = None
         if not self.paged_attention:
             self._write_kv(result, layers, slot_mapping[: len(plan.token_ids) - 1])
         self._meta.saved_keys.extend(stats.saved_keys)
+        self._meta.saved_variants.extend(record_to_dict(r) for r in stats.saved_variants)
+        self._meta.evicted_variants.extend(stats.evicted_variants)
         self.figures.observe_blend(stats, len(plan.token_ids))
         if self.placement is not None:
             self.placement.record(self.engine.key(plan.token_ids[s:e]) for s, e in plan.chunks)
@@ -156,10 +165,15 @@ class WorkerSide:
         if self.figures.changed:
             self._meta.figures = self.figures.snapshot()
             self.figures.changed = False
-        if not self._meta.request_stats and not self._meta.saved_keys and self._meta.figures is None:
+        if (not self._meta.request_stats and not self._meta.saved_keys and self._meta.figures is None
+                and not self._meta.evicted_variants):
             return None
         meta, self._meta = self._meta, CacheFuseWorkerMeta()
         return meta
+
+    def close(self) -> None:
+        """Closes the metadata store's connection (idempotent)."""
+        self.engine.metastore.close()
 
     def get_kv_connector_stats(self) -> CacheFuseConnectorStats | None:
         if self._stats.is_empty():

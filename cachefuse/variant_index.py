@@ -1,0 +1,221 @@
+"""Which stored variant each declared chunk of a prompt reuses: an in-memory index of variant metadata.
+
+Imports only the standard library and cachefuse.{meta, metastore}: the vLLM scheduler plans with it
+inside `schedule()` (no tensors, no I/O; the index is filled at start-up and kept current by the
+worker's reports and by `IndexRefresher`, a background thread), and the reference engine plans with
+it over its own metadata store.
+
+Rules (docs/variants.md):
+
+1. A declared chunk's new prefix is the ordered chunk keys of the declared non-system chunks before it
+   (the system prompt is shared by every prompt and is not context that distinguishes variants).
+2. Among the chunk's variants the lowest CFO wins (meta.choose_variant; ties to the closer prefix).
+3. A K/V entry stored under the plain chunk key without a metadata row (a store written before the
+   metadata store, or by another tool) is a base variant without statistics: prefix (), CCI 0.5.
+4. A chunk whose best CFO is >= `admission_cfo` is not loaded: it is computed in full in the prompt
+   and stored as a new variant for its prefix (None: only chunks with no variant are computed).
+5. A system chunk always reuses its base variant (it never moves, so its K/V are exact).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from cachefuse import meta
+from cachefuse.metastore import MetaStore, VariantRecord, variant_store_key
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VariantChoice:
+    """The variant one declared chunk reuses, and what the selector needs from its metadata."""
+
+    chunk_key: str
+    store_key: str
+    """Key of its K/V entry in the K/V tiers (metastore choice 7)."""
+    variant_id: str
+    cfo: float
+    """Cache Fix Overhead of this variant after the prompt's prefix (meta.cfo)."""
+    ranked_tokens: tuple[int, ...] = ()
+    """Offsets within the chunk, most contextualised first; empty: no ranking."""
+    has_metadata: bool = True
+    """False for rule 3's entries (no metadata row: no f_r to update)."""
+
+
+def new_prefixes(chunk_keys: Sequence[str], is_system: Sequence[bool]) -> list[tuple[str, ...]]:
+    """Rule 1: each declared chunk's prefix, the non-system declared chunks before it, in order."""
+    prefixes, seen = [], []
+    for key, system in zip(chunk_keys, is_system, strict=True):
+        prefixes.append(tuple(seen))
+        if not system:
+            seen.append(key)
+    return prefixes
+
+
+class VariantIndex:
+    """chunk key -> its variants' metadata (insertion order), plus plain K/V keys without metadata.
+
+    Thread-safe for one writer and many readers: every change replaces whole per-chunk lists, and
+    `replace_all` swaps the dicts in one assignment.
+    """
+
+    def __init__(self, records: Iterable[VariantRecord] = (), plain_keys: Iterable[str] = ()) -> None:
+        self._by_chunk: dict[str, list[VariantRecord]] = {}
+        self._plain: set[str] = set(plain_keys)
+        for record in records:
+            self.add(record)
+
+    def __contains__(self, chunk_key: object) -> bool:
+        return isinstance(chunk_key, str) and self.has(chunk_key)
+
+    def __len__(self) -> int:
+        return sum(len(records) for records in self._by_chunk.values())
+
+    def records(self) -> list[VariantRecord]:
+        return [record for records in self._by_chunk.values() for record in records]
+
+    def variants(self, chunk_key: str) -> list[VariantRecord]:
+        return list(self._by_chunk.get(chunk_key, ()))
+
+    def has(self, chunk_key: str) -> bool:
+        """True when the chunk has any variant (a metadata row or a plain K/V entry)."""
+        return chunk_key in self._by_chunk or chunk_key in self._plain
+
+    def add(self, record: VariantRecord) -> None:
+        """Add or replace (same variant id) one variant; an upsert keeps its place."""
+        records = list(self._by_chunk.get(record.chunk_key, ()))
+        for i, old in enumerate(records):
+            if old.variant_id == record.variant_id:
+                records[i] = record
+                break
+        else:
+            records.append(record)
+        self._by_chunk[record.chunk_key] = records
+
+    def add_plain_keys(self, keys: Iterable[str]) -> None:
+        self._plain |= set(keys)
+
+    def remove(self, variant_id: str) -> None:
+        """Forget a variant (evicted, or found stale by the worker); also its plain K/V key."""
+        for chunk, records in list(self._by_chunk.items()):
+            kept = [r for r in records if r.variant_id != variant_id]
+            if len(kept) != len(records):
+                gone = [r for r in records if r.variant_id == variant_id]
+                self._plain -= {r.store_key for r in gone}
+                if kept:
+                    self._by_chunk[chunk] = kept
+                else:
+                    del self._by_chunk[chunk]
+                return
+
+    def replace_all(self, records: Iterable[VariantRecord], plain_keys: Iterable[str] | None = None) -> None:
+        """Swap in a fresh snapshot (the refresher's reload)."""
+        fresh = VariantIndex(records, self._plain if plain_keys is None else plain_keys)
+        self._by_chunk, self._plain = fresh._by_chunk, fresh._plain
+
+    def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float,
+               num_tokens: int) -> VariantChoice | None:
+        """Rules 2-3: the variant to reuse after `new_prefix`, or None when the chunk has none."""
+        records = self._by_chunk.get(chunk_key)
+        if not records:
+            if chunk_key not in self._plain:
+                return None
+            records = [VariantRecord.without_stats(chunk_key, (), num_tokens)]
+            has_metadata = False
+        else:
+            has_metadata = True
+        index, cfo = meta.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        record = records[index]
+        return VariantChoice(chunk_key, record.store_key, record.variant_id, cfo,
+                             record.ranked_tokens, has_metadata)
+
+
+def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
+                  lengths: Sequence[int], alpha: float,
+                  admission_cfo: float | None = None) -> list[VariantChoice | None]:
+    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5)."""
+    choices: list[VariantChoice | None] = []
+    for key, system, prefix, length in zip(chunk_keys, is_system, new_prefixes(chunk_keys, is_system),
+                                           lengths, strict=True):
+        choice = index.choose(key, () if system else prefix, alpha, length)
+        if (choice is not None and not system and admission_cfo is not None and choice.cfo >= admission_cfo
+                and choice.store_key != variant_store_key(key, prefix)):
+            choice = None  # rule 4: compute it in full; it becomes the variant for this prefix
+        choices.append(choice)
+    return choices
+
+
+class IndexRefresher:
+    """Keeps a VariantIndex current from a metadata store on a daemon thread, never on the caller's.
+
+    Every `interval_s` it reads the store's `generation()`; when it changed, it reloads every record
+    and swaps them in. Errors (a Redis that is down, paused or answering garbage) are logged once per
+    outage and retried at the next tick; the index keeps its last snapshot meanwhile.
+
+    Args:
+        index: the index to refresh.
+        open_store: builds the metastore connection (called on the thread, again after an error).
+        interval_s: seconds between polls.
+        plain_keys: called on each reload for rule 3's plain K/V keys (None: keep the index's).
+    """
+
+    def __init__(self, index: VariantIndex, open_store: Callable[[], MetaStore], interval_s: float,
+                 plain_keys: Callable[[], Iterable[str]] | None = None) -> None:
+        self.index, self._open, self.interval_s, self._plain_keys = index, open_store, interval_s, plain_keys
+        self._stop = threading.Event()
+        self._seen_generation: int | None = None
+        self.reloads = 0
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="cachefuse-index-refresh", daemon=True)
+
+    def start(self) -> IndexRefresher:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def refresh_once(self, store: MetaStore) -> bool:
+        """One poll; True when the index was reloaded."""
+        generation = store.generation()
+        if generation == self._seen_generation:
+            return False
+        records = store.all_records()
+        plain = None if self._plain_keys is None else list(self._plain_keys())
+        self.index.replace_all(records, plain)
+        self._seen_generation = generation
+        self.reloads += 1
+        return True
+
+    def _run(self) -> None:
+        store, failing = None, False
+        while not self._stop.wait(self.interval_s):
+            try:
+                if store is None:
+                    store = self._open()
+                self.refresh_once(store)
+                if failing:
+                    logger.info("cachefuse index refresh: metadata store reachable again")
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the last snapshot in place
+                self.errors += 1
+                if not failing:
+                    logger.warning("cachefuse index refresh failed (%s: %s); keeping the last snapshot",
+                                   type(exc).__name__, exc)
+                failing = True
+                if store is not None:
+                    try:
+                        store.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    store = None
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                pass
