@@ -185,6 +185,7 @@ class Fusor:
         residual = None
         out_k, out_v, rows_per_layer, layer_seconds = [], [], [], []
         stats = _HoleStats(request.segments, layout) if self.collect_attention_stats and layout.hole_segments else None
+        question = _QuestionAttention.of(request.segments, layout) if selector.tracks_question_attention() else None
         for layer in range(num_layers):
             layer_start = self.clock()
             loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
@@ -202,6 +203,10 @@ class Fusor:
             rows_per_layer.append(rows)
             if stats is not None:  # before q is cut down to the continuing rows
                 stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows)
+            tracked = None  # the selector's narrowed rows after this layer (Cache-Craft's early termination)
+            if question is not None and layer < num_layers - 1:
+                mass = question.mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, layout.ctx)
+                tracked = selector.after_layer(layout.ctx, layer, mass)
 
             # Rows that continue to the next layer: only they need this layer's attention and MLP;
             # every row's K/V is already merged above.
@@ -216,6 +221,9 @@ class Fusor:
                 initial = selector.initial_rows(layout.ctx)
                 assert initial is not None, f"{selector.name}: full layers end without a selection"
                 next_rows, num_selected = layout.with_forced(initial), initial.numel()
+            elif tracked is not None:
+                assert rows is not None, f"{selector.name}: after_layer narrowed rows in a full layer"
+                next_rows, num_selected = layout.with_forced(tracked), tracked.numel()
             if next_rows is not None and next_rows is not rows:
                 keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
                 q, residual = q[keep], residual[keep]
@@ -282,6 +290,35 @@ class _HoleStats:
 
     def result(self, num_layers: int) -> dict[int, list[list[float]]]:
         return {h: (mass / num_layers).tolist() for h, mass in self.per_token.items()}
+
+
+class _QuestionAttention:
+    """Per layer, the question rows' attention mass on each segment (Cache-Craft's inter^l(C_i, U)).
+
+    Question rows: every row after the last declared chunk, the last token included; being no chunk,
+    they are forced rows, computed in every layer (| ... | chunk C | glue, question, last |).
+    """
+
+    def __init__(self, segments: Sequence[Segment], num_tokens: int, question_start: int) -> None:
+        self.rows = torch.arange(question_start, num_tokens)
+        self.num_segments = len(segments)
+        self.segment_of_key = torch.cat([torch.full((s.length,), i, dtype=torch.int64)
+                                         for i, s in enumerate(segments)])
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], layout: _RequestLayout) -> _QuestionAttention | None:
+        """None when the prompt has no declared chunk or ends inside one (no question rows)."""
+        start = max((s.end for s in segments if s.is_chunk), default=layout.num_tokens)
+        return cls(segments, layout.num_tokens, start) if start < layout.num_tokens else None
+
+    def mass(self, q, row_positions, k_merged, scale, block_rows, ctx: SelectionContext) -> torch.Tensor:
+        """[num_segments] fp32: summed over the question rows, averaged over heads (of every TP rank)."""
+        index = torch.searchsorted(row_positions, self.rows)  # question rows are always computed
+        device = k_merged.device
+        mass = segment_attention_mass(q[index], self.rows.to(device), k_merged, self.segment_of_key.to(device),
+                                      self.num_segments, scale, block_rows)  # [num_heads, num_segments]
+        total = ctx.reduce(torch.cat([mass.sum(dim=0), mass.new_tensor([mass.shape[0]])]))  # one all-reduce
+        return total[:-1] / total[-1]
 
 
 class _LoadedLayers:

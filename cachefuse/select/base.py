@@ -91,3 +91,23 @@ class Selector(ABC):
     def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor:
         """Sorted subset of the candidate rows `kv.rows` for the layers after check layer `check_index`."""
         raise NotImplementedError(f"{self.name} has no check layers")
+
+    def tracks_question_attention(self) -> bool:
+        """Whether the fusor computes the question's attention per segment and calls `after_layer`."""
+        return False
+
+    def after_layer(self, ctx: SelectionContext, layer: int, question_mass: torch.Tensor) -> torch.Tensor | None:
+        """Called after each layer's K/V merge but the last's, when `tracks_question_attention()`.
+
+        At a check layer, or the last full layer, that selection wins and a returned tensor is ignored.
+
+        Args:
+            layer: the layer just merged (0-based).
+            question_mass: [num_segments] fp32, the attention mass the question rows put on each
+                segment at `layer` (summed over question rows, averaged over heads).
+
+        Returns:
+            None to keep the selection, or a sorted subset of the currently selected candidate rows,
+            recomputed in the layers after `layer`.
+        """
+        return None
