@@ -3,6 +3,7 @@
     cachefuse precompute --model M --chunks chunks.jsonl --store DIR [--system TEXT | --system-file F]
                          [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
     cachefuse profile --model M --store DIR [--tier memory|disk] [--prompt-tokens N] [--requests N] [--json]
+    cachefuse inspect --store DIR|redis://host:port/db [--json]
 
 Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,
 parser)` that does the work; bad arguments and input files end in `parser.error` (exit status 2)
@@ -29,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_precompute(subparsers)
     _add_profile(subparsers)
+    _add_inspect(subparsers)
     args = parser.parse_args(argv)
     return args.run(args, args.parser)
 
@@ -192,6 +194,35 @@ def _run_profile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
           f"{compute.get('prefill_per_token_s', 0) * 1e6:.3f} us/token + "
           f"{compute.get('prefill_per_token2_s', 0) * 1e9:.4f} ns/token^2")
     print(f"  samples: {figures.get('samples', {})}")
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _add_inspect(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="list a store's chunks, variants, CCI, f_r, sizes, tiers and stale entries",
+        description="Reads a store without changing it: every variant's metadata, whether its K/V entry is "
+                    "still there (stale: a metadata row whose data is gone), and K/V entries without metadata "
+                    "(orphans). Exit status 1 when the store cannot be read.")
+    p.add_argument("--store", required=True, help="a store directory (store_dir) or a redis:// / rediss:// URL")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=_run_inspect, parser=p)
+
+
+def _run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from cachefuse.errors import StoreError
+    from cachefuse.inspect import format_table, inspect_store
+
+    try:
+        report = inspect_store(args.store)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except StoreError as exc:
+        print(f"cachefuse inspect: {args.store}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
     return 0
 
 

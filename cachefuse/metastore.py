@@ -224,7 +224,7 @@ class SqliteMetaStore:
     """
 
     def __init__(self, path: str, *, max_variants: int, policy: str = "f_r",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, uri: bool = False) -> None:
         """Open or create the store.
 
         Args:
@@ -232,6 +232,8 @@ class SqliteMetaStore:
             max_variants: N x M, the total variant budget over all chunks (>= 1).
             policy: "f_r" (Cache-Craft, lowest f_r evicted first) or "lru" (the baseline).
             clock: seconds, stamped into `last_access`; injectable for tests.
+            uri: `path` is a SQLite URI (e.g. "file:...?mode=ro" to read without writing, as
+                `cachefuse inspect` does; the schema must then exist already).
         """
         if max_variants < 1:
             raise ConfigError(f"max_variants={max_variants!r}, expected >= 1")
@@ -240,8 +242,11 @@ class SqliteMetaStore:
         self.max_variants, self.policy, self._clock = max_variants, policy, clock
         self._lock = threading.Lock()
         self._pins: dict[str, int] = {}
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, uri=uri)
         self._conn.row_factory = sqlite3.Row
+        if uri and "mode=ro" in path:
+            self._check_schema(path)
+            return
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps it consistent
         self._conn.executescript(_SCHEMA)  # autocommit mode: each CREATE ... IF NOT EXISTS commits alone
@@ -253,6 +258,14 @@ class SqliteMetaStore:
                 raise StoreError(f"{path}: schema version {[r[0] for r in rows]}, expected [{SCHEMA_VERSION}]")
             if cur.execute("SELECT COUNT(*) FROM generation").fetchone()[0] == 0:
                 cur.execute("INSERT INTO generation (value) VALUES (0)")
+
+    def _check_schema(self, path: str) -> None:
+        try:
+            rows = self._conn.execute("SELECT version FROM schema_version").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{path}: not a cachefuse metadata store ({exc})") from exc
+        if [r[0] for r in rows] != [SCHEMA_VERSION]:
+            raise StoreError(f"{path}: schema version {[r[0] for r in rows]}, expected [{SCHEMA_VERSION}]")
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Cursor]:

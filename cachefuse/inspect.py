@@ -1,0 +1,118 @@
+"""`cachefuse inspect --store URL`: what a store holds, variant by variant, and what is out of step.
+
+Imports the standard library and cachefuse.{metastore, store.disk}; Redis only for a redis:// URL.
+A store URL is a directory (the disk tier, with `meta.sqlite` next to it) or `redis://` / `rediss://`.
+
+Reported per variant: chunk key, variant id, prefix, CCI, f_r, access count, size, tier, whether it
+has attention statistics, the ratio its prefix was fused under, and `stale` (a metadata row whose
+K/V entry is gone). Orphans are K/V entries without a metadata row: under a plain chunk key they are
+served as base variants without statistics (docs/variants.md); under a variant key they are leftovers
+that nothing will load (a crash between the K/V write and the metadata row).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachefuse.errors import ConfigError
+from cachefuse.metastore import META_FILE, MetaStore, SqliteMetaStore, VariantRecord
+
+
+@dataclass
+class StoreReport:
+    url: str
+    variants: list[dict[str, Any]] = field(default_factory=list)
+    orphans: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        by_tier: dict[str, int] = {}
+        for v in self.variants:
+            by_tier[v["tier"]] = by_tier.get(v["tier"], 0) + v["size_bytes"]
+        return {"chunks": len({v["chunk_key"] for v in self.variants}), "variants": len(self.variants),
+                "stale": sum(v["stale"] for v in self.variants), "orphans": len(self.orphans),
+                "bytes_by_tier": by_tier}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"store": self.url, "summary": self.summary, "variants": self.variants, "orphans": self.orphans}
+
+
+def _row(record: VariantRecord, stored: set[str]) -> dict[str, Any]:
+    return {"chunk_key": record.chunk_key, "variant_id": record.variant_id, "store_key": record.store_key,
+            "prefix": list(record.prefix), "cci": record.cci, "f_r": record.f_r,
+            "access_count": record.access_count, "size_bytes": record.size_bytes, "tier": record.tier,
+            "has_stats": record.has_stats, "recompute_ratio": record.recompute_ratio,
+            "num_tokens": record.num_tokens, "stale": record.store_key not in stored}
+
+
+def report_from(url: str, metastore: MetaStore, kv_keys: set[str]) -> StoreReport:
+    """The report for one metadata store and the set of K/V keys its tiers hold."""
+    records = metastore.all_records()
+    report = StoreReport(url, [_row(r, kv_keys) for r in records])
+    known = {r.store_key for r in records}
+    for key in sorted(kv_keys - known):
+        kind = "variant_leftover" if "-" in key else "base_without_metadata"
+        report.orphans.append({"store_key": key, "kind": kind})
+    return report
+
+
+def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
+    """Reads a store (directory or redis:// URL) without changing it.
+
+    Raises:
+        ConfigError: the directory holds no cachefuse store, or the URL is not understood.
+        StoreError: Redis did not answer.
+    """
+    if url.startswith(("redis://", "rediss://")):
+        from cachefuse.redis_meta import RedisMetaStore
+        from cachefuse.store.redis_store import list_redis_keys
+
+        metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s)
+        try:
+            return report_from(url, metastore, list_redis_keys(url, timeout_s=timeout_s))
+        finally:
+            metastore.close()
+    from cachefuse.store.disk import list_keys
+
+    root = os.path.expanduser(url)
+    meta_path = os.path.join(root, META_FILE)
+    if not os.path.isdir(root):
+        raise ConfigError(f"--store {url!r}: no such directory (expected a store_dir or a redis:// URL)")
+    kv_keys = set(list_keys(root))
+    if not os.path.exists(meta_path):
+        return report_from(url, _EmptyMeta(), kv_keys)
+    uri = f"file:{meta_path}?mode=ro"  # read-only: inspecting never creates or changes a store
+    metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)
+    try:
+        return report_from(url, metastore, kv_keys)
+    finally:
+        metastore.close()
+
+
+class _EmptyMeta:
+    """A store written before the metadata store existed: no rows."""
+
+    def all_records(self) -> list[VariantRecord]:
+        return []
+
+
+def format_table(report: StoreReport, width: int = 12) -> str:
+    """The report as a fixed-width table, then the orphans and the summary."""
+    head = f"{'chunk':<{width}} {'variant':<16} {'prefix':>6} {'CCI':>6} {'f_r':>10} {'uses':>5} " \
+           f"{'bytes':>10} {'tier':<6} {'stats':<5} {'ratio':>5} stale"
+    lines = [f"store: {report.url}", head]
+    for v in report.variants:
+        ratio = "-" if v["recompute_ratio"] is None else f"{v['recompute_ratio']:.2f}"
+        lines.append(f"{v['chunk_key'][:width]:<{width}} {v['variant_id']:<16} {len(v['prefix']):>6} "
+                     f"{v['cci']:>6.3f} {v['f_r']:>10.3g} {v['access_count']:>5} {v['size_bytes']:>10} "
+                     f"{v['tier']:<6} {'yes' if v['has_stats'] else 'no':<5} {ratio:>5} "
+                     f"{'STALE' if v['stale'] else ''}")
+    for orphan in report.orphans:
+        lines.append(f"orphan K/V entry {orphan['store_key']} ({orphan['kind']})")
+    s = report.summary
+    tiers = ", ".join(f"{tier} {size} B" for tier, size in sorted(s["bytes_by_tier"].items())) or "-"
+    lines.append(f"{s['chunks']} chunks, {s['variants']} variants ({tiers}); {s['stale']} stale, "
+                 f"{s['orphans']} orphan K/V entries")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""`cachefuse inspect`: variants, CCI, f_r, sizes, tiers, stale rows and orphan K/V, as a table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachefuse.chunks import KeyContext
+from cachefuse.cli import main
+from cachefuse.config import CacheFuseConfig
+from cachefuse.engine import FusionEngine
+from cachefuse.metastore import SqliteMetaStore, open_config_metastore
+from cachefuse.store.base import StoreIdentity
+from cachefuse.store.tiered import open_store
+from tests.helpers.fusion import make_case, precompute_case
+from tests.test_variants import prompt
+
+
+@pytest.fixture(scope="module")
+def store_dir(tiny_model_dir, tmp_path_factory):
+    """A disk store with base variants, one fused variant (with statistics), one stale row, one orphan."""
+    from cachefuse.adapters.hf import HFAdapter
+
+    adapter = HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
+    root = tmp_path_factory.mktemp("inspect-store")
+    config = CacheFuseConfig(store_dir=str(root), memory_capacity_bytes=0, collect_attention_stats=True)
+    identity = StoreIdentity("test-model", adapter.shape.num_layers, adapter.shape.dtype)
+    store = open_store(root, identity, 0, 1 << 30)
+    engine = FusionEngine(adapter, store, KeyContext("test-model", "float32"), config,
+                          metastore=open_config_metastore(config))
+    case = make_case(adapter.shape.vocab_size, seed=31)
+    precompute_case(engine, case)  # system, A, C; B becomes a fused variant below
+    ids, chunks = prompt(case, [0, 1, 2])
+    engine.prefill(ids, chunks, selector="cacheblend", ratio=0.15)
+    keys = [engine.key(p) for p in case.pieces]
+    store.remove(keys[2])  # C's K/V gone: its row is stale
+    store.put("f" * 64, store.get(keys[0]))  # an entry nobody indexed: an orphan base key
+    engine.metastore.close()
+    return root, keys
+
+
+def test_inspect_json_reports_variants_stale_and_orphans(store_dir, capsys):
+    root, (key_a, key_b, key_c) = store_dir
+    assert main(["inspect", "--store", str(root), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {(v["chunk_key"], tuple(v["prefix"])): v for v in report["variants"]}
+    assert report["summary"]["variants"] == 4 and report["summary"]["chunks"] == 4  # system, A, B, C
+    fused = rows[(key_b, (key_a,))]
+    assert fused["has_stats"] and 0.5 <= fused["cci"] < 1 and fused["recompute_ratio"] == 0.15
+    assert fused["tier"] == "disk" and fused["size_bytes"] > 0 and not fused["stale"]
+    assert rows[(key_a, ())]["cci"] == 0.5 and rows[(key_a, ())]["access_count"] == 1
+    assert rows[(key_c, ())]["stale"] and report["summary"]["stale"] == 1
+    assert report["orphans"] == [{"store_key": "f" * 64, "kind": "base_without_metadata"}]
+    with SqliteMetaStore(str(root / "meta.sqlite"), max_variants=100) as store:  # read, never written
+        assert len(store.all_records()) == 4
+
+
+def test_inspect_table_and_errors(store_dir, capsys, tmp_path):
+    root, (key_a, key_b, _) = store_dir
+    assert main(["inspect", "--store", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "STALE" in out and key_b[:12] in out and "orphan K/V entry " + "f" * 64 in out
+    assert "4 chunks, 4 variants" in out and "1 stale, 1 orphan" in out
+    with pytest.raises(SystemExit) as exc:  # a path that is no store: argparse's error, status 2
+        main(["inspect", "--store", str(tmp_path / "missing")])
+    assert exc.value.code == 2 and "no such directory" in capsys.readouterr().err
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "meta.sqlite").write_bytes(b"not a database at all, really" * 10)
+    assert main(["inspect", "--store", str(tmp_path / "junk")]) == 1
+    assert "not a cachefuse metadata store" in capsys.readouterr().err
