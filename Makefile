@@ -15,7 +15,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-gpu demo bench lint clean install
+.PHONY: test test-gpu demo bench lint clean install redis
 
 install: $(STAMP)
 
@@ -32,7 +32,13 @@ $(STAMP): pyproject.toml .ci/overrides.txt | $(UV)
 	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(STAMP)
 
-test: $(STAMP)
+# The Redis tests start their own redis-server (tests/helpers/redis_server.py) and fail without one.
+# CI runs as root on Debian 12, where apt installs it.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) || true
+	@command -v redis-server >/dev/null || { echo "make: redis-server is required by the tests and could not be installed; install it (apt-get install redis-server) and rerun" >&2; exit 1; }
+
+test: $(STAMP) redis
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
 
 test-gpu: $(STAMP)

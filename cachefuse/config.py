@@ -103,6 +103,8 @@ class CacheFuseConfig:
     redis_url: str | None = None
     """A shared tier for several vLLM instances: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
     K/V and variant metadata then live in Redis (memory and disk tiers, when enabled, cache it locally)."""
+    redis_capacity_bytes: int = 0
+    """Byte budget of the Redis tier over its namespace (LRU); 0: only Redis's own maxmemory applies."""
     redis_timeout_s: float = 0.5
     """Socket connect/read timeout of every Redis call: a slow or unreachable Redis is a miss after this."""
     index_refresh_interval_s: float = 1.0
@@ -145,7 +147,7 @@ class CacheFuseConfig:
             _fail("preload_depth", self.preload_depth, "null or an integer >= 0")
         if not isinstance(self.store_dir, str) or not self.store_dir:
             _fail("store_dir", self.store_dir, "a non-empty directory path")
-        for name in ("memory_capacity_bytes", "disk_capacity_bytes"):
+        for name in ("memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail(name, value, "an integer number of bytes >= 0")

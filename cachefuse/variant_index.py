@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -165,7 +166,10 @@ class IndexRefresher:
 
     def __init__(self, index: VariantIndex, open_store: Callable[[], MetaStore], interval_s: float,
                  plain_keys: Callable[[], Iterable[str]] | None = None) -> None:
-        self.index, self._open, self.interval_s, self._plain_keys = index, open_store, interval_s, plain_keys
+        # A weak reference: the thread ends once the index's owner (the scheduler) is gone, even if
+        # nobody called stop() (an engine that failed after start-up, a test that dropped it).
+        self._index_ref = weakref.ref(index)
+        self._open, self.interval_s, self._plain_keys = open_store, interval_s, plain_keys
         self._stop = threading.Event()
         self._seen_generation: int | None = None
         self.reloads = 0
@@ -187,14 +191,17 @@ class IndexRefresher:
             return False
         records = store.all_records()
         plain = None if self._plain_keys is None else list(self._plain_keys())
-        self.index.replace_all(records, plain)
+        index = self._index_ref()
+        if index is None:
+            return False
+        index.replace_all(records, plain)
         self._seen_generation = generation
         self.reloads += 1
         return True
 
     def _run(self) -> None:
         store, failing = None, False
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.interval_s) and self._index_ref() is not None:
             try:
                 if store is None:
                     store = self._open()

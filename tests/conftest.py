@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 
 from cachefuse.bench.tiny_models import cached_tiny_model  # noqa: E402
 
+pytest_plugins = ["tests.helpers.redis_server"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -103,15 +103,20 @@ class TieredStore:
 
 
 def open_store(
-    root: str | Path, identity: StoreIdentity, memory_capacity_bytes: int, disk_capacity_bytes: int
+    root: str | Path, identity: StoreIdentity, memory_capacity_bytes: int, disk_capacity_bytes: int, *,
+    redis_url: str | None = None, redis_timeout_s: float = 0.5, redis_capacity_bytes: int = 0,
 ) -> TieredStore:
-    """The embedded default: host memory over local disk, a tier skipped when its capacity is 0.
+    """The embedded default: host memory over local disk, a tier skipped when its capacity is 0; with
+    `redis_url`, a shared Redis tier below them (the faster tiers then cache what Redis holds).
 
     Args:
         root: directory of the disk tier.
         identity: what every entry must match.
         memory_capacity_bytes: tensor bytes the memory tier may hold; 0 disables it.
         disk_capacity_bytes: file bytes the disk tier may hold; 0 disables it.
+        redis_url: "redis://host:port/db" or "rediss://..."; None: no shared tier.
+        redis_timeout_s: connect/read timeout of every Redis call (a slower answer is a miss).
+        redis_capacity_bytes: byte budget of the Redis tier; 0: Redis's own maxmemory only.
 
     Raises:
         ConfigError: a capacity is negative.
@@ -125,6 +130,10 @@ def open_store(
         tiers.append(MemoryStore(identity, memory_capacity_bytes))
     if disk_capacity_bytes > 0:
         tiers.append(DiskStore(root, identity, disk_capacity_bytes))
+    if redis_url is not None:
+        from cachefuse.store.redis_store import RedisKVStore  # redis is imported only when configured
+
+        tiers.append(RedisKVStore(redis_url, identity, redis_capacity_bytes, timeout_s=redis_timeout_s))
     if not tiers:
         logger.warning("store at %s has no tier (both capacities are 0): every chunk will be a miss", root)
     return TieredStore(tiers)

@@ -104,9 +104,10 @@ class SchedulerSide:
         last snapshot and is retried every `index_refresh_interval_s`."""
         if config.redis_url is None and not config.disk_capacity_bytes:
             return None  # metadata in the worker's memory only: the worker's reports are the index
+        root = config.store_path  # closures over plain values: the thread must not keep `self` alive
         refresher = IndexRefresher(self.index, lambda: open_config_metastore(config),
                                    config.index_refresh_interval_s,
-                                   plain_keys=self._plain_keys if config.disk_capacity_bytes else None)
+                                   plain_keys=(lambda: list_keys(root)) if config.disk_capacity_bytes else None)
         try:
             store = open_config_metastore(config)
             try:

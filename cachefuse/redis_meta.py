@@ -1,0 +1,419 @@
+"""Variant metadata in Redis, shared by several vLLM instances: cachefuse.metastore's contract, same choices.
+
+Imports the standard library, redis, `cachefuse.{meta, metastore, errors}`; no torch (the scheduler reads
+it). `redis_client` lives here, torch-free, and `cachefuse.store.redis_store` reuses it. Every choice
+of metastore.py's docstring (1-7) holds exactly as in `SqliteMetaStore`; tests/test_metastore_contract.py
+runs one suite over both. Layout, every key under `{namespace}:meta:`:
+
+    v:{variant_id}     hash: the VariantRecord's fields (JSON for prefix, inter, prefix_num_tokens,
+                       ranked_tokens; floats as repr, which round-trips) and `seq`, its insertion number
+    chunk:{chunk_key}  zset: the chunk's variant ids, scored by seq (insertion order)
+    seq                zset: every variant id by seq (count, all_records)
+    by_f_r             zset: id -> f_r         } the primary eviction key of each policy; ties are
+    by_last_access     zset: id -> last_access } broken in the script by (the other one, seq)
+    next_seq, generation, schema_version: counters / the layout version
+
+Atomicity: put (with its evictions), record_use and remove are each one Lua script, so concurrent
+processes never interleave inside them and every record_use counts. The script adds f_r in double
+precision and writes it with %.17g, so f_r equals SqliteMetaStore's to the bit. The scripts derive key
+names from the namespace, so they need standalone Redis (or one shard), not Redis Cluster.
+
+Pins live in this process's memory (choice 4) and are passed to the put script: a variant pinned here is
+never evicted by a put from here; another instance does not see our pins (it may evict a variant we are
+loading, whose K/V read then misses and the request falls back to recompute).
+
+Errors: unlike the K/V tier, every method that talks to Redis raises `StoreError` on a network error or
+timeout (a Redis error of any kind), reads included (get, variants, choose, all_records, count,
+generation, size_by_tier, pin): the callers (the worker, the scheduler's background index refresher)
+catch it. The constructor talks to Redis once, to check the layout version, and raises likewise. A
+variant hash that does not parse (damaged, or written by something else) is skipped with a warning by
+the list reads (variants, all_records, a put's victims) so one bad hash cannot hide the rest; `get`
+raises StoreError for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cachefuse import meta
+from cachefuse.errors import ConfigError, StoreError
+from cachefuse.metastore import POLICIES, VariantRecord
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = "1"
+
+# Shared by the scripts below: drop one variant from every index, returning its fields.
+_LUA_DROP = """
+local function drop(p, id)
+  local key = p .. 'v:' .. id
+  local fields = redis.call('HGETALL', key)
+  local chunk = redis.call('HGET', key, 'chunk_key')
+  redis.call('DEL', key)
+  redis.call('ZREM', p .. 'seq', id)
+  redis.call('ZREM', p .. 'by_f_r', id)
+  redis.call('ZREM', p .. 'by_last_access', id)
+  if chunk then redis.call('ZREM', p .. 'chunk:' .. chunk, id) end
+  return fields
+end
+"""
+
+# ARGV: prefix, max_variants, policy, variant_id, chunk_key, f_r, last_access, n, n field/value args,
+# then the ids pinned in this process. Returns {'ok', victim fields...} or {'full', count, unpinned}.
+_LUA_PUT = _LUA_DROP + """
+local p, max, policy, id, chunk = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local f_r, last, nf = ARGV[6], ARGV[7], tonumber(ARGV[8])
+local key = p .. 'v:' .. id
+local exists = redis.call('EXISTS', key) == 1
+local out = {'ok'}
+if not exists then
+  local need = redis.call('ZCARD', p .. 'seq') + 1 - max
+  if need > 0 then
+    local pinned = {}
+    for i = 9 + nf, #ARGV do pinned[ARGV[i]] = true end
+    local primary = policy == 'f_r' and 'by_f_r' or 'by_last_access'
+    local secondary = policy == 'f_r' and 'last_access' or 'f_r'
+    local victims, lo = {}, '-inf'
+    while #victims < need do  -- walk the primary order one group of equal scores at a time
+      local first = redis.call('ZRANGEBYSCORE', p .. primary, lo, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      if #first == 0 then break end
+      local rows = {}
+      for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. primary, first[2], first[2])) do
+        local f = redis.call('HMGET', p .. 'v:' .. other, secondary, 'seq')
+        rows[#rows + 1] = {other, tonumber(f[1]), tonumber(f[2])}
+      end
+      table.sort(rows, function(a, b) if a[2] ~= b[2] then return a[2] < b[2] end return a[3] < b[3] end)
+      for _, row in ipairs(rows) do
+        if #victims < need and not pinned[row[1]] then victims[#victims + 1] = row[1] end
+      end
+      lo = '(' .. first[2]
+    end
+    if #victims < need then return {'full', redis.call('ZCARD', p .. 'seq'), #victims} end
+    for _, other in ipairs(victims) do out[#out + 1] = drop(p, other) end
+  end
+end
+local seq = exists and redis.call('HGET', key, 'seq') or redis.call('INCR', p .. 'next_seq')
+redis.call('HSET', key, 'seq', seq, unpack(ARGV, 9, 8 + nf))
+redis.call('ZADD', p .. 'seq', seq, id)
+redis.call('ZADD', p .. 'chunk:' .. chunk, seq, id)
+redis.call('ZADD', p .. 'by_f_r', f_r, id)
+redis.call('ZADD', p .. 'by_last_access', last, id)
+if not exists then redis.call('INCR', p .. 'generation') end
+return out
+"""
+
+# ARGV: prefix, variant_id, 1 / max(CFO, eps) (repr), last_access (repr). Returns the fields or nil.
+_LUA_RECORD_USE = """
+local p, id = ARGV[1], ARGV[2]
+local key = p .. 'v:' .. id
+if redis.call('EXISTS', key) == 0 then return false end
+redis.call('HINCRBY', key, 'access_count', 1)
+local f_r = string.format('%.17g', tonumber(redis.call('HGET', key, 'f_r')) + tonumber(ARGV[3]))
+redis.call('HSET', key, 'f_r', f_r, 'last_access', ARGV[4])
+redis.call('ZADD', p .. 'by_f_r', f_r, id)
+redis.call('ZADD', p .. 'by_last_access', ARGV[4], id)
+return redis.call('HGETALL', key)
+"""
+
+# ARGV: prefix, variant_id. Returns the removed fields or nil.
+_LUA_REMOVE = _LUA_DROP + """
+if redis.call('EXISTS', ARGV[1] .. 'v:' .. ARGV[2]) == 0 then return false end
+local fields = drop(ARGV[1], ARGV[2])
+redis.call('INCR', ARGV[1] .. 'generation')
+return fields
+"""
+
+# ARGV: prefix, index zset suffix ('seq' or 'chunk:<key>'). Returns every listed variant's fields, in
+# index order, from one consistent snapshot.
+_LUA_RECORDS = """
+local out = {}
+for _, id in ipairs(redis.call('ZRANGE', ARGV[1] .. ARGV[2], 0, -1)) do
+  out[#out + 1] = redis.call('HGETALL', ARGV[1] .. 'v:' .. id)
+end
+return out
+"""
+
+
+def redis_client(url: str, timeout_s: float, *, decode_responses: bool = False) -> redis.Redis:
+    """A client whose every call fails within about `timeout_s` (connect and each reply), never retried.
+
+    NOTE: redis-py retries failed calls by default (with backoff); a shared cache must answer "miss"
+    after one timeout instead, so the retry policy is set to none.
+
+    Args:
+        url: "redis://[[user]:password@]host:port/db" or "rediss://..." (TLS).
+        timeout_s: socket connect and read timeout, seconds.
+        decode_responses: replies as str (metadata) instead of bytes (K/V tensors).
+
+    Raises:
+        ConfigError: the URL cannot be parsed.
+    """
+    if not timeout_s > 0:
+        raise ConfigError(f"redis timeout_s={timeout_s!r}, expected > 0")
+    try:
+        return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                    retry_on_timeout=False, retry=Retry(NoBackoff(), 0),
+                                    decode_responses=decode_responses)
+    except ValueError as exc:
+        expected = "redis://host:port/db or rediss://..."
+        raise ConfigError(f"redis_url={url!r}: {exc}; expected {expected}") from None
+
+
+def _fields(record: VariantRecord) -> dict[str, str]:
+    """The record as hash fields (derived cci kept for inspection, like the SQLite column)."""
+    return {
+        "variant_id": record.variant_id, "chunk_key": record.chunk_key,
+        "prefix": json.dumps(list(record.prefix)), "inter": json.dumps(record.inter),
+        "intra": repr(float(record.intra)), "num_tokens": str(record.num_tokens),
+        "prefix_num_tokens": json.dumps(record.prefix_num_tokens),
+        "ranked_tokens": json.dumps(list(record.ranked_tokens)), "cci": repr(record.cci),
+        "access_count": str(record.access_count), "f_r": repr(float(record.f_r)),
+        "size_bytes": str(record.size_bytes), "tier": record.tier,
+        "last_access": repr(float(record.last_access)),
+        "recompute_ratio": "" if record.recompute_ratio is None else repr(float(record.recompute_ratio)),
+        "has_stats": "1" if record.has_stats else "0",
+    }
+
+
+def _record(h: dict[str, str] | list[str]) -> VariantRecord:
+    """A VariantRecord from a variant's hash (a dict, or a script's flat field, value, ... list).
+
+    Raises:
+        StoreError: the hash is not a readable variant (written by something else, or damaged).
+    """
+    if isinstance(h, list):
+        h = dict(zip(h[::2], h[1::2], strict=True))
+    try:
+        record = VariantRecord(
+            chunk_key=h["chunk_key"], prefix=tuple(json.loads(h["prefix"])), inter=json.loads(h["inter"]),
+            intra=float(h["intra"]), num_tokens=int(h["num_tokens"]),
+            prefix_num_tokens=json.loads(h["prefix_num_tokens"]),
+            ranked_tokens=tuple(json.loads(h["ranked_tokens"])), access_count=int(h["access_count"]),
+            f_r=float(h["f_r"]), size_bytes=int(h["size_bytes"]), tier=h["tier"],
+            last_access=float(h["last_access"]),
+            recompute_ratio=None if h["recompute_ratio"] == "" else float(h["recompute_ratio"]),
+            has_stats=h["has_stats"] == "1")
+    except (KeyError, ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise StoreError(f"redis metastore: unreadable variant {h.get('variant_id')!r}: {exc!r}") from None
+    if record.variant_id != h.get("variant_id"):
+        raise StoreError(f"redis metastore: variant {h.get('variant_id')!r} holds the fields of "
+                         f"{record.variant_id!r}")
+    return record
+
+
+def _readable(replies: list[list[str]]) -> list[VariantRecord]:
+    """The records of a list read; an unreadable one is logged and skipped, so one bad hash cannot
+    hide every other variant from the index."""
+    records = []
+    for flat in replies:
+        try:
+            records.append(_record(flat))
+        except StoreError as exc:
+            logger.warning("%s: skipped", exc)
+    return records
+
+
+class RedisMetaStore:
+    """Variant metadata in Redis, budgeted to `max_variants` (see the module docstring).
+
+    Thread-safe: the client pools connections; puts and pins of this process are serialized by one lock
+    so that a pin cannot slip between a put's choice of victims and their eviction.
+    """
+
+    def __init__(self, url: str, *, max_variants: int, policy: str = "f_r",
+                 clock: Callable[[], float] = time.time, timeout_s: float = 0.5,
+                 namespace: str = "cachefuse") -> None:
+        """Connect and check the layout version.
+
+        Args:
+            url: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
+            max_variants: N x M, the total variant budget over all chunks (>= 1), shared by every
+                instance on this namespace (the put that finds the store full evicts).
+            policy: "f_r" (Cache-Craft, lowest f_r evicted first) or "lru" (the baseline).
+            clock: seconds, stamped into `last_access`; injectable for tests. Instances sharing a
+                namespace should share a time base (wall clock) for the LRU order to mean anything.
+            timeout_s: socket connect/read timeout of every call.
+            namespace: key prefix; instances sharing metadata use the same one.
+
+        Raises:
+            ConfigError: a bad argument. StoreError: Redis unreachable or holding another layout version.
+        """
+        if max_variants < 1:
+            raise ConfigError(f"max_variants={max_variants!r}, expected >= 1")
+        if policy not in POLICIES:
+            raise ConfigError(f"policy={policy!r}, expected one of {POLICIES}")
+        self.max_variants, self.policy, self._clock = max_variants, policy, clock
+        self.namespace = namespace
+        self._prefix = f"{namespace}:meta:"
+        self._client = redis_client(url, timeout_s, decode_responses=True)
+        self._lock = threading.Lock()
+        self._pins: dict[str, int] = {}
+        self._put_script = self._client.register_script(_LUA_PUT)
+        self._use_script = self._client.register_script(_LUA_RECORD_USE)
+        self._remove_script = self._client.register_script(_LUA_REMOVE)
+        self._records_script = self._client.register_script(_LUA_RECORDS)
+        with self._redis("open"):
+            self._client.set(self._prefix + "schema_version", SCHEMA_VERSION, nx=True)
+            found = self._client.get(self._prefix + "schema_version")
+        if found != SCHEMA_VERSION:
+            raise StoreError(f"redis namespace {namespace!r}: metadata layout version {found!r}, "
+                             f"expected {SCHEMA_VERSION!r}")
+
+    @contextlib.contextmanager
+    def _redis(self, op: str) -> Iterator[None]:
+        """Turn any Redis failure (network, timeout, server error) into StoreError."""
+        try:
+            yield
+        except redis.RedisError as exc:
+            raise StoreError(f"redis metastore {op}: {exc!r}") from exc
+
+    def put(self, record: VariantRecord) -> list[VariantRecord]:
+        """Insert or replace `record` (last_access := clock()), evicting on demand when full.
+
+        Returns:
+            The evicted variants (empty when none): the caller deletes their K/V.
+
+        Raises:
+            StoreError: the store is full and too few variants are unpinned (nothing changed), or Redis
+                failed (then the put may or may not have happened, never half of it).
+        """
+        record = dataclasses.replace(record, last_access=self._clock())
+        fields = _fields(record)
+        flat = [item for pair in fields.items() for item in pair]
+        with self._lock, self._redis("put"):
+            args = [self._prefix, self.max_variants, self.policy, record.variant_id, record.chunk_key,
+                    fields["f_r"], fields["last_access"], len(flat), *flat, *self._pins]
+            reply = self._put_script(args=args)
+        if reply[0] == "full":
+            count, unpinned = int(reply[1]), int(reply[2])
+            raise StoreError(f"metastore full: {count} variants (max {self.max_variants}), {unpinned} "
+                             f"unpinned, {count + 1 - self.max_variants} must be evicted to admit a new one; "
+                             "not admitted")
+        return _readable(reply[1:])
+
+    def get(self, variant_id: str) -> VariantRecord | None:
+        """The variant with this id, or None."""
+        with self._redis("get"):
+            fields = self._client.hgetall(self._prefix + "v:" + variant_id)
+        return _record(fields) if fields else None
+
+    def variants(self, chunk_key: str) -> list[VariantRecord]:
+        """The chunk's variants in insertion order (empty: a miss)."""
+        with self._redis("variants"):
+            replies = self._records_script(args=[self._prefix, "chunk:" + chunk_key])
+        return _readable(replies)
+
+    def choose(self, chunk_key: str, new_prefix: Sequence[str],
+               alpha: float) -> tuple[VariantRecord, float] | None:
+        """The variant to reuse after `new_prefix` and its CFO (meta.choose_variant), or None on a miss."""
+        records = self.variants(chunk_key)
+        if not records:
+            return None
+        index, cfo_value = meta.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        return records[index], cfo_value
+
+    def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int:
+        """`record_use` for each (variant id, CFO) pair; each is atomic on its own (a script per use).
+
+        Returns:
+            How many of the variants still existed.
+        """
+        return sum(self.record_use(variant_id, cfo, eps) is not None for variant_id, cfo in uses)
+
+    def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None:
+        """Persist one reuse atomically: access_count += 1, f_r += 1 / max(CFO, eps), last_access.
+
+        Returns:
+            The updated record, or None when the variant is gone (evicted or removed).
+        """
+        if not eps > 0.0:
+            raise ValueError(f"eps={eps!r}, expected > 0")
+        increment = 1.0 / max(cfo, eps)  # the same double meta.record_use adds
+        with self._redis("record_use"):
+            args = [self._prefix, variant_id, repr(increment), repr(float(self._clock()))]
+            flat = self._use_script(args=args)
+        return _record(flat) if flat else None
+
+    def remove(self, variant_id: str) -> VariantRecord | None:
+        """Delete a variant; returns it, or None when absent (or unreadable). StoreError when pinned here."""
+        with self._lock:
+            if self._pins.get(variant_id, 0):
+                raise StoreError(f"remove({variant_id!r}): pinned {self._pins[variant_id]} time(s)")
+            with self._redis("remove"):
+                flat = self._remove_script(args=[self._prefix, variant_id])
+        removed = _readable([flat]) if flat else []  # a damaged hash is removed all the same
+        return removed[0] if removed else None
+
+    def generation(self) -> int:
+        """A counter that changes whenever the set of variants changes (choice 7), in any instance."""
+        with self._redis("generation"):
+            return int(self._client.get(self._prefix + "generation") or 0)
+
+    def pin(self, variant_id: str) -> None:
+        """Protect a stored variant from eviction by this process until the matching unpin (nested).
+
+        Raises:
+            KeyError: the variant is absent. StoreError: Redis failed.
+        """
+        with self._lock:
+            with self._redis("pin"):
+                exists = self._client.exists(self._prefix + "v:" + variant_id)
+            if not exists:
+                raise KeyError(variant_id)
+            self._pins[variant_id] = self._pins.get(variant_id, 0) + 1
+
+    def unpin(self, variant_id: str) -> None:
+        """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
+        with self._lock:
+            count = self._pins.get(variant_id, 0)
+            if count == 0:
+                raise StoreError(f"unpin({variant_id!r}): not pinned")
+            if count == 1:
+                del self._pins[variant_id]
+            else:
+                self._pins[variant_id] = count - 1
+
+    def pin_count(self, variant_id: str) -> int:
+        """How many pins this process holds on the variant (0 when unpinned or absent)."""
+        with self._lock:
+            return self._pins.get(variant_id, 0)
+
+    def count(self) -> int:
+        """The number of stored variants over all chunks and instances (<= max_variants)."""
+        with self._redis("count"):
+            return int(self._client.zcard(self._prefix + "seq"))
+
+    def all_records(self) -> list[VariantRecord]:
+        """Every variant, in insertion order (one consistent snapshot)."""
+        with self._redis("all_records"):
+            replies = self._records_script(args=[self._prefix, "seq"])
+        return _readable(replies)
+
+    def size_by_tier(self) -> dict[str, int]:
+        """tier -> total size_bytes of its variants."""
+        totals: dict[str, int] = {}
+        for record in self.all_records():
+            totals[record.tier] = totals.get(record.tier, 0) + record.size_bytes
+        return totals
+
+    def close(self) -> None:
+        """Close the connections (idempotent); pins are dropped. The data stays in Redis."""
+        with self._lock:
+            self._pins.clear()
+        self._client.close()
+
+    def __enter__(self) -> RedisMetaStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

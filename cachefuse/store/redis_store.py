@@ -1,0 +1,434 @@
+"""Redis tier: K/V entries shared by several vLLM instances, one Redis hash per entry.
+
+Imports torch, redis, `cachefuse.store.{base, disk}` (disk.py's header and tensor checks, reused as they
+are) and `cachefuse.redis_meta.redis_client` (torch-free, so the scheduler side can share it). Layout,
+every key under `{namespace}:kv:`:
+
+    e:{key}     hash: "header" (JSON of disk.py's safetensors metadata: format, format_version,
+                model_fingerprint, num_layers, dtype, num_tokens, checksum.k.{i} / checksum.v.{i},
+                meta.<name>; plus shape.k.{i} / shape.v.{i}, e.g. "5,2,8"), and "k.{i}" / "v.{i}", the
+                raw tensor bytes (row-major, little-endian, storage dtype: safetensors' data layout)
+    sizes       hash: key -> stored bytes (header + tensor fields)
+    lru         zset: key -> last-use stamp, from the shared counter `clock` (one order for all instances)
+    nbytes      the sum of `sizes`
+    tmp:{token} a put's staging hash; expires after STAGING_TTL_S if its writer dies mid-put
+
+Why a hash per entry: `get_layer` reads one layer with one HMGET of three fields (header, k.i, v.i),
+never the whole entry, and verifies only that layer (like disk.py).
+
+A put writes the staging hash in one MULTI/EXEC, then one Lua script, atomically: evicts least recently
+used unpinned entries (disk.py's plan_eviction rule; the pins are this process's, passed in), renames the
+staging hash over the entry and updates the index. Readers see the whole old entry or the whole new one;
+the tensor bytes never pass through Lua. A refused put (does not fit) leaves the previous entry. A put
+that times out returns False but may still land later, whole. capacity_bytes > 0 is a budget over the
+namespace, shared by every instance on it; 0 is no budget of ours (Redis's own maxmemory applies, and
+an entry Redis dropped is found "absent" and leaves the index). The scripts derive key names from the
+namespace, so they need standalone Redis (or one shard), not Redis Cluster.
+
+Misses, as in disk.py: "foreign_model", "shape_mismatch", "corrupt" (bad checksum, missing or
+overlong field, unparsable header, a key of another Redis type), "truncated" (a field shorter than its
+shape, a header cut short, an empty header); each drops the entry unless a put replaced it meanwhile.
+Any Redis error (connection refused or reset, timeout, a server error reply) is "io_error" and keeps
+the entry. Nothing raises out of get / get_layer / contains / put / remove / keys / nbytes: every call
+returns within about `timeout_s` per round trip (redis_client never retries).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import uuid
+
+import redis
+import torch
+
+from cachefuse.errors import ConfigError, StoreError
+from cachefuse.redis_meta import redis_client
+from cachefuse.store import base, disk
+from cachefuse.store.base import ChunkKV, StoreIdentity
+
+logger = logging.getLogger(__name__)
+
+STAGING_TTL_S = 300
+_Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
+
+# KEYS: entry, lru, clock, sizes, nbytes; ARGV: key, field names. Touches the LRU stamp and returns
+# {1, values...}; {0} when absent (its index entry dropped); {-1} when the key holds another type.
+_LUA_READ = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then
+  local size = redis.call('HGET', KEYS[4], ARGV[1])
+  if size then
+    redis.call('HDEL', KEYS[4], ARGV[1])
+    redis.call('ZREM', KEYS[2], ARGV[1])
+    redis.call('DECRBY', KEYS[5], size)
+  end
+  return {0}
+end
+if kind ~= 'hash' then return {-1} end
+if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[3]), ARGV[1])
+end
+local out = {1}
+for i, value in ipairs(redis.call('HMGET', KEYS[1], unpack(ARGV, 2))) do out[i + 1] = value end
+return out
+"""
+
+# KEYS: entry, lru, sizes, nbytes; ARGV: key, mode ('any': drop whatever is there; 'header': only if
+# the header still equals ARGV[3]; 'no-header': only if there is still no header).
+_LUA_DROP = """
+if ARGV[2] ~= 'any' and redis.call('TYPE', KEYS[1])['ok'] == 'hash' then
+  local header = redis.call('HGET', KEYS[1], 'header')
+  if (ARGV[2] == 'header' and header ~= ARGV[3]) or (ARGV[2] == 'no-header' and header) then
+    return 0  -- a put replaced the bad entry meanwhile: keep the new one
+  end
+end
+redis.call('DEL', KEYS[1])
+local size = redis.call('HGET', KEYS[3], ARGV[1])
+if size then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('DECRBY', KEYS[4], size)
+end
+return 1
+"""
+
+# KEYS: staging, entry, lru, clock, sizes, nbytes; ARGV: key, nbytes, capacity (0: none), entry key
+# prefix, pinned keys... Returns {1, victims...}, {0} (does not fit) or {-1} (staging expired).
+_LUA_ADMIT = """
+local key, nbytes, capacity, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+local out = {1}
+if capacity > 0 then
+  local pinned = {}
+  for i = 5, #ARGV do pinned[ARGV[i]] = true end
+  local used = tonumber(redis.call('GET', KEYS[6]) or '0') - tonumber(redis.call('HGET', KEYS[5], key) or '0')
+  local victims, start = {}, 0
+  while used + nbytes > capacity do  -- least recently used first, as base.plan_eviction
+    local batch = redis.call('ZRANGE', KEYS[3], start, start + 127)
+    if #batch == 0 then break end
+    for _, other in ipairs(batch) do
+      if used + nbytes <= capacity then break end
+      if other ~= key and not pinned[other] then
+        victims[#victims + 1] = other
+        used = used - tonumber(redis.call('HGET', KEYS[5], other) or '0')
+      end
+    end
+    start = start + 128
+  end
+  if used + nbytes > capacity then
+    redis.call('DEL', KEYS[1])
+    return {0}
+  end
+  for _, other in ipairs(victims) do
+    redis.call('DEL', prefix .. other)
+    redis.call('DECRBY', KEYS[6], redis.call('HGET', KEYS[5], other) or '0')
+    redis.call('HDEL', KEYS[5], other)
+    redis.call('ZREM', KEYS[3], other)
+    out[#out + 1] = other
+  end
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('PERSIST', KEYS[2])
+redis.call('DECRBY', KEYS[6], redis.call('HGET', KEYS[5], key) or '0')
+redis.call('HSET', KEYS[5], key, nbytes)
+redis.call('INCRBY', KEYS[6], nbytes)
+redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), key)
+return out
+"""
+
+
+def encode_fields(entry: ChunkKV, identity: StoreIdentity) -> dict[str, bytes]:
+    """The hash fields of `entry`: "header" (JSON, see the module docstring) and "k.{i}" / "v.{i}" bytes."""
+    header = {
+        "format": disk.FORMAT, "format_version": disk.FORMAT_VERSION,
+        "model_fingerprint": identity.model_fingerprint, "num_layers": str(identity.num_layers),
+        "dtype": disk._dtype_name(identity.dtype), "num_tokens": str(entry.num_tokens),
+    }
+    fields: dict[str, bytes] = {}
+    for layer, (k_nope, v) in enumerate(zip(entry.k_nope, entry.v, strict=True)):
+        for name, t in ((f"k.{layer}", k_nope), (f"v.{layer}", v)):
+            t = t.detach().cpu().contiguous()
+            header[f"checksum.{name}"] = disk.checksum(t)
+            header[f"shape.{name}"] = ",".join(str(n) for n in t.shape)
+            fields[name] = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # [numel * element_size]
+    header.update({f"meta.{name}": value for name, value in entry.meta.items()})
+    return {"header": json.dumps(header, separators=(",", ":")).encode(), **fields}
+
+
+def _parse_header(raw: bytes) -> dict[str, str]:
+    """The header's JSON object of strings, or disk._Miss ("truncated" if it stops mid-document)."""
+    try:
+        header = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        cut = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated string")
+        raise disk._Miss(base.MISS_TRUNCATED if cut else base.MISS_CORRUPT, f"header: {exc}") from None
+    except ValueError as exc:  # not UTF-8
+        raise disk._Miss(base.MISS_CORRUPT, f"header: {exc!r}") from None
+    if not isinstance(header, dict) or not all(isinstance(v, str) for v in header.values()):
+        raise disk._Miss(base.MISS_CORRUPT, "header is not a JSON object of strings")
+    return header
+
+
+class _Fields:
+    """The fields of one HMGET behind the two calls disk._read_tensor makes of a safetensors file."""
+
+    def __init__(self, values: dict[str, bytes | None], header: dict[str, str], dtype: torch.dtype) -> None:
+        self._values, self._header, self._dtype = values, header, dtype
+
+    def keys(self) -> list[str]:
+        return [name for name, raw in self._values.items() if raw is not None]
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        raw = self._values[name]
+        try:
+            shape = [int(n) for n in self._header[f"shape.{name}"].split(",")]
+        except (KeyError, ValueError):
+            raise disk._Miss(base.MISS_CORRUPT, f"{name}: no valid shape in the header") from None
+        if any(n < 0 for n in shape):
+            raise disk._Miss(base.MISS_CORRUPT, f"{name}: shape {shape}")
+        expected = math.prod(shape) * self._dtype.itemsize
+        if len(raw) != expected:
+            reason = base.MISS_TRUNCATED if len(raw) < expected else base.MISS_CORRUPT
+            raise disk._Miss(reason, f"{name}: {len(raw)} bytes, shape {shape} needs {expected}")
+        if expected == 0:
+            return torch.empty(shape, dtype=self._dtype)
+        return torch.frombuffer(bytearray(raw), dtype=self._dtype).reshape(shape)  # owns a fresh copy
+
+
+class _Pins(base.PinTable):
+    def snapshot(self) -> list[str]:
+        with self._lock:
+            return list(self._counts)
+
+
+class RedisKVStore(base.PinnedKeysMixin):
+    """Redis tier (see the module docstring for layout, atomicity, budget and miss reasons).
+
+    `name` ("redis") labels the tier in measured load figures. Pins are per process, in memory.
+
+    Args:
+        url: "redis://[[user]:password@]host:port/db" or "rediss://..." (TLS).
+        identity: what every entry must match.
+        capacity_bytes: budget of stored bytes over the namespace; 0: none of ours.
+        timeout_s: socket connect/read timeout of every round trip.
+        namespace: key prefix; instances sharing K/V use the same one.
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, identity: StoreIdentity, capacity_bytes: int = 0, *,
+                 timeout_s: float = 0.5, namespace: str = "cachefuse") -> None:
+        if capacity_bytes < 0:
+            raise ConfigError(f"redis capacity_bytes={capacity_bytes!r}, expected >= 0 (0: no budget)")
+        self.identity = identity
+        self.capacity_bytes = capacity_bytes
+        self.stats = base.StoreStats()
+        self._client = redis_client(url, timeout_s)
+        self._prefix = f"{namespace}:kv:"
+        self._lru, self._clock, self._sizes, self._total = (
+            self._prefix + name for name in ("lru", "clock", "sizes", "nbytes"))
+        self._read = self._client.register_script(_LUA_READ)
+        self._drop = self._client.register_script(_LUA_DROP)
+        self._admit = self._client.register_script(_LUA_ADMIT)
+        self._pins = _Pins()
+        self._lock = threading.Lock()  # guards stats and the reachability flag
+        self._unreachable = False
+
+    def _entry(self, key: str) -> str:
+        return f"{self._prefix}e:{key}"
+
+    def _drop_entry(self, key: str, *mode: str | bytes) -> None:
+        """Run _LUA_DROP for `key` (mode: see the script); raises redis.RedisError."""
+        self._drop(keys=[self._entry(key), self._lru, self._sizes, self._total], args=[key, *mode])
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes over the namespace (0 when Redis does not answer)."""
+        try:
+            return int(self._client.get(self._total) or 0)
+        except redis.RedisError as exc:
+            self._io_error("nbytes", exc)
+            return 0
+
+    def get(self, key: str) -> ChunkKV | None:
+        """Read and verify every layer of `key`; None on a miss (counted, logged, never raised)."""
+        base.check_key(key)
+        loaded = self._load(key, range(self.identity.num_layers))
+        return None if loaded is None else ChunkKV(*loaded)
+
+    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Read and verify one layer: (k_nope [num_tokens, num_kv_heads, head_dim], v [..., head_dim_v]).
+
+        Counted in `stats` like a `get` (one hit or miss per call).
+        """
+        base.check_key(key)
+        if not 0 <= layer < self.identity.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
+        loaded = self._load(key, range(layer, layer + 1))
+        return None if loaded is None else (loaded[0][0], loaded[1][0])
+
+    def put(self, key: str, entry: ChunkKV) -> bool:
+        """Store `entry`, evicting least recently used unpinned entries as the budget needs.
+
+        Returns:
+            False (logged, counted) if the entry is foreign, does not fit even after evicting every
+            entry not pinned here, or Redis fails; the previous entry of `key`, if any, is then kept.
+        """
+        base.check_key(key)
+        mismatch = base.entry_mismatch(entry, self.identity)
+        if mismatch is not None:
+            return self._fail(key, "foreign entry ({}: {})".format(*mismatch))
+        try:
+            fields = encode_fields(entry, self.identity)
+        except Exception as exc:  # whatever cannot be serialized fails this put, not the caller
+            return self._fail(key, f"cannot serialize: {exc!r}")
+        nbytes = sum(len(value) for value in fields.values())
+        staging = f"{self._prefix}tmp:{uuid.uuid4().hex}"
+        try:
+            with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(staging, mapping=fields)
+                pipe.expire(staging, STAGING_TTL_S)
+                pipe.execute()
+            keys = [staging, self._entry(key), self._lru, self._clock, self._sizes, self._total]
+            args = [key, nbytes, self.capacity_bytes, self._entry(""), *self._pins.snapshot()]
+            reply = self._admit(keys=keys, args=args)
+        except redis.RedisError as exc:  # the staging hash, if written, expires by itself
+            self._io_error(f"put {key}", exc)
+            return self._fail(key, None)
+        self._reachable()
+        if reply[0] == -1:
+            return self._fail(key, f"staging hash expired before admission ({STAGING_TTL_S} s)")
+        if reply[0] != 1:
+            return self._fail(key, f"{nbytes} bytes do not fit in {self.capacity_bytes} even after evicting "
+                                   "every unpinned entry")
+        with self._lock:
+            self.stats.evictions += len(reply) - 1
+            self.stats.puts += 1
+            self.stats.bytes_written += nbytes
+        for victim in reply[1:]:
+            logger.debug("redis evicted %s", victim.decode())
+        return True
+
+    def contains(self, key: str) -> bool:
+        """Whether the entry exists (one round trip); False when Redis does not answer."""
+        try:
+            found = bool(self._client.exists(self._entry(key)))
+        except redis.RedisError as exc:
+            self._io_error("contains", exc)
+            return False
+        self._reachable()
+        return found
+
+    def remove(self, key: str) -> None:
+        """Drop `key` if present (pinned or not: pins only guard against eviction); logged on failure."""
+        base.check_key(key)
+        try:
+            self._drop_entry(key, "any")
+        except redis.RedisError as exc:
+            self._io_error("remove", exc)
+
+    def keys(self) -> list[str]:
+        """Indexed keys, least recently used first ([] when Redis does not answer)."""
+        try:
+            return [key.decode() for key in self._client.zrange(self._lru, 0, -1)]
+        except redis.RedisError as exc:
+            self._io_error("keys", exc)
+            return []
+
+    def close(self) -> None:
+        """Close the connections (a later call reconnects)."""
+        self._client.close()
+
+    def _load(self, key: str, layers: range) -> _Layers | None:
+        """Read and verify `layers` of `key`; None on a miss, with bad entries dropped."""
+        names = [f"{kv}.{layer}" for layer in layers for kv in "kv"]
+        keys = [self._entry(key), self._lru, self._clock, self._sizes, self._total]
+        try:
+            reply = self._read(keys=keys, args=[key, "header", *names])
+        except redis.RedisError as exc:
+            self._io_error("get", exc)
+            return self._miss(key, base.MISS_IO_ERROR, repr(exc), None)
+        self._reachable()
+        if reply[0] == 0:
+            return self._miss(key, base.MISS_ABSENT, "no such entry", None)
+        if reply[0] == -1:
+            return self._miss(key, base.MISS_CORRUPT, "key holds another Redis type", "any")
+        header_raw = reply[1]
+        if header_raw is None:
+            return self._miss(key, base.MISS_CORRUPT, "no header", "no-header")
+        try:
+            k_nope, v, meta = self._decode(header_raw, dict(zip(names, reply[2:], strict=True)), layers)
+        except disk._Miss as miss:
+            return self._miss(key, miss.reason, miss.detail, header_raw)
+        except Exception as exc:  # whatever else bad bytes provoke must stay a miss
+            return self._miss(key, base.MISS_CORRUPT, repr(exc), header_raw)
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += sum(t.nbytes for t in (*k_nope, *v))
+        return k_nope, v, meta
+
+    def _decode(self, header_raw: bytes, values: dict[str, bytes | None], layers: range) -> _Layers:
+        header = _parse_header(header_raw)
+        num_tokens = disk._check_header(header, self.identity)
+        fields = _Fields(values, header, self.identity.dtype)
+        k_nope, v = [], []
+        for layer in layers:
+            k_nope.append(disk._read_tensor(fields, f"k.{layer}", header, num_tokens, self.identity.dtype))
+            v.append(disk._read_tensor(fields, f"v.{layer}", header, num_tokens, self.identity.dtype))
+            if k_nope[-1].shape[1] != v[-1].shape[1]:
+                raise disk._Miss(base.MISS_SHAPE_MISMATCH, f"layer {layer}: K and V differ in num_kv_heads")
+        meta = {name[len("meta."):]: value for name, value in header.items() if name.startswith("meta.")}
+        return k_nope, v, meta
+
+    def _miss(self, key: str, reason: str, detail: str, seen: bytes | str | None) -> None:
+        """Count the miss; drop a bad entry unless a put replaced it since we read `seen` (its header)."""
+        with self._lock:
+            self.stats.record_miss(reason)
+        if reason in (base.MISS_ABSENT, base.MISS_IO_ERROR):
+            logger.debug("redis miss %s: %s (%s)", key, reason, detail)
+            return None
+        logger.warning("redis miss %s: %s (%s)", key, reason, detail)
+        mode = [seen] if isinstance(seen, str) else ["header", seen]
+        try:
+            self._drop_entry(key, *mode)
+        except redis.RedisError as exc:
+            logger.debug("redis store could not drop bad entry %s: %r", key, exc)
+        return None
+
+    def _fail(self, key: str, reason: str | None) -> bool:
+        """Count a failed put; log `reason` (None: already logged by _io_error)."""
+        with self._lock:
+            self.stats.put_failures += 1
+        if reason is not None:
+            logger.warning("redis put %s failed: %s", key, reason)
+        return False
+
+    def _io_error(self, op: str, exc: redis.RedisError) -> None:
+        """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news)."""
+        with self._lock:
+            first, self._unreachable = not self._unreachable, True
+        (logger.warning if first else logger.debug)("redis %s failed, treating as a miss: %r", op, exc)
+
+    def _reachable(self) -> None:
+        if self._unreachable:
+            with self._lock:
+                self._unreachable = False
+            logger.info("redis store reachable again")
+
+
+def list_redis_keys(url: str, *, timeout_s: float = 0.5, namespace: str = "cachefuse") -> set[str]:
+    """The K/V keys a Redis tier indexes (for `cachefuse inspect`; needs no model identity).
+
+    Raises:
+        StoreError: Redis did not answer.
+    """
+    client = redis_client(url, timeout_s)
+    try:
+        return {key.decode() for key in client.zrange(f"{namespace}:kv:lru", 0, -1)}
+    except redis.RedisError as exc:
+        raise StoreError(f"redis at {url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        client.close()

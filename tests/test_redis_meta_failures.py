@@ -1,0 +1,117 @@
+"""RedisMetaStore when Redis fails: every call raises StoreError within the hang guard, never hangs,
+and the same instance works again once the server is back. (The contract itself is in
+tests/test_metastore_contract.py.)"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cachefuse.errors import StoreError
+from cachefuse.metastore import VariantRecord
+from cachefuse.redis_meta import RedisMetaStore
+from tests.helpers.redis_server import DroppingProxy
+
+HANG_GUARD_S = 5.0  # bounded by timeout_s; this only catches a hang
+
+
+def alone(chunk_key: str, **kw) -> VariantRecord:
+    return VariantRecord(chunk_key=chunk_key, prefix=(), inter={}, intra=1.0, num_tokens=2, **kw)
+
+
+CALLS = {
+    "put": lambda s: s.put(alone("B")),
+    "get": lambda s: s.get(alone("A").variant_id),
+    "variants": lambda s: s.variants("A"),
+    "choose": lambda s: s.choose("A", (), alpha=1.0),
+    "record_use": lambda s: s.record_use(alone("A").variant_id, 0.5),
+    "remove": lambda s: s.remove(alone("A").variant_id),
+    "pin": lambda s: s.pin(alone("A").variant_id),
+    "count": lambda s: s.count(),
+    "all_records": lambda s: s.all_records(),
+    "size_by_tier": lambda s: s.size_by_tier(),
+    "generation": lambda s: s.generation(),
+}
+
+
+def _assert_every_call_raises_fast(store: RedisMetaStore) -> None:
+    for name, call in CALLS.items():
+        start = time.monotonic()
+        with pytest.raises(StoreError, match="redis metastore"):
+            call(store)
+        assert time.monotonic() - start < HANG_GUARD_S, name
+
+
+def _assert_works(store: RedisMetaStore) -> None:
+    store.put(alone("C"))
+    assert store.record_use(alone("C").variant_id, 0.5).access_count == 1
+
+
+def test_stopped_server_raises_store_error_then_recovers(private_redis):
+    store = RedisMetaStore(private_redis.url, max_variants=10, clock=lambda: 1.0, timeout_s=0.2)
+    store.put(alone("A"))
+    private_redis.stop()
+    _assert_every_call_raises_fast(store)
+    with pytest.raises(StoreError):
+        RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.2)  # the constructor checks too
+    private_redis.start()  # empty: no persistence
+    assert store.all_records() == []
+    _assert_works(store)
+
+
+def test_paused_server_raises_store_error_then_recovers(private_redis):
+    store = RedisMetaStore(private_redis.url, max_variants=10, clock=lambda: 1.0, timeout_s=0.1)
+    store.put(alone("A"))
+    private_redis.pause(1500)
+    start = time.monotonic()
+    for name in ("get", "record_use", "put", "all_records", "generation"):
+        with pytest.raises(StoreError, match="Timeout"):
+            CALLS[name](store)
+    assert time.monotonic() - start < HANG_GUARD_S
+    private_redis.wait_unpaused()
+    # NOTE: a timed-out call has an unknown outcome (Redis 7.0 drops the queued commands of a client
+    # that hung up, but a slow network may deliver them): whole or not at all, never half.
+    records = {r.chunk_key: r for r in store.all_records()}
+    assert set(records) in ({"A"}, {"A", "B"}) and records["A"].access_count in (0, 1)
+    _assert_works(store)
+
+
+def test_dropped_connections_raise_store_error_then_recover(private_redis):
+    with DroppingProxy(private_redis.port) as proxy:
+        store = RedisMetaStore(proxy.url(), max_variants=10, clock=lambda: 1.0, timeout_s=0.5)
+        store.put(alone("A"))
+        proxy.set_mode("reset")
+        _assert_every_call_raises_fast(store)
+        proxy.set_mode("forward")
+        assert [r.chunk_key for r in store.all_records()] == ["A"]
+        _assert_works(store)
+
+
+def test_pins_survive_an_outage(private_redis):
+    store = RedisMetaStore(private_redis.url, max_variants=1, clock=lambda: 1.0, timeout_s=0.2)
+    store.put(alone("A"))
+    store.pin(alone("A").variant_id)
+    private_redis.pause(1000)
+    with pytest.raises(StoreError):
+        store.put(alone("B"))
+    private_redis.wait_unpaused()
+    assert store.pin_count(alone("A").variant_id) == 1
+    with pytest.raises(StoreError, match="full"):  # A is still pinned here: B is refused
+        store.put(alone("B"))
+    store.unpin(alone("A").variant_id)
+    assert [r.chunk_key for r in store.put(alone("B"))] == ["A"]
+
+
+def test_an_unreadable_variant_is_skipped_by_list_reads(redis_url, redis_namespace, redis_server):
+    store = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 1.0, namespace=redis_namespace)
+    store.put(alone("A"))
+    store.put(alone("B"))
+    damaged = alone("A").variant_id
+    with redis_server.client() as raw:
+        raw.hset(f"{redis_namespace}:meta:v:{damaged}", "inter", "{not json")
+    assert [r.chunk_key for r in store.all_records()] == ["B"] and store.variants("A") == []
+    with pytest.raises(StoreError, match="unreadable"):
+        store.get(damaged)
+    assert store.remove(damaged) is None  # the damaged hash is removed all the same
+    assert store.count() == 1
