@@ -259,16 +259,17 @@ class FusionEngine:
                 self.metastore.unpin(variant_id)
 
     def _record_uses(self, chosen: dict[int, VariantChoice], loaded: dict) -> None:
-        """f_r += 1/CFO for every variant reused. A chosen variant whose K/V turned out missing keeps its
-        row (`cachefuse inspect` lists it as stale): the hole computed instead is saved as the variant
-        for this prefix, a re-save of the same pair restores it, and an unused row has the lowest f_r."""
-        for index, choice in chosen.items():
-            if index not in loaded or not choice.has_metadata or not self.writes_metadata:
-                continue
-            try:
-                self.metastore.record_use(choice.variant_id, choice.cfo)
-            except StoreError as exc:
-                logger.warning("cachefuse: variant %s metadata not updated (%s)", choice.variant_id, exc)
+        """f_r += 1/CFO for every variant reused, in one metadata transaction. A chosen variant whose K/V
+        turned out missing keeps its row (`cachefuse inspect` lists it as stale): the hole computed
+        instead is saved as the variant for this prefix, a re-save of the same pair restores it, and an
+        unused row has the lowest f_r."""
+        if not self.writes_metadata:
+            return
+        uses = [(c.variant_id, c.cfo) for i, c in chosen.items() if i in loaded and c.has_metadata]
+        try:
+            self.metastore.record_uses(uses)
+        except StoreError as exc:
+            logger.warning("cachefuse: reuse of %d variants not recorded (%s)", len(uses), exc)
 
     def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], ratio: float,
               selector: Selector, load_seconds: Counter, load_bytes: Counter, depth: int | None = None,

@@ -1,4 +1,4 @@
-"""Persistent chunk-variant metadata: one SQLite file (WAL) holding every stored variant's scores.
+"""Persistent chunk-variant metadata: one SQLite file holding every stored variant's scores.
 
 Imports only the standard library, `cachefuse.meta` (the Cache-Craft math, not repeated here) and
 `cachefuse.errors`; no torch, no vllm: the scheduler reads it. The K/V bytes live in `cachefuse.store`;
@@ -30,6 +30,14 @@ Choices (each pinned by a test in tests/test_metastore.py):
    for the empty prefix (the base variant precompute stores, also what stores without metadata hold),
    `<chunk key>-<variant id>` otherwise. `generation()` changes whenever the set of variants changes
    (put of a new id, eviction, remove), so an index can poll it cheaply and reload only on change.
+
+8. Journal. The SQLite file uses a rollback journal (TRUNCATE), not WAL: WAL's shared-memory index
+   is an mmap'd `-shm` file, and when that file cannot be written or extended (an immutable or
+   read-only store directory) a read through the mapping raises SIGBUS, which kills the whole vLLM
+   engine (seen in tests/vllm/test_failures.py). With a journal, an unwritable directory makes writes
+   fail with an error the caller turns into a miss. Writes are few (a row per saved hole, one
+   transaction of f_r updates per request, `record_uses`), so WAL's concurrency is not needed;
+   readers (`cachefuse inspect`, another process's index refresh) see committed states only.
 
 `MetaStore` is the contract every backend follows (this SQLite one and cachefuse.redis_meta's);
 tests/test_metastore_contract.py runs the same suite over both.
@@ -197,6 +205,8 @@ class MetaStore(Protocol):
 
     def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None: ...
 
+    def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int: ...
+
     def remove(self, variant_id: str) -> VariantRecord | None: ...
 
     def pin(self, variant_id: str) -> None: ...
@@ -217,7 +227,7 @@ class MetaStore(Protocol):
 
 
 class SqliteMetaStore:
-    """Variant metadata in one SQLite file (WAL), budgeted to `max_variants` (see the module docstring).
+    """Variant metadata in one SQLite file, budgeted to `max_variants` (see the module docstring).
 
     Thread-safe: one connection (`check_same_thread=False`) guarded by one lock; every multi-step
     operation is one `BEGIN IMMEDIATE` transaction, so a crash leaves the old or the new state.
@@ -247,8 +257,9 @@ class SqliteMetaStore:
         if uri and "mode=ro" in path:
             self._check_schema(path)
             return
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps it consistent
+        self._conn.execute("PRAGMA busy_timeout=2000")  # another process's write lasts milliseconds
+        if path != ":memory:":
+            self._conn.execute("PRAGMA journal_mode=TRUNCATE")  # choice 8: no mmap'd -shm file
         self._conn.executescript(_SCHEMA)  # autocommit mode: each CREATE ... IF NOT EXISTS commits alone
         with self._txn() as cur:
             rows = cur.execute("SELECT version FROM schema_version").fetchall()
@@ -269,15 +280,26 @@ class SqliteMetaStore:
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Cursor]:
-        with self._lock:
+        """One write transaction; any SQLite failure (I/O error, full disk, locked) is a StoreError."""
+        with self._locked():
             cur = self._conn.cursor()
             cur.execute("BEGIN IMMEDIATE")
             try:
                 yield cur
             except BaseException:
-                cur.execute("ROLLBACK")
+                if self._conn.in_transaction:  # a failed statement may have rolled it back already
+                    cur.execute("ROLLBACK")
                 raise
             cur.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The connection's lock; SQLite errors leave as StoreError (the callers' contract)."""
+        with self._lock:
+            try:
+                yield
+            except sqlite3.Error as exc:
+                raise StoreError(f"metadata store: {type(exc).__name__}: {exc}") from exc
 
     def put(self, record: VariantRecord) -> list[VariantRecord]:
         """Insert or replace `record` (last_access := clock()), evicting on demand when full.
@@ -318,13 +340,13 @@ class SqliteMetaStore:
 
     def get(self, variant_id: str) -> VariantRecord | None:
         """The variant with this id, or None."""
-        with self._lock:
+        with self._locked():
             row = self._conn.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
         return None if row is None else _from_row(row)
 
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         """The chunk's variants in insertion order (empty: a miss)."""
-        with self._lock:
+        with self._locked():
             rows = self._conn.execute("SELECT * FROM variants WHERE chunk_key = ? ORDER BY seq",
                                       (chunk_key,)).fetchall()
         return [_from_row(row) for row in rows]
@@ -357,6 +379,27 @@ class SqliteMetaStore:
                         (record.access_count, record.f_r, record.last_access, variant_id))
         return record
 
+    def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int:
+        """`record_use` for several (variant id, CFO) pairs in one transaction (one request's reuses).
+
+        Returns:
+            How many of the variants still existed.
+        """
+        if not uses:
+            return 0
+        now, found = self._clock(), 0
+        with self._txn() as cur:
+            for variant_id, cfo in uses:
+                row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+                if row is None:
+                    continue
+                variant = _from_row(row).to_variant()
+                meta.record_use(variant, cfo, eps)
+                cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
+                            (variant.access_count, variant.f_r, now, variant_id))
+                found += 1
+        return found
+
     def remove(self, variant_id: str) -> VariantRecord | None:
         """Delete a variant; returns it, or None when absent. StoreError when it is pinned."""
         with self._txn() as cur:
@@ -370,19 +413,19 @@ class SqliteMetaStore:
 
     def generation(self) -> int:
         """A counter that changes whenever the set of variants changes (choice 7), in any process."""
-        with self._lock:
+        with self._locked():
             return int(self._conn.execute("SELECT value FROM generation").fetchone()[0])
 
     def pin(self, variant_id: str) -> None:
         """Protect a stored variant from eviction until the matching unpin (nested). KeyError if absent."""
-        with self._lock:
+        with self._locked():
             if self._conn.execute("SELECT 1 FROM variants WHERE variant_id = ?", (variant_id,)).fetchone() is None:
                 raise KeyError(variant_id)
             self._pins[variant_id] = self._pins.get(variant_id, 0) + 1
 
     def unpin(self, variant_id: str) -> None:
         """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
-        with self._lock:
+        with self._locked():
             count = self._pins.get(variant_id, 0)
             if count == 0:
                 raise StoreError(f"unpin({variant_id!r}): not pinned")
@@ -393,29 +436,29 @@ class SqliteMetaStore:
 
     def pin_count(self, variant_id: str) -> int:
         """How many pins the variant holds (0 when unpinned or absent)."""
-        with self._lock:
+        with self._locked():
             return self._pins.get(variant_id, 0)
 
     def count(self) -> int:
         """The number of stored variants, over all chunks (<= max_variants when the store began empty)."""
-        with self._lock:
+        with self._locked():
             return self._conn.execute("SELECT COUNT(*) FROM variants").fetchone()[0]
 
     def all_records(self) -> list[VariantRecord]:
         """Every variant, in insertion order."""
-        with self._lock:
+        with self._locked():
             rows = self._conn.execute("SELECT * FROM variants ORDER BY seq").fetchall()
         return [_from_row(row) for row in rows]
 
     def size_by_tier(self) -> dict[str, int]:
         """tier -> total size_bytes of its variants (what a per-tier byte budget checks against)."""
-        with self._lock:
+        with self._locked():
             rows = self._conn.execute("SELECT tier, SUM(size_bytes) FROM variants GROUP BY tier").fetchall()
         return {tier: int(total) for tier, total in rows}
 
     def close(self) -> None:
         """Close the connection (idempotent); pins are dropped."""
-        with self._lock:
+        with self._locked():
             self._conn.close()
             self._pins.clear()
 

@@ -88,14 +88,20 @@ def test_round_trip_upsert_variants_remove(tmp_path):
     store.close()
 
 
-def test_persists_across_reopen_in_wal_mode(tmp_path):
+def test_persists_across_reopen_with_a_rollback_journal(tmp_path):
     path = tmp_path / "meta.sqlite"
     with open_store(path) as store:
         store.put(c3_after_c1_c2(size_bytes=10))
         store.put(c3_alone(size_bytes=5, tier="cpu"))
         store.record_use(c3_alone().variant_id, 0.5)
         before = store.all_records()
-    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "truncate"  # choice 8
+        assert not (tmp_path / "meta.sqlite-shm").exists()  # no mmap'd shared-memory file
+        assert store.record_uses([(c3_alone().variant_id, 0.25), ("gone", 0.5)]) == 1  # one transaction
+        assert store.get(c3_alone().variant_id).f_r == 6.0
+        store.record_uses([(c3_alone().variant_id, 0.25)])
+        store.put(c3_alone(size_bytes=5, tier="cpu", f_r=2.0, access_count=1))  # back to `before`
+        before = store.all_records()
     with open_store(path) as store:
         assert store.all_records() == before
         assert store.get(c3_alone().variant_id).f_r == 2.0
