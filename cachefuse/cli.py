@@ -4,6 +4,9 @@
                          [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
     cachefuse profile --model M --store DIR [--tier memory|disk] [--prompt-tokens N] [--requests N] [--json]
     cachefuse inspect --store DIR|redis://host:port/db [--json]
+    cachefuse tune-alpha --model DIR --data val.jsonl --floor F [--metric match|f1] [--alphas 0.25,0.5,1,2]
+                         [--max-new-tokens N] [--no-warm] [--early-termination] [--config cachefuse.yaml]
+                         [--json] [--no-progress]
 
 Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,
 parser)` that does the work; bad arguments and input files end in `parser.error` (exit status 2)
@@ -31,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_precompute(subparsers)
     _add_profile(subparsers)
     _add_inspect(subparsers)
+    _add_tune_alpha(subparsers)
     args = parser.parse_args(argv)
     return args.run(args, args.parser)
 
@@ -224,6 +228,96 @@ def _run_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         return 1
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
     return 0
+
+
+# --------------------------------------------------------------------------- tune-alpha
+
+
+def _add_tune_alpha(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "tune-alpha", help="fit Cache-Craft's alpha on a validation set (Eq. 13)",
+        description="Runs the reference engine (transformers, in-memory store) on a validation set: stores base "
+                    "variants and, unless --no-warm, fused variants from one rotated-order pass per item; then per "
+                    "alpha fuses every item with the cachecraft selector and scores it against the full prefill "
+                    "(match) or the item's answer (f1). alpha* is the feasible alpha (quality >= --floor) with "
+                    "the lowest mean CFO. Exit status 1 when no alpha reaches the floor.")
+    p.add_argument("--model", required=True, type=Path, help="a local checkpoint directory (with its tokenizer)")
+    p.add_argument("--data", required=True, type=Path,
+                   help='JSONL file, one item per line: {"system": "...", "chunks": ["...", ...], "question": "...", '
+                        '"answer": "..."} ("answer" needed by --metric f1 only)')
+    p.add_argument("--floor", required=True, type=_unit_float, help="the quality alpha* must reach, in 0..1")
+    p.add_argument("--metric", choices=("match", "f1"), default="match",
+                   help="match: greedy tokens equal to the full prefill's before the first divergence, / "
+                        "--max-new-tokens; f1: LongBench token F1 of the greedy continuation against the answer "
+                        "(default match)")
+    p.add_argument("--alphas", type=_alpha_list, default=(0.25, 0.5, 1.0, 2.0),
+                   help="comma-separated candidate alphas in 0..100 (default 0.25,0.5,1,2)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=8, help="greedy tokens per item (default 8)")
+    p.add_argument("--no-warm", action="store_true", help="base variants only (no fused variants from a warm pass)")
+    p.add_argument("--early-termination", action="store_true",
+                   help="tune with cachecraft_early_termination on (default off: quality then rises with alpha)")
+    p.add_argument("--config", type=Path, default=None,
+                   help="a cachefuse YAML config for the other fields (cachecraft_window, variant_admission_cfo, ...)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_tune_alpha, parser=p)
+
+
+def _run_tune_alpha(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from cachefuse import tune
+    from cachefuse.chunks import KeyContext, model_fingerprint
+
+    try:
+        spec = tune.TuneSpec(alphas=args.alphas, floor=args.floor, metric=args.metric,
+                             max_new_tokens=args.max_new_tokens, warm_variants=not args.no_warm,
+                             early_termination=args.early_termination)
+        items = tune.read_items_jsonl(args.data)
+        tune.check_items(items, spec.metric)
+        config = CacheFuseConfig() if args.config is None else CacheFuseConfig.from_yaml(args.config)
+        fingerprint = model_fingerprint(args.model)
+    except ValueError as exc:  # ConfigError included
+        parser.error(str(exc))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    try:
+        tune.build_prompts(tokenizer, items)
+    except ValueError as exc:
+        parser.error(f"--data {str(args.data)!r}: {exc}")
+
+    from cachefuse.adapters.hf import HFAdapter
+    from cachefuse.engine import FusionEngine
+    from cachefuse.store.base import StoreIdentity
+    from cachefuse.store.memory import MemoryStore
+
+    adapter = HFAdapter.from_pretrained(str(args.model))
+    dtype = adapter.shape.dtype
+    store = MemoryStore(StoreIdentity(fingerprint, adapter.shape.num_layers, dtype), capacity_bytes=sys.maxsize)
+    key_context = KeyContext(fingerprint, str(dtype).removeprefix("torch."), config_hash=config.compute_hash())
+    engine = FusionEngine(adapter, store, key_context, config)
+    report = tune.tune_alpha(engine, tokenizer, items, spec, progress=not args.no_progress)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else tune.format_report(report))
+    return 0 if report.alpha is not None else 1
+
+
+def _alpha_list(text: str) -> tuple[float, ...]:
+    try:
+        alphas = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected comma-separated numbers") from None
+    if not all(0.0 <= a <= 100.0 for a in alphas):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected alphas in 0..100")
+    return alphas
+
+
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: expected a number in 0..1")
+    return value
 
 
 def read_chunks_jsonl(path: str | Path) -> list[tuple[str, str]]:

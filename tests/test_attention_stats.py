@@ -1,7 +1,6 @@
 """Cache-Craft statistics gathered in the blend pass equal those from an explicit attention matrix:
 per hole, the attention mass its rows put on each segment, averaged over heads and layers."""
 
-import json
 
 import pytest
 import torch
