@@ -69,3 +69,32 @@ def test_inspect_table_and_errors(store_dir, capsys, tmp_path):
     (tmp_path / "junk" / "meta.sqlite").write_bytes(b"not a database at all, really" * 10)
     assert main(["inspect", "--store", str(tmp_path / "junk")]) == 1
     assert "not a cachefuse metadata store" in capsys.readouterr().err
+
+
+def test_inspect_a_redis_store(private_redis, capsys):
+    """The same report over Redis: metadata rows, a stale one, and an orphan K/V entry."""
+    import torch
+
+    from cachefuse.metastore import VariantRecord
+    from cachefuse.redis_meta import RedisMetaStore
+    from cachefuse.store.base import ChunkKV
+    from cachefuse.store.redis_store import RedisKVStore
+
+    identity = StoreIdentity("fp", 2, torch.float32)
+    entry = ChunkKV([torch.ones(3, 1, 4)] * 2, [torch.zeros(3, 1, 4)] * 2)
+    kv = RedisKVStore(private_redis.url, identity)
+    meta = RedisMetaStore(private_redis.url, max_variants=10)
+    kept = VariantRecord.without_stats("aa11", (), 3, size_bytes=96, tier="redis")
+    stale = VariantRecord.without_stats("bb22", ("aa11",), 3, {"aa11": 3}, tier="redis", recompute_ratio=0.15)
+    for record in (kept, stale):
+        meta.put(record)
+    assert kv.put(kept.store_key, entry) and kv.put("cc33", entry)  # cc33: K/V without a row
+    kv.close()
+    meta.close()
+    assert main(["inspect", "--store", private_redis.url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {(v["chunk_key"], v["stale"]) for v in report["variants"]} == {("aa11", False), ("bb22", True)}
+    assert report["orphans"] == [{"store_key": "cc33", "kind": "base_without_metadata"}]
+    private_redis.stop()
+    assert main(["inspect", "--store", private_redis.url]) == 1  # unreachable: a clear error, no hang
+    assert "cachefuse inspect" in capsys.readouterr().err
