@@ -134,3 +134,43 @@ def test_separator_fallback_segments_the_prompt(make_side):
     req = request("sep", params={})  # no declared chunks: ids 3..102 contain 50 once
     assert side.get_num_new_matched_tokens(req, 0) == (99, False)
     assert side._pending["sep"].request.chunks == ((0, 47),)
+
+
+def test_worker_reports_drive_the_variant_index_and_the_plans(make_side):
+    """Saves and evictions arrive in the worker's metadata; the next plan chooses from them by CFO."""
+    from cachefuse.chunks import chunk_key
+    from cachefuse.metastore import VariantRecord, record_to_dict
+
+    side = make_side()
+    req = request("r1")
+    prompt = req.prompt_token_ids
+    key_sys, key_a = (chunk_key(prompt[s:e], side.key_context) for s, e in ((0, 10), (10, 60)))
+    base = VariantRecord.without_stats(key_a, (), 50)
+    after_x = VariantRecord(chunk_key=key_a, prefix=("x",), inter={"x": 9.0}, intra=1.0, num_tokens=50,
+                            prefix_num_tokens={"x": 5}, ranked_tokens=(4, 2))
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        saved_variants=[record_to_dict(r) for r in (VariantRecord.without_stats(key_sys, (), 10), base, after_x)])))
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(100), 99)
+    (plan,) = side.build_connector_meta(step_output(req)).plans
+    assert [c.variant_id for c in plan.variants] == [make_id(key_sys), base.variant_id]  # a is first: exact base
+    assert plan.variants[1].cfo == 0.0
+    side.request_finished(req, [])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        evicted_variants=[base.variant_id])))
+    assert [r.variant_id for r in side.index.variants(key_a)] == [after_x.variant_id]
+    req2 = request("r2")
+    side.get_num_new_matched_tokens(req2, 0)
+    side.update_state_after_alloc(req2, blocks(100), 99)
+    (plan,) = side.build_connector_meta(step_output(req2)).plans
+    assert plan.variants[1].variant_id == after_x.variant_id and plan.variants[1].ranked_tokens == (4, 2)
+    assert plan.variants[1].cfo == pytest.approx(after_x.cci)  # x is not in the prompt: beta 0
+    side.request_finished(req2, [])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))  # the step ends
+    assert_no_state(side)
+
+
+def make_id(chunk_key: str) -> str:
+    from cachefuse.metastore import make_variant_id
+
+    return make_variant_id(chunk_key, ())
