@@ -37,9 +37,6 @@ import contextlib
 import json
 import math
 import random
-import re
-import string
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +47,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import ConfigError
 from cachefuse.eval.fidelity import greedy_continuation, matching_prefix
+from cachefuse.eval.metrics import qa_f1_score
 from cachefuse.select import Selector, make_selector
 
 METRICS = ("match", "f1")
@@ -208,23 +206,6 @@ def build_prompts(tokenizer: Any, items: Sequence[ValItem]) -> list[RagPrompt]:
 
 
 # --------------------------------------------------------------------------- metrics
-
-
-def normalize_answer(text: str) -> str:
-    """LongBench/SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def qa_f1_score(prediction: str, ground_truth: str) -> float:
-    """LongBench's qa_f1_score: F1 of the normalised whitespace tokens (0.0 when none is shared)."""
-    pred, truth = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
-    num_same = sum((Counter(pred) & Counter(truth)).values())
-    if num_same == 0:
-        return 0.0
-    precision, recall = num_same / len(pred), num_same / len(truth)
-    return 2 * precision * recall / (precision + recall)
 
 
 def choose_alpha(rows: Sequence[AlphaRow], floor: float) -> float | None:

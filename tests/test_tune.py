@@ -16,6 +16,7 @@ from cachefuse.adapters.hf import HFAdapter
 from cachefuse.cli import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
+from cachefuse.eval.metrics import normalize_answer, qa_f1_score
 from cachefuse.tune import (
     AlphaRow,
     TuneReport,
@@ -23,8 +24,6 @@ from cachefuse.tune import (
     ValItem,
     check_items,
     choose_alpha,
-    normalize_answer,
-    qa_f1_score,
     read_items_jsonl,
     tune_alpha,
 )
