@@ -287,3 +287,30 @@ def plan_eviction(
             victims.append(other)
             used -= size
     return victims if used + nbytes <= capacity_bytes else None
+
+
+class LayerReadsMixin:
+    """`get` and `get_layer` for a tier that verifies and reads a range of layers in `_load(key, layers)`
+    (returning (k_nope per layer, v per layer, meta) or None after counting the miss)."""
+
+    identity: StoreIdentity
+
+    def _load(self, key: str, layers: range) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]] | None:
+        raise NotImplementedError
+
+    def get(self, key: str) -> ChunkKV | None:
+        """Read and verify every layer of `key`; None on a miss (counted, logged, never raised)."""
+        check_key(key)
+        loaded = self._load(key, range(self.identity.num_layers))
+        return None if loaded is None else ChunkKV(*loaded)
+
+    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Read and verify one layer: (k_nope [num_tokens, num_kv_heads, head_dim], v [..., head_dim_v]).
+
+        Counted in `stats` like a `get` (one hit or miss per call).
+        """
+        check_key(key)
+        if not 0 <= layer < self.identity.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
+        loaded = self._load(key, range(layer, layer + 1))
+        return None if loaded is None else (loaded[0][0], loaded[1][0])

@@ -157,7 +157,7 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-class DiskStore(base.PinnedKeysMixin):
+class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     """Local-disk tier (see the module docstring for layout, atomicity and miss reasons).
 
     `name` ("disk") labels the tier in measured load figures.
@@ -196,23 +196,6 @@ class DiskStore(base.PinnedKeysMixin):
     def nbytes(self) -> int:
         with self._lock:
             return sum(self._sizes.values())
-
-    def get(self, key: str) -> ChunkKV | None:
-        """Read and verify every layer of `key`; None on a miss (counted, logged, never raised)."""
-        base.check_key(key)
-        loaded = self._load(key, range(self.identity.num_layers))
-        return None if loaded is None else ChunkKV(*loaded)
-
-    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Read and verify one layer: (k_nope [num_tokens, num_kv_heads, head_dim], v [..., head_dim_v]).
-
-        Counted in `stats` like a `get` (one hit or miss per call).
-        """
-        base.check_key(key)
-        if not 0 <= layer < self.identity.num_layers:
-            raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
-        loaded = self._load(key, range(layer, layer + 1))
-        return None if loaded is None else (loaded[0][0], loaded[1][0])
 
     def put(self, key: str, entry: ChunkKV) -> bool:
         """Write `entry` atomically, evicting least recently used unpinned entries as needed.

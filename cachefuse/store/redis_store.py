@@ -204,7 +204,7 @@ class _Pins(base.PinTable):
             return list(self._counts)
 
 
-class RedisKVStore(base.PinnedKeysMixin):
+class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     """Redis tier (see the module docstring for layout, atomicity, budget and miss reasons).
 
     `name` ("redis") labels the tier in measured load figures. Pins are per process, in memory.
@@ -252,23 +252,6 @@ class RedisKVStore(base.PinnedKeysMixin):
         except redis.RedisError as exc:
             self._io_error("nbytes", exc)
             return 0
-
-    def get(self, key: str) -> ChunkKV | None:
-        """Read and verify every layer of `key`; None on a miss (counted, logged, never raised)."""
-        base.check_key(key)
-        loaded = self._load(key, range(self.identity.num_layers))
-        return None if loaded is None else ChunkKV(*loaded)
-
-    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Read and verify one layer: (k_nope [num_tokens, num_kv_heads, head_dim], v [..., head_dim_v]).
-
-        Counted in `stats` like a `get` (one hit or miss per call).
-        """
-        base.check_key(key)
-        if not 0 <= layer < self.identity.num_layers:
-            raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
-        loaded = self._load(key, range(layer, layer + 1))
-        return None if loaded is None else (loaded[0][0], loaded[1][0])
 
     def put(self, key: str, entry: ChunkKV) -> bool:
         """Store `entry`, evicting least recently used unpinned entries as the budget needs.
