@@ -187,6 +187,44 @@ def _from_row(row: sqlite3.Row) -> VariantRecord:
     return record
 
 
+class PinCounts:
+    """Nested pins per variant id, held in process memory (choice 4); the owning store's lock guards it.
+
+    Unlike the K/V tiers' PinTable (store/base.py), an unbalanced unpin raises: the metadata stores'
+    callers pin and unpin in one place (FusionEngine), so an imbalance is a bug to surface.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._counts)
+
+    def count(self, variant_id: str) -> int:
+        return self._counts.get(variant_id, 0)
+
+    def add(self, variant_id: str) -> None:
+        self._counts[variant_id] = self.count(variant_id) + 1
+
+    def release(self, variant_id: str) -> None:
+        """Undo one pin; StoreError when the variant is not pinned."""
+        count = self.count(variant_id)
+        if count == 0:
+            raise StoreError(f"unpin({variant_id!r}): not pinned")
+        if count == 1:
+            del self._counts[variant_id]
+        else:
+            self._counts[variant_id] = count - 1
+
+    def check_unpinned(self, variant_id: str) -> None:
+        """StoreError when the variant is pinned (`remove` refuses it)."""
+        if self.count(variant_id):
+            raise StoreError(f"remove({variant_id!r}): pinned {self.count(variant_id)} time(s)")
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+
 @runtime_checkable
 class MetaStore(Protocol):
     """The variant metadata contract (module docstring, choices 1-7); SQLite and Redis implement it."""
@@ -251,7 +289,7 @@ class SqliteMetaStore:
             raise ConfigError(f"policy={policy!r}, expected one of {POLICIES}")
         self.max_variants, self.policy, self._clock = max_variants, policy, clock
         self._lock = threading.Lock()
-        self._pins: dict[str, int] = {}
+        self._pins = PinCounts()
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, uri=uri)
         self._conn.row_factory = sqlite3.Row
         if uri and "mode=ro" in path:
@@ -331,7 +369,7 @@ class SqliteMetaStore:
         if need <= 0:
             return victims
         for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}"):
-            if self._pins.get(row["variant_id"], 0) == 0:
+            if self._pins.count(row["variant_id"]) == 0:
                 victims.append(_from_row(row))
                 if len(victims) == need:
                     return victims
@@ -403,8 +441,7 @@ class SqliteMetaStore:
     def remove(self, variant_id: str) -> VariantRecord | None:
         """Delete a variant; returns it, or None when absent. StoreError when it is pinned."""
         with self._txn() as cur:
-            if self._pins.get(variant_id, 0):
-                raise StoreError(f"remove({variant_id!r}): pinned {self._pins[variant_id]} time(s)")
+            self._pins.check_unpinned(variant_id)
             row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
             if row is not None:
                 cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
@@ -421,23 +458,17 @@ class SqliteMetaStore:
         with self._locked():
             if self._conn.execute("SELECT 1 FROM variants WHERE variant_id = ?", (variant_id,)).fetchone() is None:
                 raise KeyError(variant_id)
-            self._pins[variant_id] = self._pins.get(variant_id, 0) + 1
+            self._pins.add(variant_id)
 
     def unpin(self, variant_id: str) -> None:
         """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
         with self._locked():
-            count = self._pins.get(variant_id, 0)
-            if count == 0:
-                raise StoreError(f"unpin({variant_id!r}): not pinned")
-            if count == 1:
-                del self._pins[variant_id]
-            else:
-                self._pins[variant_id] = count - 1
+            self._pins.release(variant_id)
 
     def pin_count(self, variant_id: str) -> int:
         """How many pins the variant holds (0 when unpinned or absent)."""
         with self._locked():
-            return self._pins.get(variant_id, 0)
+            return self._pins.count(variant_id)
 
     def count(self) -> int:
         """The number of stored variants, over all chunks (<= max_variants when the store began empty)."""

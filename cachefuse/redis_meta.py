@@ -47,7 +47,7 @@ from redis.retry import Retry
 
 from cachefuse import meta
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.metastore import POLICIES, VariantRecord
+from cachefuse.metastore import POLICIES, PinCounts, VariantRecord
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class RedisMetaStore:
         self._prefix = f"{namespace}:meta:"
         self._client = redis_client(url, timeout_s, decode_responses=True)
         self._lock = threading.Lock()
-        self._pins: dict[str, int] = {}
+        self._pins = PinCounts()
         self._put_script = self._client.register_script(_LUA_PUT)
         self._use_script = self._client.register_script(_LUA_RECORD_USE)
         self._remove_script = self._client.register_script(_LUA_REMOVE)
@@ -347,8 +347,7 @@ class RedisMetaStore:
     def remove(self, variant_id: str) -> VariantRecord | None:
         """Delete a variant; returns it, or None when absent (or unreadable). StoreError when pinned here."""
         with self._lock:
-            if self._pins.get(variant_id, 0):
-                raise StoreError(f"remove({variant_id!r}): pinned {self._pins[variant_id]} time(s)")
+            self._pins.check_unpinned(variant_id)
             with self._redis("remove"):
                 flat = self._remove_script(args=[self._prefix, variant_id])
         removed = _readable([flat]) if flat else []  # a damaged hash is removed all the same
@@ -370,23 +369,17 @@ class RedisMetaStore:
                 exists = self._client.exists(self._prefix + "v:" + variant_id)
             if not exists:
                 raise KeyError(variant_id)
-            self._pins[variant_id] = self._pins.get(variant_id, 0) + 1
+            self._pins.add(variant_id)
 
     def unpin(self, variant_id: str) -> None:
         """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
         with self._lock:
-            count = self._pins.get(variant_id, 0)
-            if count == 0:
-                raise StoreError(f"unpin({variant_id!r}): not pinned")
-            if count == 1:
-                del self._pins[variant_id]
-            else:
-                self._pins[variant_id] = count - 1
+            self._pins.release(variant_id)
 
     def pin_count(self, variant_id: str) -> int:
         """How many pins this process holds on the variant (0 when unpinned or absent)."""
         with self._lock:
-            return self._pins.get(variant_id, 0)
+            return self._pins.count(variant_id)
 
     def count(self) -> int:
         """The number of stored variants over all chunks and instances (<= max_variants)."""
