@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections import Counter
@@ -36,7 +35,7 @@ from cachefuse.metastore import MetaStore, SqliteMetaStore, VariantRecord, make_
 from cachefuse.select import ChunkReuse, Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
-from cachefuse.variant_index import VariantChoice, VariantIndex, new_prefixes, plan_variants
+from cachefuse.variant_index import VariantChoice, VariantIndex, plan_variants
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +116,6 @@ class FusionEngine:
             ":memory:", max_variants=config.max_variants, policy=config.eviction_policy)
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
-        self.fusor.collect_attention_stats = config.gathers_attention_stats
         self.clock = clock
 
     def fusor_full_layers(self, selector: str) -> int:
@@ -284,11 +282,13 @@ class FusionEngine:
         Returns:
             the result, the loaded segments (index -> entry or key), misses by reason, bytes loaded.
         """
+        stats = self.config.gathers_attention_stats  # read per pass: callers may swap `config`
         depth = self.config.preload_depth if depth is None else depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if depth == 0:
             loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {}), selector)
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
+                                                 collect_attention_stats=stats), selector)
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         miss_reasons = Counter()
         fetched = {}
@@ -300,7 +300,7 @@ class FusionEngine:
         fetch = self._timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())),
                             load_seconds, load_bytes)
         request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
-                              preload_depth=depth, reuse=reuse or {})
+                              preload_depth=depth, reuse=reuse or {}, collect_attention_stats=stats)
         try:
             return self.fusor.fuse(request, selector), fetched, miss_reasons, sum(load_bytes.values())
         except LayerUnavailable as exc:
@@ -312,7 +312,8 @@ class FusionEngine:
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
         loaded, more = self._load(segments, rest, load_seconds, load_bytes)
-        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {}), selector)
+        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
+                                             collect_attention_stats=stats), selector)
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
     def _timed(self, fetch: FetchLayer, load_seconds: Counter, load_bytes: Counter) -> FetchLayer:
@@ -369,19 +370,18 @@ class FusionEngine:
         Returns:
             (store keys saved, their records, variant ids evicted, failures).
         """
-        order = sorted(keys)
-        prefixes = dict(zip(order, new_prefixes([meta_keys[i] for i in order],
-                                                [segments[i].is_system for i in order]), strict=True))
         saved, records, evicted, failures = [], [], [], 0
         for index in result.hole_segments:
-            key, prefix, seg = meta_keys[index], prefixes[index], segments[index]
+            # variant_index rule 1: the declared non-system chunks before it, in prompt order
+            prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
+            key, prefix, seg = meta_keys[index], tuple(meta_keys[i] for i in prefix_ids), segments[index]
             variant_id = make_variant_id(key, prefix)
             store_key = keys[index] if not prefix else f"{keys[index]}-{variant_id}"
             try:
                 if self.store.contains(store_key) and (not self.writes_metadata
                                                        or self.metastore.get(variant_id) is not None):
                     continue
-                record = self._variant_record(result, index, key, prefix, segments, meta_keys, ratio)
+                record = _variant_record(result, index, prefix_ids, segments, meta_keys, ratio)
             except StoreError as exc:
                 logger.warning("cachefuse: variant metadata unavailable (%s): hole %s not saved", exc, key)
                 failures += 1
@@ -409,20 +409,6 @@ class FusionEngine:
             records.append(record)
         return tuple(saved), tuple(records), evicted, failures
 
-    def _variant_record(self, result: FuseResult, index: int, key: str, prefix: tuple[str, ...],
-                        segments: list[Segment], keys: dict[int, str], ratio: float) -> VariantRecord:
-        """The hole's metadata: its attention statistics when the pass gathered them, else none."""
-        seg = segments[index]
-        lengths = {keys[i]: segments[i].length for i in keys if keys[i] in prefix}
-        fused_ratio = float(ratio) if prefix else None
-        if index not in result.hole_token_mass:
-            return VariantRecord.without_stats(key, prefix, seg.length, lengths, recompute_ratio=fused_ratio)
-        prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
-        stats = json.loads(_attention_meta(result.hole_token_mass[index], index, prefix_ids, keys, segments))
-        return VariantRecord(chunk_key=key, prefix=prefix, inter=stats["inter"], intra=stats["intra"],
-                             num_tokens=stats["num_tokens"], prefix_num_tokens=stats["prefix_num_tokens"],
-                             ranked_tokens=tuple(stats["ranked_tokens"]), recompute_ratio=fused_ratio)
-
     def _home_tier(self) -> str:
         """The slowest tier's name (where a saved variant persists), for the metadata's `tier`."""
         tiers = getattr(self.store, "tiers", None)
@@ -431,19 +417,25 @@ class FusionEngine:
         return getattr(self.store, "name", "store")
 
 
-def _attention_meta(token_mass: list[list[float]], index: int, prefix_ids: list[int],
-                    keys: dict[int, str], segments: list[Segment]) -> str:
-    """The variant's Cache-Craft statistics as JSON, in cachefuse.meta.Variant's terms: inter-attention
-    to each prefix chunk (declared, non-system, before it), intra-attention, the token counts, and the
-    chunk's token offsets ranked by the inter-attention each pays to the prefix (recompute candidates,
-    most contextualised first; ties by offset)."""
+def _variant_record(result: FuseResult, index: int, prefix_ids: list[int], segments: list[Segment],
+                    keys: dict[int, str], ratio: float) -> VariantRecord:
+    """The hole's metadata, in cachefuse.meta.Variant's terms. With the pass's attention statistics:
+    inter-attention to each prefix chunk, intra-attention, and the chunk's token offsets ranked by the
+    inter-attention each pays to the prefix (recompute candidates, most contextualised first; ties by
+    offset). Without them, a record without statistics."""
+    key, seg = keys[index], segments[index]
+    prefix = tuple(keys[i] for i in prefix_ids)
+    lengths = {keys[i]: segments[i].length for i in prefix_ids}
+    fused_ratio = float(ratio) if prefix else None
+    token_mass = result.hole_token_mass.get(index)
+    if token_mass is None:
+        return VariantRecord.without_stats(key, prefix, seg.length, lengths, recompute_ratio=fused_ratio)
     mass = [sum(column) for column in zip(*token_mass, strict=True)]  # [segment], summed over tokens
     from_prefix = [sum(row[i] for i in prefix_ids) for row in token_mass]
     ranked = sorted(range(len(from_prefix)), key=lambda t: (-from_prefix[t], t))
-    return json.dumps({
-        "inter": _sum_by_key((keys[i], mass[i]) for i in prefix_ids), "intra": mass[index],
-        "num_tokens": segments[index].length, "prefix_num_tokens": {keys[i]: segments[i].length for i in prefix_ids},
-        "ranked_tokens": ranked})
+    return VariantRecord(chunk_key=key, prefix=prefix, inter=_sum_by_key((keys[i], mass[i]) for i in prefix_ids),
+                         intra=mass[index], num_tokens=seg.length, prefix_num_tokens=lengths,
+                         ranked_tokens=tuple(ranked), recompute_ratio=fused_ratio)
 
 
 def _sum_by_key(pairs) -> dict[str, float]:

@@ -57,6 +57,9 @@ class FuseRequest:
     """Layers `fetch_layer` may run ahead on a loader thread; 0 fetches in the pass's own thread."""
     reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
     """Segment index -> the chosen variant's CFO and recompute ranking (SelectionContext.reuse)."""
+    collect_attention_stats: bool = False
+    """Gather each hole's attention mass per segment (FuseResult.hole_token_mass): one extra softmax
+    pass over the holes' rows, for the statistics a saved variant carries."""
 
 
 @dataclass
@@ -78,7 +81,7 @@ class FuseResult:
     layer_seconds: list[float] = field(default_factory=list)
     """Time of each layer of the pass (Fusor.clock), the samples of the compute figures."""
     hole_token_mass: dict[int, list[list[float]]] = field(default_factory=dict)
-    """With Fusor.collect_attention_stats: hole segment index -> [token][segment] attention mass each
+    """With FuseRequest.collect_attention_stats: hole segment index -> [token][segment] attention mass each
     of its tokens puts on each segment, averaged over heads and layers."""
 
     @property
@@ -158,7 +161,6 @@ class Fusor:
         self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.attention_backend: Any | None = None
         self.clock: Callable[[], float] = time.perf_counter
-        self.collect_attention_stats = False
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
@@ -184,7 +186,8 @@ class Fusor:
         hidden = adapter.embed(request.token_ids if rows is None else request.token_ids[rows])
         residual = None
         out_k, out_v, rows_per_layer, layer_seconds = [], [], [], []
-        stats = _HoleStats(request.segments, layout) if self.collect_attention_stats and layout.hole_segments else None
+        stats = (_HoleStats(request.segments, layout) if request.collect_attention_stats and layout.hole_segments
+                 else None)
         question = _QuestionAttention.of(request.segments, layout) if selector.tracks_question_attention() else None
         for layer in range(num_layers):
             layer_start = self.clock()

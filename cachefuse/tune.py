@@ -268,13 +268,12 @@ def tune_alpha(engine: FusionEngine, tokenizer: Any, items: Sequence[ValItem], s
 
 @contextlib.contextmanager
 def _configured(engine: FusionEngine, config: CacheFuseConfig) -> Iterator[None]:
-    """`engine` runs under `config` (the fusor reads attention-stats gathering at construction)."""
-    saved = engine.config, engine.fusor.collect_attention_stats
-    engine.config, engine.fusor.collect_attention_stats = config, config.gathers_attention_stats
+    """`engine` runs under `config` for the block (the engine reads its config on every pass)."""
+    saved, engine.config = engine.config, config
     try:
         yield
     finally:
-        engine.config, engine.fusor.collect_attention_stats = saved
+        engine.config = saved
 
 
 def _store_base_variants(engine: FusionEngine, prompt: RagPrompt) -> None:
