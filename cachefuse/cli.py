@@ -10,7 +10,7 @@
 
 Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,
 parser)` that does the work; bad arguments and input files end in `parser.error` (exit status 2)
-before any engine starts. Imports only the standard library and cachefuse.{config, errors} at module
+before any engine starts. Imports only the standard library and cachefuse.{config, errors, jsonl} at module
 level: vllm loads when a subcommand starts an engine.
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
+from cachefuse.jsonl import read_jsonl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -329,21 +330,8 @@ def read_chunks_jsonl(path: str | Path) -> list[tuple[str, str]]:
     Raises:
         ValueError: the file cannot be read, or a line is bad; the message names the file and line.
     """
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ValueError(f"--chunks {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--chunks {str(path)!r}: not UTF-8 text ({exc.reason})") from None
     entries = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    for where, lineno, record in read_jsonl(path, "--chunks"):
         if not isinstance(record, dict):
             raise ValueError(f'{where}: expected an object {{"text": "..."}}, got {type(record).__name__}')
         text = record.get("text")

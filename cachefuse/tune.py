@@ -34,7 +34,6 @@ so with warm variants even a huge alpha need not reproduce the full prefill; wit
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -48,6 +47,7 @@ from cachefuse.engine import FusionEngine
 from cachefuse.errors import ConfigError
 from cachefuse.eval.fidelity import greedy_continuation, matching_prefix
 from cachefuse.eval.metrics import qa_f1_score
+from cachefuse.jsonl import read_jsonl
 from cachefuse.select import Selector, make_selector
 
 METRICS = ("match", "f1")
@@ -145,27 +145,14 @@ def read_items_jsonl(path: str | Path) -> list[ValItem]:
     Raises:
         ValueError: the file cannot be read, or a line is bad; the message names the file, line and field.
     """
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ValueError(f"--data {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--data {str(path)!r}: not UTF-8 text ({exc.reason})") from None
-    items = []
-    for lineno, line in enumerate(lines, start=1):
-        if line.strip():
-            items.append(parse_item(line, f"{path}:{lineno}"))
+    items = [parse_item(record, where) for where, _, record in read_jsonl(path, "--data")]
     if not items:
         raise ValueError(f"--data {str(path)!r}: no items (expected one JSON object per line)")
     return items
 
 
-def parse_item(line: str, where: str) -> ValItem:
-    """One JSONL line as a ValItem; errors start with `where` and name the field."""
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc})") from None
+def parse_item(record: Any, where: str) -> ValItem:
+    """One parsed JSONL line as a ValItem; errors start with `where` and name the field."""
     if not isinstance(record, dict):
         raise ValueError(f'{where}: expected an object {{"system": ..., "chunks": [...], "question": ...}}, '
                          f"got {type(record).__name__}")

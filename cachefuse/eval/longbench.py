@@ -1,6 +1,6 @@
 """LongBench-format datasets as RAG prompts: `[system][passages][question]`, scored as LongBench does.
 
-Imports the standard library and cachefuse.{chunks, eval.metrics}. A LongBench JSONL line holds
+Imports the standard library and cachefuse.{chunks, eval.metrics, jsonl}. A LongBench JSONL line holds
 `input` (the question), `context`, `answers` (a list), `_id` and more; this module turns each into
 the pieces `build_rag_prompt` assembles, with the context split into declared chunks by a rule per
 dataset:
@@ -18,7 +18,6 @@ character; token windows are decoded, which for byte-level BPE tokenizers is exa
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 
 from cachefuse.chunks import RagPrompt, build_rag_prompt
 from cachefuse.eval.metrics import best_score, qa_f1_score, rouge_l_score
+from cachefuse.jsonl import read_jsonl
 
 _QA_INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output "
                    "any other words.")
@@ -120,26 +120,19 @@ def load_longbench_jsonl(path: str | Path, dataset: str, tokenizer: Any = None,
     if spec.split == "tokens" and tokenizer is None:
         raise ValueError(f"dataset {dataset!r} is split into {chunk_tokens}-token windows: pass a tokenizer")
     items: list[LongBenchItem] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            if limit is not None and len(items) >= limit:
-                break
-            row = _parse(line, f"{path}:{number}")
-            context = row["context"]
-            chunks = split_passages(context) if spec.split == "passages" else split_tokens(tokenizer, context,
-                                                                                           chunk_tokens)
-            items.append(LongBenchItem(str(row.get("_id", number)), dataset, spec.system, tuple(chunks),
-                                       spec.question.format(input=row["input"]), tuple(row["answers"])))
+    for where, number, value in read_jsonl(path, "LongBench file"):
+        if limit is not None and len(items) >= limit:
+            break
+        row = _check_row(value, where)
+        context = row["context"]
+        chunks = split_passages(context) if spec.split == "passages" else split_tokens(tokenizer, context,
+                                                                                       chunk_tokens)
+        items.append(LongBenchItem(str(row.get("_id", number)), dataset, spec.system, tuple(chunks),
+                                   spec.question.format(input=row["input"]), tuple(row["answers"])))
     return items
 
 
-def _parse(line: str, where: str) -> dict[str, Any]:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+def _check_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object")
     for name in ("input", "context"):
