@@ -64,6 +64,17 @@ def max_logprob_diff(expected: dict[int, float], actual: dict[int, float]) -> fl
     return max(abs(lp - actual.get(token, -math.inf)) for token, lp in expected.items())
 
 
+def named_prompt(pieces: dict[str, list[int]], names, **overrides: Any) -> tuple[list[int], dict]:
+    """The ids of `pieces[name]` for `names` in order, every piece but "question" declared as a chunk,
+    and the request's kv_transfer_params (`overrides` join the chunks, e.g. selector)."""
+    ids, chunks = [], []
+    for name in names:
+        if name != "question":
+            chunks.append([len(ids), len(ids) + len(pieces[name])])
+        ids += pieces[name]
+    return ids, {"cachefuse": {"chunks": chunks, **overrides}}
+
+
 def precompute(llm, system: list[int], chunks: list[list[int]]) -> list[dict]:
     """Stores the system prompt and each chunk (computed after the system prompt alone) as holes."""
     prompts, params = [], []

@@ -23,6 +23,7 @@ from tests.helpers.vllm_engines import (
     first_logprobs,
     generate,
     max_logprob_diff,
+    named_prompt,
     precompute,
     scheduler_connector,
     start_engine,
@@ -50,12 +51,7 @@ def setup(tiny_model_dir, tmp_path_factory):
 
 
 def prompt(pieces, names=("system", "a", "c", "question")):
-    ids, chunks = [], []
-    for name in names:
-        if name != "question":
-            chunks.append([len(ids), len(ids) + len(pieces[name])])
-        ids += pieces[name]
-    return ids, {"cachefuse": {"chunks": chunks}}
+    return named_prompt(pieces, names)
 
 
 @contextlib.contextmanager

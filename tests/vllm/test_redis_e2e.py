@@ -27,6 +27,7 @@ from tests.helpers.vllm_engines import (
     first_logprobs,
     generate,
     max_logprob_diff,
+    named_prompt,
     precompute,
     scheduler_connector,
     start_engine,
@@ -52,12 +53,7 @@ def pieces():
 
 
 def prompt(pieces, names):
-    ids, chunks = [], []
-    for name in names:
-        if name != "question":
-            chunks.append([len(ids), len(ids) + len(pieces[name])])
-        ids += pieces[name]
-    return ids, {"cachefuse": {"chunks": chunks, "selector": "cacheblend", "recompute_ratio": 0.15}}
+    return named_prompt(pieces, names, selector="cacheblend", recompute_ratio=0.15)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from tests.helpers.vllm_engines import (
     first_logprobs,
     generate,
     max_logprob_diff,
+    named_prompt,
     precompute,
     scheduler_connector,
     start_engine,
@@ -38,15 +39,6 @@ def pieces():
             for n, k in {"system": 12, "a": 31, "b": 26, "c": 23, "question": 8}.items()}
 
 
-def prompt(pieces, names, **overrides):
-    ids, chunks = [], []
-    for name in names:
-        if name != "question":
-            chunks.append([len(ids), len(ids) + len(pieces[name])])
-        ids += pieces[name]
-    return ids, {"cachefuse": {"chunks": chunks, **overrides}}
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory, pieces):
     store_dir = tmp_path_factory.mktemp("variants-store")
@@ -61,13 +53,13 @@ def test_cachecraft_at_cfo_one_equals_plain_vllm(engine, pieces):
     llm, _ = engine
     worker = worker_side()
     config = worker.config
-    ids, params = prompt(pieces, ["system", "c", "a", "question"])
+    ids, params = named_prompt(pieces, ["system", "c", "a", "question"])
     try:
         worker.config = worker.engine.config = config.replace(force_cfo=1.0)
         (fused,) = generate(llm, [ids], [params], max_tokens=4)
     finally:
         worker.config = worker.engine.config = config
-    plain, reuse = generate(llm, [ids, ids], [None, prompt(pieces, ["system", "c", "a", "question"],
+    plain, reuse = generate(llm, [ids, ids], [None, named_prompt(pieces, ["system", "c", "a", "question"],
                                                           selector="full_reuse")[1]], max_tokens=4)
     stats = fused.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fused" and stats["selector"] == "cachecraft" and stats["chunks_hit"] == 3, stats
@@ -79,7 +71,7 @@ def test_cachecraft_at_cfo_one_equals_plain_vllm(engine, pieces):
 
 def test_hole_becomes_a_variant_the_scheduler_then_reuses_at_cfo_zero(engine, pieces):
     llm, store_dir = engine
-    ids, params = prompt(pieces, ["system", "a", "b", "c", "question"])
+    ids, params = named_prompt(pieces, ["system", "a", "b", "c", "question"])
     (first,) = generate(llm, [ids], [params])
     stats = first.kv_transfer_params["cachefuse"]
     # system and a (nothing before it) reuse exact base variants; b is computed and saved; c's base
