@@ -77,7 +77,7 @@ class SchedulerSide:
         self.key_context = KeyContext(
             model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
             vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
-        self.index = VariantIndex(plain_keys=self._plain_keys())
+        self.index = VariantIndex()
         self._refresher = self._start_index(config)
         self._tokenizer_source = model_config.tokenizer
         self._model_config = model_config
@@ -94,29 +94,29 @@ class SchedulerSide:
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
                     config.redis_url or config.store_path)
 
-    def _plain_keys(self) -> set[str]:
-        """K/V entries on the local disk tier (those without metadata rows are base variants)."""
-        return list_keys(self.config.store_path) if self.config.disk_capacity_bytes else set()
-
     def _start_index(self, config: CacheFuseConfig) -> IndexRefresher | None:
         """Loads the variant index once, then keeps it current on a background thread (other engines'
         saves reach it through the shared store). Never blocks planning: a failing store leaves the
         last snapshot and is retried every `index_refresh_interval_s`."""
         if config.redis_url is None and not config.disk_capacity_bytes:
             return None  # metadata in the worker's memory only: the worker's reports are the index
-        root = config.store_path  # closures over plain values: the thread must not keep `self` alive
+        # K/V entries on the local disk tier (those without metadata rows are base variants), listed
+        # with every reload. A closure over plain values: the thread must not keep `self` alive.
+        root = config.store_path
+        plain_keys = (lambda: list_keys(root)) if config.disk_capacity_bytes else None
         refresher = IndexRefresher(self.index, lambda: open_config_metastore(config),
-                                   config.index_refresh_interval_s,
-                                   plain_keys=(lambda: list_keys(root)) if config.disk_capacity_bytes else None)
+                                   config.index_refresh_interval_s, plain_keys=plain_keys)
         try:
             store = open_config_metastore(config)
             try:
-                refresher.refresh_once(store)
+                refresher.refresh_once(store)  # the first load: records and the disk listing
             finally:
                 store.close()
         except Exception as exc:  # noqa: BLE001 - start serving; the refresher retries
             logger.warning("cachefuse scheduler: variant metadata unavailable at start-up (%s: %s); "
                            "chunks are misses until it answers", type(exc).__name__, exc)
+            if plain_keys is not None:
+                self.index.add_plain_keys(plain_keys())
         return refresher.start()
 
     def close(self) -> None:
