@@ -7,6 +7,8 @@
     cachefuse tune-alpha --model DIR --data val.jsonl --floor F [--metric match|f1] [--alphas 0.25,0.5,1,2]
                          [--max-new-tokens N] [--no-warm] [--early-termination] [--config cachefuse.yaml]
                          [--json] [--no-progress]
+    cachefuse eval --model DIR (--probe N | --longbench F --dataset D | --data items.jsonl)
+                   [--selectors ...] [--ratios ...] [--out report.json] [--plot report.png]  (cachefuse.eval.command)
 
 Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,
 parser)` that does the work; bad arguments and input files end in `parser.error` (exit status 2)
@@ -25,6 +27,7 @@ from typing import Any
 
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
+from cachefuse.eval.command import add_eval
 from cachefuse.jsonl import read_jsonl
 
 
@@ -36,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_profile(subparsers)
     _add_inspect(subparsers)
     _add_tune_alpha(subparsers)
+    add_eval(subparsers)
     args = parser.parse_args(argv)
     return args.run(args, args.parser)
 
@@ -266,7 +270,7 @@ def _add_tune_alpha(subparsers: Any) -> None:
 
 def _run_tune_alpha(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from cachefuse import tune
-    from cachefuse.chunks import KeyContext, model_fingerprint
+    from cachefuse.chunks import model_fingerprint
 
     try:
         spec = tune.TuneSpec(alphas=args.alphas, floor=args.floor, metric=args.metric,
@@ -275,27 +279,16 @@ def _run_tune_alpha(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         items = tune.read_items_jsonl(args.data)
         tune.check_items(items, spec.metric)
         config = CacheFuseConfig() if args.config is None else CacheFuseConfig.from_yaml(args.config)
-        fingerprint = model_fingerprint(args.model)
+        model_fingerprint(args.model)  # a bad --model fails here, before the model loads
     except ValueError as exc:  # ConfigError included
         parser.error(str(exc))
-    from transformers import AutoTokenizer
+    from cachefuse.eval.harness import reference_engine
 
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    engine, tokenizer = reference_engine(args.model, config)
     try:
         tune.build_prompts(tokenizer, items)
     except ValueError as exc:
         parser.error(f"--data {str(args.data)!r}: {exc}")
-
-    from cachefuse.adapters.hf import HFAdapter
-    from cachefuse.engine import FusionEngine
-    from cachefuse.store.base import StoreIdentity
-    from cachefuse.store.memory import MemoryStore
-
-    adapter = HFAdapter.from_pretrained(str(args.model))
-    dtype = adapter.shape.dtype
-    store = MemoryStore(StoreIdentity(fingerprint, adapter.shape.num_layers, dtype), capacity_bytes=sys.maxsize)
-    key_context = KeyContext(fingerprint, str(dtype).removeprefix("torch."), config_hash=config.compute_hash())
-    engine = FusionEngine(adapter, store, key_context, config)
     report = tune.tune_alpha(engine, tokenizer, items, spec, progress=not args.no_progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else tune.format_report(report))
     return 0 if report.alpha is not None else 1

@@ -1,0 +1,137 @@
+"""`cachefuse eval`: the quality harness on the command line (registered by cachefuse.cli).
+
+    cachefuse eval --model DIR --probe 500 [--seed 0]
+    cachefuse eval --model DIR --longbench hotpotqa.jsonl --dataset hotpotqa [--limit 200]
+    cachefuse eval --model DIR --data items.jsonl --metric f1
+        [--selectors cacheblend,epic,cachecraft,random] [--ratios 0,0.05,0.1,0.15,0.2,0.3,0.5,1]
+        [--max-new-tokens N] [--config cachefuse.yaml] [--out report.json] [--plot report.png]
+        [--json] [--no-progress]
+
+Runs the reference engine (transformers, in-memory store): cachefuse.eval.harness. Bad arguments and
+input files end in `parser.error` (exit status 2) before the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from cachefuse.config import CacheFuseConfig
+
+LONGBENCH_METRICS = {"qa_f1_score": "f1", "rouge_l_score": "rouge_l"}
+LONGBENCH_NEW_TOKENS = {"f1": 32, "rouge_l": 128}
+"""LongBench's generation lengths for its QA and summarisation datasets."""
+
+
+def add_eval(subparsers: Any) -> None:
+    from cachefuse.cli import _positive_int
+
+    p = subparsers.add_parser(
+        "eval", help="score fused prefills against full prefill and full reuse, per selector and ratio",
+        description="Runs the reference engine on a dataset: full prefill, full reuse, and every selector at every "
+                    "ratio, each chunk loaded from its base variant. Reports the task score with its standard "
+                    "error, the normalized score, paired tests (McNemar for exact match, paired bootstrap "
+                    "otherwise) against full prefill and cacheblend, and fidelity (K/V and attention deviation, "
+                    "last-token KL, greedy match).")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", type=Path, help='JSONL, one item per line: {"system": "...", "chunks": ["...", '
+                                                  '...], "question": "...", "answer": "..."}')
+    source.add_argument("--longbench", type=Path, help="a LongBench JSONL file (with --dataset)")
+    source.add_argument("--probe", type=_positive_int, metavar="N",
+                        help="N items of the RAG probe task (cachefuse/eval/probe_task.py), half cross-chunk")
+    p.add_argument("--model", required=True, type=Path, help="a local checkpoint directory (with its tokenizer)")
+    p.add_argument("--dataset", help="with --longbench: hotpotqa, 2wikimqa, musique, multi_news or samsum")
+    p.add_argument("--chunk-tokens", type=_positive_int, default=512,
+                   help="with --longbench: window size of the datasets split into fixed windows (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="with --probe: the items' seed (default 0)")
+    p.add_argument("--limit", type=_positive_int, default=None, help="evaluate at most this many items")
+    p.add_argument("--selectors", type=_name_list, default=None,
+                   help="comma-separated selectors (default cacheblend,epic,cachecraft,random)")
+    p.add_argument("--ratios", type=_ratio_list, default=None,
+                   help="comma-separated recompute ratios in 0..1 (default 0,0.05,0.1,0.15,0.2,0.3,0.5,1)")
+    p.add_argument("--metric", choices=("em", "f1", "rouge_l"), default=None,
+                   help="em (exact match after normalisation), f1 (LongBench token F1) or rouge_l "
+                        "(default: the dataset's; em for --probe and --data)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="greedy tokens per item (default 1 for --probe, 32 for QA, 128 for summaries, 8 for --data)")
+    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (cacheblend_check_layers, ...)")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    p.add_argument("--plot", type=Path, default=None, help="write the score-vs-ratio plot here (PNG)")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run_eval_command, parser=p)
+
+
+def run_eval_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from cachefuse.eval import harness, report
+
+    if args.longbench is not None and args.dataset is None:
+        parser.error("--longbench needs --dataset (hotpotqa, 2wikimqa, musique, multi_news or samsum)")
+    if args.dataset is not None and args.longbench is None:
+        parser.error("--dataset applies to --longbench only")
+    try:
+        config = CacheFuseConfig() if args.config is None else CacheFuseConfig.from_yaml(args.config)
+        engine, tokenizer = harness.reference_engine(args.model, config)
+        items, metric, new_tokens = _items(args, tokenizer)
+        spec = harness.EvalSpec(
+            selectors=args.selectors or harness.DEFAULT_SELECTORS, ratios=args.ratios or harness.DEFAULT_RATIOS,
+            metric=args.metric or metric, max_new_tokens=args.max_new_tokens or new_tokens)
+        for name in spec.selectors:
+            harness.make_selector(name, config)
+    except (ValueError, OSError) as exc:  # ConfigError included
+        parser.error(str(exc))
+    runs = harness.run_eval(engine, tokenizer, items, spec, progress=not args.no_progress)
+    summary = report.summarize(runs)
+    summary["model"] = str(args.model)
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    if args.plot is not None:
+        report.plot_report(summary, args.plot)
+    print(json.dumps(summary, indent=2) if args.json else "\n".join(
+        report.format_table(summary, kind) for kind in summary["kinds"]))
+    return 0
+
+
+def _items(args: argparse.Namespace, tokenizer: Any) -> tuple[list, str, int]:
+    """The items, their default metric and generation length."""
+    from cachefuse.eval.harness import EvalItem
+
+    if args.probe is not None:
+        from cachefuse.eval.probe_task import make_items
+
+        items = [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind) for i in make_items(args.seed, args.probe)]
+        return items[:args.limit], "em", 1
+    if args.longbench is not None:
+        from cachefuse.eval.longbench import SPECS, load_longbench_jsonl
+
+        loaded = load_longbench_jsonl(args.longbench, args.dataset, tokenizer, args.chunk_tokens, args.limit)
+        if not loaded:
+            raise ValueError(f"--longbench {str(args.longbench)!r}: no items")
+        metric = LONGBENCH_METRICS[SPECS[args.dataset].metric.__name__]
+        return ([EvalItem(i.system, i.chunks, i.question, i.answers, i.dataset) for i in loaded],
+                metric, LONGBENCH_NEW_TOKENS[metric])
+    from cachefuse.tune import check_items, read_items_jsonl
+
+    loaded = read_items_jsonl(args.data)[:args.limit]
+    check_items(loaded, "f1")  # every item needs an answer to be scored
+    return [EvalItem(i.system, i.chunks, i.question, (i.answer,)) for i in loaded], "em", 8
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated selector names")
+    return names
+
+
+def _ratio_list(text: str) -> tuple[float, ...]:
+    try:
+        ratios = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers in 0..1") from None
+    if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers in 0..1")
+    return ratios
+

@@ -1,0 +1,110 @@
+"""Paired statistics for quality comparisons on the same prompts (pure Python and numpy).
+
+Every comparison in `cachefuse eval` and `benchmarks/quality.py` is paired: two settings scored on
+the same items. Exact match uses McNemar's exact test (a binomial test on the discordant pairs) with a
+Wald interval of the paired difference; real-valued scores (F1, ROUGE-L, KL) use a seeded paired
+bootstrap of the mean difference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+Z_95 = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class MeanSE:
+    mean: float
+    se: float
+    n: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def mean_se(values: Sequence[float]) -> MeanSE:
+    """Mean and standard error of the mean (sample standard deviation / sqrt(n); 0 for n < 2)."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("mean_se of no values")
+    se = float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+    return MeanSE(float(x.mean()), se, int(x.size))
+
+
+@dataclass(frozen=True)
+class PairedDiff:
+    """a - b over paired items, with a 95% confidence interval and a two-sided p-value."""
+
+    diff: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+    n: int
+    test: str
+    a_only: int | None = None
+    """McNemar: items right under a and wrong under b."""
+    b_only: int | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _binomial_two_sided(k: int, n: int) -> float:
+    """Exact two-sided p-value of k successes in n fair trials (the smaller tail, doubled, capped at 1)."""
+    if n == 0:
+        return 1.0
+    tail = min(k, n - k)
+    log_half = n * math.log(0.5)
+    p = sum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + log_half)
+            for i in range(tail + 1))
+    return min(1.0, 2.0 * p)
+
+
+def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> PairedDiff:
+    """McNemar's exact test of paired exact-match outcomes, and the Wald 95% CI of EM(a) - EM(b)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"mcnemar needs two equal, non-empty lists (got {len(a)} and {len(b)})")
+    n = len(a)
+    a_only = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+    b_only = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+    diff = (a_only - b_only) / n
+    # Var of the mean paired difference d_i in {-1, 0, 1}: (E[d^2] - E[d]^2) / n.
+    se = math.sqrt(max(0.0, (a_only + b_only) / n - diff * diff) / n)
+    return PairedDiff(diff, diff - Z_95 * se, diff + Z_95 * se, _binomial_two_sided(a_only, a_only + b_only), n,
+                      "mcnemar_exact", a_only, b_only)
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], num_resamples: int = 2000,
+                     seed: int = 0) -> PairedDiff:
+    """Percentile 95% CI of mean(a - b) over `num_resamples` resamples of the items (seeded); the
+    p-value is twice the share of resampled means on the far side of 0 (capped at 1)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_bootstrap needs two equal, non-empty lists (got {len(a)} and {len(b)})")
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(num_resamples, d.size))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    far = np.mean(means <= 0.0) if d.mean() > 0 else np.mean(means >= 0.0)
+    return PairedDiff(float(d.mean()), float(low), float(high), float(min(1.0, 2.0 * far)), int(d.size),
+                      "paired_bootstrap")
+
+
+def paired_diff(a: Sequence[float], b: Sequence[float], seed: int = 0) -> PairedDiff:
+    """McNemar when both are 0/1 outcomes (exact match), else the paired bootstrap."""
+    if all(x in (0, 1) for x in a) and all(y in (0, 1) for y in b):
+        return mcnemar([bool(x) for x in a], [bool(y) for y in b])
+    return paired_bootstrap(a, b, seed=seed)
+
+
+def normalized_score(score: float, full_prefill: Sequence[float], full_reuse: Sequence[float]) -> float | None:
+    """(S - S_full_reuse) / (S_full_prefill - S_full_reuse), or None when the gap between the two
+    baselines is not above twice its (paired) standard error: too small to normalise by."""
+    gap = mean_se([p - r for p, r in zip(full_prefill, full_reuse, strict=True)])
+    if gap.mean <= 2.0 * gap.se or gap.mean <= 0.0:
+        return None
+    return (score - float(np.mean(full_reuse))) / gap.mean
