@@ -16,7 +16,7 @@ per stream grows linearly from 2 to `--max-facts` over the first `--ramp` of the
 drawing its count from [max/2, max]; 12 questions per stream, loss on the answers only.
 
 Writes to `--out`: `model.safetensors` (fp16), `config.json`, the tokenizer, `training_log.jsonl`
-(one line per logged step: loss, learning rate, seconds, and every `--eval-every` steps the exact
+(one line per logged step: mean loss on the answers, learning rate, seconds, and every `--eval-every` steps the exact
 match of full prefill and of full reuse on 256 validation items by kind) and `gate.json` (the gate
 measured with the reference engine on held-out items; see `gate`).
 """
@@ -42,6 +42,7 @@ from cachefuse.eval.probe_task import (  # noqa: E402
     ProbeVocab,
     build_probe_tokenizer,
     make_items,
+    sample_markov_sequence,
     sample_train_sequence,
 )
 
@@ -79,15 +80,16 @@ def make_model(vocab_size: int, tokenizer, shape: ProbeShape, seed: int):
 def facts_at(step: int, args) -> int:
     """The curriculum's largest stream (in facts) at `step`."""
     hold_steps, ramp_steps = int(args.hold * args.steps), max(1, int(args.ramp * args.steps))
-    return min(args.max_facts, 2 + (args.max_facts - 2) * max(0, step - hold_steps) // ramp_steps)
+    return min(args.max_facts, 4 + (args.max_facts - 4) * max(0, step - hold_steps) // ramp_steps)
 
 
 def make_batch(step: int, args, vocab: ProbeVocab, token_id: dict[str, int]):
     """(input ids [B, T], labels [B, T] with -100 everywhere but the answers), right-padded."""
     rng = random.Random(args.seed * 1_000_003 + step)
     top = facts_at(step, args)
-    num_facts = rng.randint(max(1, top // 2), top)
+    num_facts = rng.randint(max(2, top // 2), top)
     seqs = [sample_train_sequence(rng, vocab, num_facts, args.questions) for _ in range(args.batch)]
+    seqs += [sample_markov_sequence(rng, vocab) for _ in range(round(args.markov_share * args.batch))]
     width = max(len(s.words) for s in seqs)
     ids = torch.full((len(seqs), width), token_id[PAD], dtype=torch.long)
     labels = torch.full_like(ids, -100)
@@ -182,17 +184,22 @@ def train(args) -> Path:
         ids, labels, num_facts = make_batch(step, args, vocab, token_id)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        loss = model(ids, labels=labels).loss
+        logits = model(ids).logits[:, :-1]
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="none").view(len(ids), -1)
+        targets = labels[:, 1:] != -100
+        loss = token_loss.sum() / targets.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(loss.item())
+        facts = slice(0, args.batch)  # the rows after them are warm-up sequences
+        losses.append((token_loss[facts].sum() / targets[facts].sum()).item())
         done = step + 1
         if done % args.log_every == 0 or done == args.steps:
             now = time.perf_counter()
             elapsed, clock = elapsed + now - clock, now
-            row = {"step": done, "loss": sum(losses) / len(losses), "lr": lr_at(step, args),
+            row = {"step": done, "answer_loss": sum(losses) / len(losses), "lr": lr_at(step, args),
                    "num_facts": num_facts, "seconds": round(elapsed, 1)}
             losses = []
             if done % args.eval_every == 0 or done == args.steps:
@@ -214,14 +221,16 @@ def train(args) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="models/rag-probe")
-    parser.add_argument("--steps", type=int, default=9000)
+    parser.add_argument("--steps", type=int, default=10000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--max-facts", type=int, default=16)
-    parser.add_argument("--hold", type=float, default=0.2, help="share of the steps at 1-2 facts per stream")
-    parser.add_argument("--ramp", type=float, default=0.4, help="share of the steps over which streams then grow")
+    parser.add_argument("--hold", type=float, default=0.25, help="share of the steps at 2-4 facts per stream")
+    parser.add_argument("--ramp", type=float, default=0.35, help="share of the steps over which streams then grow")
     parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--markov-share", type=float, default=0.5,
+                        help="warm-up sequences per batch, as a share of --batch (previous-token heads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=50)

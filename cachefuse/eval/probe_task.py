@@ -60,6 +60,8 @@ class ProbeVocab:
     names: tuple[str, ...]
     values: tuple[str, ...]
     fillers: tuple[str, ...]
+    markov: tuple[str, ...] = tuple(f"m{i:02d}" for i in range(16))
+    """Symbols of the warm-up sequences only (`sample_markov_sequence`); never in a fact stream."""
 
     @classmethod
     def default(cls, num_names: int = 64, num_values: int = 64) -> ProbeVocab:
@@ -72,7 +74,8 @@ class ProbeVocab:
     @property
     def words(self) -> list[str]:
         """Every token, specials first: the tokenizer's vocabulary in id order."""
-        return [BOS, EOS, PAD, UNK, *SYSTEM_WORDS, QUESTION_MARK, *self.names, *self.values, *self.fillers]
+        return [BOS, EOS, PAD, UNK, *SYSTEM_WORDS, QUESTION_MARK, *self.names, *self.values, *self.fillers,
+                *self.markov]
 
 
 def build_probe_tokenizer(vocab: ProbeVocab, out_dir: str | Path | None = None):
@@ -138,6 +141,28 @@ def sample_train_sequence(rng: random.Random, vocab: ProbeVocab, num_facts: int,
         words += [QUESTION_MARK, fact.name, fact.value]
         answers.append(len(words) - 1)
     return TrainSequence(words, answers)
+
+
+_MARKOV_TABLE_SEED = 99
+
+
+def sample_markov_sequence(rng: random.Random, vocab: ProbeVocab, length: int = 24,
+                           noise: float = 0.1) -> TrainSequence:
+    """`<bos> m m m ...`: an order-2 Markov chain over `vocab.markov` whose next symbol is a fixed random
+    function of the two before it (a uniform symbol with probability `noise`); every symbol from the
+    third on is a target.
+
+    NOTE: a warm-up task, mixed into training batches. Predicting it needs a previous-token head
+    (each position must see the token before it), the half of the recall circuit that answer-only
+    supervision leaves on a long plateau; with it learned, recall builds on it.
+    """
+    n = len(vocab.markov)
+    table = random.Random(_MARKOV_TABLE_SEED)
+    step = [[table.randrange(n) for _ in range(n)] for _ in range(n)]
+    symbols = [rng.randrange(n), rng.randrange(n)]
+    while len(symbols) < length:
+        symbols.append(rng.randrange(n) if rng.random() < noise else step[symbols[-2]][symbols[-1]])
+    return TrainSequence([BOS, *(vocab.markov[i] for i in symbols)], list(range(3, length + 1)))
 
 
 # --------------------------------------------------------------------------- evaluation items

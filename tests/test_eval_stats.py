@@ -1,0 +1,66 @@
+"""Paired statistics of `cachefuse eval` (cachefuse/eval/stats.py) against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cachefuse.eval.stats import mcnemar, mean_se, normalized_score, paired_bootstrap, paired_diff
+
+
+def test_mean_se_matches_the_sample_formula():
+    result = mean_se([1.0, 0.0, 1.0, 1.0])
+    assert result.mean == 0.75
+    assert result.se == pytest.approx(math.sqrt(0.25) / 2)  # sample std 0.5, n 4
+    assert mean_se([3.0]).se == 0.0
+    with pytest.raises(ValueError):
+        mean_se([])
+
+
+def test_mcnemar_counts_discordant_pairs_and_gives_the_exact_p_value():
+    a = [True] * 10 + [False] * 2 + [True] * 8
+    b = [False] * 10 + [True] * 2 + [True] * 8
+    result = mcnemar(a, b)
+    assert (result.a_only, result.b_only, result.n) == (10, 2, 20)
+    assert result.diff == pytest.approx(0.4)
+    # Exact two-sided binomial: 2 * P(X <= 2 | n=12, p=1/2) = 2 * (1 + 12 + 66) / 4096.
+    assert result.p_value == pytest.approx(2 * 79 / 4096)
+    se = math.sqrt((12 / 20 - 0.16) / 20)
+    assert (result.ci_low, result.ci_high) == pytest.approx((0.4 - 1.959964 * se, 0.4 + 1.959964 * se))
+
+
+def test_mcnemar_of_identical_outcomes_is_no_difference():
+    result = mcnemar([True, False, True], [True, False, True])
+    assert (result.diff, result.p_value, result.ci_low, result.ci_high) == (0.0, 1.0, 0.0, 0.0)
+
+
+def test_paired_bootstrap_is_seeded_and_brackets_the_mean_difference():
+    a = [0.9, 0.8, 0.7, 0.95, 0.85, 0.75, 0.9, 0.8]
+    b = [0.5, 0.6, 0.4, 0.55, 0.65, 0.45, 0.5, 0.6]
+    first, second = paired_bootstrap(a, b, seed=3), paired_bootstrap(a, b, seed=3)
+    assert first == second
+    assert first.diff == pytest.approx(sum(a) / 8 - sum(b) / 8)
+    assert first.ci_low < first.diff < first.ci_high and first.ci_low > 0
+    assert first.p_value < 0.01
+    # Negative control: no difference, so the interval straddles 0 and p is large.
+    noise = paired_bootstrap([0.1, 0.5, 0.3, 0.2], [0.2, 0.4, 0.3, 0.2], seed=0)
+    assert noise.ci_low <= 0 <= noise.ci_high and noise.p_value > 0.5
+
+
+def test_paired_diff_uses_mcnemar_for_exact_match_and_the_bootstrap_otherwise():
+    assert paired_diff([1.0, 0.0], [0.0, 0.0]).test == "mcnemar_exact"
+    assert paired_diff([0.5, 0.0], [0.0, 0.0]).test == "paired_bootstrap"
+
+
+def test_normalized_score_needs_a_gap_above_twice_its_standard_error():
+    full = [1.0] * 18 + [0.0] * 2
+    reuse = [0.0] * 10 + [1.0] * 10
+    # A gap of 0.4 over 20 paired items: far above twice its standard error.
+    score = normalized_score(0.8, full, reuse)
+    gap = sum(full) / 20 - sum(reuse) / 20
+    assert score == pytest.approx((0.8 - 0.5) / gap)
+    # Negative control: equal baselines leave nothing to normalise by.
+    assert normalized_score(0.5, reuse, reuse) is None
+    # A gap within noise: one item of 20.
+    assert normalized_score(0.5, [1.0] + [0.0] * 19, [0.0] * 20) is None
