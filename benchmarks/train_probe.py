@@ -1,24 +1,35 @@
 """Trains the RAG probe model: the stand-in for a real LLM in cachefuse's quality tests.
 
-    python benchmarks/train_probe.py --out models/rag-probe            # ~1-2 h on 2 CPU cores
+    python benchmarks/train_probe.py --out models/rag-probe --stop-at 4000   # the committed run, ~12 min
     python benchmarks/train_probe.py --out /tmp/p --steps 200          # a smoke run
 
-The task (cachefuse/eval/probe_task.py) is associative recall over a stream of `NAME VALUE` facts;
-a fact split by a chunk boundary can only be answered when its value's K/V knows the name before it,
+The task (cachefuse/eval/probe_task.py) is associative recall over a stream of `VALUE NAME` facts;
+a fact split by a chunk boundary can only be answered when its name's K/V knows the value before it,
 which a chunk cached on its own does not. The model is a transformers `LlamaForCausalLM` that vLLM's
 CPU backend serves too (head_dim 32), trained from random weights on full prefills only.
 
 Deterministic: every batch is drawn from `random.Random(seed * 1_000_003 + step)`, weights from
-`torch.manual_seed(seed)`, with a fixed thread count; `--resume` continues from `train_state.pt`.
+`torch.manual_seed(seed)` (the grown layers from seed + 1), with a fixed thread count; `--resume`
+continues from `train_state.pt` (saved every `--eval-every` steps).
 
-Curriculum (the first attempt learned shortcuts in 2k steps of a flat schedule): the number of facts
-per stream grows linearly from 2 to `--max-facts` over the first `--ramp` of the steps, each batch
-drawing its count from [max/2, max]; 12 questions per stream, loss on the answers only.
+Growth: `--grow-from` layers are trained until `--grow-at`, then `grow` inserts identity layers up to
+8 (the trained ones at `--grow-map`) and a fresh optimizer warms up again. A 2-layer model learns
+recall here within 1,000 steps; an 8-layer one from scratch had not after 2,300.
+
+Curriculum (the first attempt learned shortcuts in 2k steps of a flat schedule): streams of 2-4 facts
+for the first `--hold` of the steps, then the largest stream grows linearly to `--max-facts` over the
+next `--ramp`, each batch drawing its count from [max/2, max]; up to 12 questions per stream, loss on
+the answers only. Every batch also holds `--markov-share` x `--batch` order-2 Markov warm-up
+sequences (probe_task.sample_markov_sequence), which need a previous-token head from the start.
 
 Writes to `--out`: `model.safetensors` (fp16), `config.json`, the tokenizer, `training_log.jsonl`
-(one line per logged step: mean loss on the answers, learning rate, seconds, and every `--eval-every` steps the exact
-match of full prefill and of full reuse on 256 validation items by kind) and `gate.json` (the gate
-measured with the reference engine on held-out items; see `gate`).
+(one line per logged step: mean loss on the answers, learning rate, seconds, and every
+`--eval-every` steps the exact match of full prefill and of full reuse on 256 validation items by
+kind) and `gate.json` (the gate measured with the reference engine on held-out items, and the CI
+subset's recorded hits; `write_gate`).
+
+    python benchmarks/train_probe.py --out models/rag-probe --export   # checkpoint from the last saved state
+    python benchmarks/train_probe.py --out models/rag-probe --gate     # re-measure the gate
 """
 
 from __future__ import annotations
@@ -149,10 +160,36 @@ def em_by_kind(model, encoded, items, reuse: bool) -> dict[str, float]:
 
 
 def lr_at(step: int, args) -> float:
+    """Linear warm-up, then cosine decay to 10%; after growth a fresh optimizer warms up again."""
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    lr = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress)))))
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    if args.grow_from and args.grow_at <= step < args.grow_at + args.warmup:
+        return lr * (step - args.grow_at + 1) / args.warmup
+    return lr
+
+
+def grow(small, tokenizer, args):
+    """The full-depth model with the small model's layers at `--grow-map` positions and the rest
+    added as identities (o_proj and down_proj zero: each new layer adds nothing to the residual until
+    training moves it); embeddings and final norm copied. Its output equals the small model's."""
+    model = make_model(small.config.vocab_size, tokenizer, ProbeShape(), args.seed + 1)
+    positions = [int(p) for p in args.grow_map.split(",")]
+    model.model.embed_tokens.load_state_dict(small.model.embed_tokens.state_dict())
+    model.model.norm.load_state_dict(small.model.norm.state_dict())
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            if index in positions:
+                layer.load_state_dict(small.model.layers[positions.index(index)].state_dict())
+            else:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def _optimizer(model, args):
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
 
 
 def train(args) -> Path:
@@ -162,15 +199,19 @@ def train(args) -> Path:
     vocab = ProbeVocab.default()
     tokenizer = build_probe_tokenizer(vocab, out)
     token_id = {w: i for i, w in enumerate(vocab.words)}
-    model = make_model(len(vocab.words), tokenizer, ProbeShape(), args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     state_path, log_path = out / "train_state.pt", out / "training_log.jsonl"
-    start, elapsed = 0, 0.0
-    if args.resume and state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+    state = torch.load(state_path, weights_only=False) if args.resume and state_path.exists() else None
+    start, elapsed = (state["step"], state["elapsed"]) if state else (0, 0.0)
+    if state:  # the depth it was saved at (a run resumed at the growth step is still small)
+        small_stage = len({k.split(".")[2] for k in state["model"] if k.startswith("model.layers.")}) == args.grow_from
+    else:
+        small_stage = bool(args.grow_from)
+    shape = ProbeShape(num_layers=args.grow_from) if small_stage else ProbeShape()
+    model = make_model(len(vocab.words), tokenizer, shape, args.seed)
+    optimizer = _optimizer(model, args)
+    if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start, elapsed = state["step"], state["elapsed"]
     elif log_path.exists():
         log_path.unlink()
     val_items = make_items(VALIDATION_SEED, args.val_items)
@@ -179,7 +220,11 @@ def train(args) -> Path:
     print(f"probe: {n_params / 1e6:.2f}M parameters, steps {start}..{args.steps}", flush=True)
     clock = time.perf_counter()
     losses = []
-    for step in range(start, args.steps):
+    for step in range(start, args.stop_at or args.steps):
+        if args.grow_from and step == args.grow_at and len(model.model.layers) == args.grow_from:
+            model = grow(model, tokenizer, args)
+            optimizer = _optimizer(model, args)
+            print(f"probe: grown to {len(model.model.layers)} layers at step {step}", flush=True)
         model.train()
         ids, labels, num_facts = make_batch(step, args, vocab, token_id)
         for group in optimizer.param_groups:
@@ -196,13 +241,13 @@ def train(args) -> Path:
         facts = slice(0, args.batch)  # the rows after them are warm-up sequences
         losses.append((token_loss[facts].sum() / targets[facts].sum()).item())
         done = step + 1
-        if done % args.log_every == 0 or done == args.steps:
+        if done % args.log_every == 0 or done in (args.steps, args.stop_at):
             now = time.perf_counter()
             elapsed, clock = elapsed + now - clock, now
             row = {"step": done, "answer_loss": sum(losses) / len(losses), "lr": lr_at(step, args),
                    "num_facts": num_facts, "seconds": round(elapsed, 1)}
             losses = []
-            if done % args.eval_every == 0 or done == args.steps:
+            if done % args.eval_every == 0 or done in (args.steps, args.stop_at):
                 model.eval()
                 row["val_full_prefill"] = em_by_kind(model, val_encoded, val_items, reuse=False)
                 row["val_full_reuse"] = em_by_kind(model, val_encoded, val_items, reuse=True)
@@ -212,33 +257,107 @@ def train(args) -> Path:
             with log_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
+    export(model, out, args)
+    return out
+
+
+def export(model, out: Path, args) -> None:
+    """The checkpoint as committed: fp16 safetensors, config, and the arguments it was trained with."""
     model.eval()
     model.to(torch.float16).save_pretrained(str(out), safe_serialization=True)
     (out / "train_args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
-    return out
+
+
+def export_state(args) -> None:
+    """`--export`: writes the checkpoint from the last `train_state.pt` (a run stopped early)."""
+    out = Path(args.out)
+    vocab = ProbeVocab.default()
+    tokenizer = build_probe_tokenizer(vocab, out)
+    model = make_model(len(vocab.words), tokenizer, ProbeShape(), args.seed)
+    state = torch.load(out / "train_state.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    args.exported_at_step = state["step"]
+    export(model, out, args)
+
+
+# --------------------------------------------------------------------------- gate
+
+GATE_SEED, GATE_ITEMS = 3, 1000
+CI_SEED, CI_ITEMS = 11, 40
+"""The fixed subset tests/test_probe_model.py checks in CI (its full-prefill hits are recorded)."""
+
+
+def write_gate(out: Path, threads: int) -> dict:
+    """The gate measured with the reference engine (cachefuse.eval.harness) on GATE_ITEMS held-out
+    items: full-prefill EM on same-chunk questions >= 80%, and full reuse >= 15 EM points below full
+    prefill on cross-chunk ones (McNemar). Also records the CI subset's full-prefill hits."""
+    from cachefuse.config import CacheFuseConfig
+    from cachefuse.eval.harness import EvalItem, EvalSpec, reference_engine, run_eval
+    from cachefuse.eval.stats import mcnemar, mean_se
+
+    torch.set_num_threads(threads)
+    engine, tokenizer = reference_engine(out, CacheFuseConfig())
+    spec = EvalSpec(selectors=(), ratios=())
+
+    def hits(seed: int, count: int):
+        items = [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind) for i in make_items(seed, count)]
+        runs = run_eval(engine, tokenizer, items, spec, desc=f"gate seed {seed}")
+        return items, [r.score for r in runs.runs["full_prefill"]], [r.score for r in runs.runs["full_reuse"]]
+
+    items, full, reuse = hits(GATE_SEED, GATE_ITEMS)
+    kind = [i.kind for i in items]
+    same = [f for f, k in zip(full, kind, strict=True) if k == "same_chunk"]
+    cross = [(f, r) for f, r, k in zip(full, reuse, kind, strict=True) if k == "cross_chunk"]
+    gap = mcnemar([bool(f) for f, _ in cross], [bool(r) for _, r in cross])
+    same_reuse = [r for r, k in zip(reuse, kind, strict=True) if k == "same_chunk"]
+    gate = {
+        "items": GATE_ITEMS, "seed": GATE_SEED, "threads": threads,
+        "full_prefill_em": {"same_chunk": mean_se(same).to_dict(),
+                            "cross_chunk": mean_se([f for f, _ in cross]).to_dict()},
+        "full_reuse_em": {"same_chunk": mean_se(same_reuse).to_dict(),
+                          "cross_chunk": mean_se([r for _, r in cross]).to_dict()},
+        "cross_chunk_gap": gap.to_dict(),
+        "passed": mean_se(same).mean >= 0.8 and gap.diff >= 0.15,
+    }
+    _, ci_full, _ = hits(CI_SEED, CI_ITEMS)
+    gate["ci_subset"] = {"seed": CI_SEED, "items": CI_ITEMS, "full_prefill_hits": int(sum(ci_full))}
+    (out / "gate.json").write_text(json.dumps(gate, indent=2) + "\n")
+    return gate
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="models/rag-probe")
-    parser.add_argument("--steps", type=int, default=10000)
+    parser.add_argument("--steps", type=int, default=8000)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--max-facts", type=int, default=16)
-    parser.add_argument("--hold", type=float, default=0.25, help="share of the steps at 2-4 facts per stream")
-    parser.add_argument("--ramp", type=float, default=0.35, help="share of the steps over which streams then grow")
+    parser.add_argument("--hold", type=float, default=0.1, help="share of the steps at 2-4 facts per stream")
+    parser.add_argument("--ramp", type=float, default=0.25, help="share of the steps over which streams then grow")
     parser.add_argument("--questions", type=int, default=12)
-    parser.add_argument("--markov-share", type=float, default=0.5,
+    parser.add_argument("--markov-share", type=float, default=1.0,
                         help="warm-up sequences per batch, as a share of --batch (previous-token heads)")
+    parser.add_argument("--grow-from", type=int, default=2,
+                        help="train this many layers first, then grow to the full depth (0: full depth throughout)")
+    parser.add_argument("--grow-at", type=int, default=3000, help="the step at which the model grows")
+    parser.add_argument("--grow-map", default="0,2", help="positions of the small model's layers in the grown one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--val-items", type=int, default=256)
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="stop after this step (the schedule still spans --steps)")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--export", action="store_true", help="only write the checkpoint from train_state.pt")
+    parser.add_argument("--gate", action="store_true", help="only measure the gate of the checkpoint in --out")
     args = parser.parse_args(argv)
-    train(args)
+    if args.export:
+        export_state(args)
+    elif not args.gate:
+        train(args)
+    print(json.dumps(write_gate(Path(args.out), args.threads), indent=2))
     return 0
 
 

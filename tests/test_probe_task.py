@@ -26,13 +26,13 @@ def test_each_item_asks_a_fact_of_its_kind():
         name = item.question.split()[1]
         assert words.count(name) == 1, "names are unique within a stream"
         at = words.index(name)
-        assert words[at + 1] == item.answer
-        # Where the name's chunk ends decides the kind.
-        ends, total = [], 0
+        assert words[at - 1] == item.answer
+        # Whether the name starts a chunk (its value ending the one before) decides the kind.
+        starts, total = [], 0
         for chunk in item.chunks:
+            starts.append(total)
             total += len(chunk.split())
-            ends.append(total)
-        split = (at + 1) in ends
+        split = at in starts[1:]
         assert split == (item.kind == "cross_chunk"), item
 
 
@@ -51,19 +51,19 @@ def test_values_come_from_one_pool_whatever_the_name():
     for _ in range(400):
         seq = sample_train_sequence(rng, vocab, 8, 4)
         for a, b in zip(seq.words, seq.words[1:], strict=False):
-            if a in vocab.names:
-                seen.setdefault(a, set()).add(b)
+            if b in vocab.names:
+                seen.setdefault(b, set()).add(a)
     assert min(len(v) for v in seen.values()) > len(vocab.values) // 3
 
 
-def test_training_answers_follow_their_question_names():
+def test_training_answers_are_the_values_before_their_names():
     vocab = ProbeVocab.default()
     seq = sample_train_sequence(random.Random(5), vocab, 6, 12)
     assert len(seq.answer_positions) == 6  # distinct facts only
     for pos in seq.answer_positions:
         name, value = seq.words[pos - 1], seq.words[pos]
         assert seq.words[pos - 2] == "?"
-        assert seq.words.index(name) < pos - 2 and seq.words[seq.words.index(name) + 1] == value
+        assert seq.words.index(name) < pos - 2 and seq.words[seq.words.index(name) - 1] == value
 
 
 def test_markov_warmup_is_a_fixed_order_two_chain():

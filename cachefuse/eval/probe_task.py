@@ -5,22 +5,29 @@ Imports only the standard library (the tokenizer builder imports tokenizers and 
 --probe` and the CI test evaluate on it. Everything is drawn from a seeded `random.Random`, so the
 same seed gives the same items on every machine.
 
-A context is a stream of facts `NAME VALUE` with filler words between them. Names are unique within
-a stream; values come from one shared pool (any value may follow any name, and repeat), so a value
-carries no hint of its name. A question `? NAME` asks for the value that follows NAME in the stream:
+A context is a stream of facts `VALUE NAME` ("kif of Bado") with filler words between them. Names
+are unique within a stream; values come from one shared pool (any value may precede any name, and
+repeat), so a value carries no hint of its name. A question `? NAME` asks for the value just before
+NAME in the stream:
 
 ```
 system:   <bos> facts :
-stream:   Bado kif and Lumi zot so so Pera kif Tesa ... Gonu | wex then Ridu ...
-                                                           ^ chunk boundary: the fact "Gonu wex" straddles it
+stream:   kif Bado and zot Lumi so so kif Pera ... wex | Gonu then ...
+                                                       ^ chunk boundary: the fact "wex Gonu" straddles it
 question: ? Gonu          answer: wex
 ```
 
-Answering is associative recall: the value's K/V must carry "my previous token is NAME". When the
-stream is cut into chunks and a fact straddles a boundary, the value is the first token of the next
-chunk; a chunk's K/V computed on its own (full reuse) cannot know the name before it, so only
-recomputing that token restores the answer (cross-chunk question). A same-chunk question's fact
-lies inside one chunk, and reuse leaves it answerable.
+Answering is associative recall: the question's NAME finds the NAME in the stream, whose K/V must
+carry "my previous token is VALUE". When the stream is cut into chunks and a fact straddles a
+boundary, the NAME is the first token of the next chunk; a chunk's K/V computed on its own (full
+reuse) cannot know the value before it, so only recomputing that token restores the answer
+(cross-chunk question). A same-chunk question's fact lies inside one chunk, and reuse leaves it
+answerable.
+
+NOTE: the order VALUE NAME, not NAME VALUE: with the name first the question must match its name
+against a feature the previous-token head moved into the value (K-composition), which a model this
+small learned too slowly on 2 CPU cores (chance among the stream's values after 4,000 steps); with
+the value first the question matches the name token itself and reads what that token carries.
 
 Shortcuts removed, after ../shared/research/tiny-rag-experiment.md:
 
@@ -98,7 +105,7 @@ class Fact:
     name: str
     value: str
     position: int
-    """Index of the name in the stream (the value is at position + 1)."""
+    """Index of the name in the stream (the value is at position - 1)."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,8 @@ def sample_stream(rng: random.Random, vocab: ProbeVocab, num_facts: int, filler_
     for name in names:
         while rng.random() > stop:
             words.append(rng.choice(vocab.fillers))
-        facts.append(Fact(name, rng.choice(vocab.values), len(words)))
-        words += [name, facts[-1].value]
+        facts.append(Fact(name, rng.choice(vocab.values), len(words) + 1))
+        words += [facts[-1].value, name]
     return Stream(tuple(words), tuple(facts))
 
 
@@ -179,8 +186,8 @@ class ProbeItem:
     question: str
     answer: str
     kind: str
-    """"same_chunk": the asked fact lies in one chunk; "cross_chunk": its name ends one chunk and its
-    value starts the next."""
+    """"same_chunk": the asked fact lies in one chunk; "cross_chunk": its value ends one chunk and its
+    name starts the next."""
     meta: dict = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict:
@@ -189,15 +196,15 @@ class ProbeItem:
 
 
 def _cut_points(rng: random.Random, stream: Stream, num_chunks: int, split_first: int | None) -> list[int]:
-    """Boundaries near equal-length cuts; each either splits the nearest fact (name | value) or falls
-    before its name. The boundary `split_first` (0-based), if given, always splits its fact."""
+    """Boundaries near equal-length cuts; each either splits the nearest fact (value | name) or falls
+    before its value. The boundary `split_first` (0-based), if given, always splits its fact."""
     name_positions = [f.position for f in stream.facts]
     cuts = []
     for b in range(1, num_chunks):
         target = round(b * len(stream.words) / num_chunks)
-        position = min(name_positions, key=lambda p: (abs(p + 1 - target), p))
+        position = min(name_positions, key=lambda p: (abs(p - target), p))
         split = b - 1 == split_first or rng.random() < 0.5
-        cuts.append(position + 1 if split else position)
+        cuts.append(position if split else position - 1)
     return cuts
 
 
@@ -219,8 +226,7 @@ def make_item(rng: random.Random, vocab: ProbeVocab, kind: str, num_chunks: int 
         if len(set(cuts)) == len(cuts) and all(a < b for a, b in pairwise([0, *cuts, len(stream.words)])):
             break
     bounds = [0, *cuts, len(stream.words)]
-    names = {f.position for f in stream.facts}
-    split = {c - 1 for c in cuts} & names  # name positions whose value starts the next chunk
+    split = set(cuts) & {f.position for f in stream.facts}  # names that start a chunk after their value
     candidates = [f for f in stream.facts if (f.position in split) == (kind == "cross_chunk")]
     fact = rng.choice(candidates)
     chunks = tuple(" ".join(stream.words[a:b]) for a, b in pairwise(bounds))
