@@ -141,3 +141,42 @@ def test_cli_eval_rejects_bad_arguments(model_dir, argv, message, capsys):
         main(["eval", "--model", str(model_dir), *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_eval_runs_a_longbench_file_with_its_metric(model_dir, tmp_path):
+    """A LongBench-format file (generated here): split at the Passage markers, scored with qa_f1."""
+    context = "Passage 1:\nAlice lives in Paris.\nPassage 2:\nBob is Alice's brother.\nPassage 3:\nCarol visits Tokyo.\n"
+    rows = [{"input": "Where does Alice live?", "context": context, "answers": ["Paris"], "_id": f"q{i}"}
+            for i in range(2)]
+    data = tmp_path / "hotpotqa.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "lb.json"
+    code = main(["eval", "--model", str(model_dir), "--longbench", str(data), "--dataset", "hotpotqa",
+                 "--selectors", "epic", "--ratios", "1", "--max-new-tokens", "4", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["metric"] == "f1" and report["num_items"] == 2 and report["kinds"]["hotpotqa"] == 2
+    full = report["settings"]["full_prefill"]["by_kind"]["all"]["score"]["mean"]
+    assert report["settings"]["epic@1"]["by_kind"]["all"]["score"]["mean"] == full
+
+
+def test_items_are_independent_of_the_variant_budget(model_dir):
+    """Each item gets a fresh store: a budget that two items' base variants would overflow cannot turn
+    a later item's reuse into a partial prefill (an evicted chunk is computed in full)."""
+    items = make_items(3, seed=2)
+    spec = EvalSpec(selectors=(), ratios=(), max_new_tokens=1)
+    tight, tight_tok = reference_engine(model_dir, CacheFuseConfig(max_variants=4))  # system + 3 chunks
+    roomy, roomy_tok = reference_engine(model_dir, CacheFuseConfig())
+    a = run_eval(tight, tight_tok, items, spec, progress=False).runs["full_reuse"]
+    b = run_eval(roomy, roomy_tok, items, spec, progress=False).runs["full_reuse"]
+    assert [r.kl for r in a] == pytest.approx([r.kl for r in b], abs=1e-9)
+    assert all(r.kl > 0 for r in a)
+
+
+def test_a_chunk_that_cannot_be_loaded_stops_the_evaluation(model_dir):
+    """Negative control: a budget below one item's chunks means a reuse setting would silently compute
+    a chunk in full; the harness refuses to report it."""
+    engine, tokenizer = reference_engine(model_dir, CacheFuseConfig(max_variants=2))
+    with pytest.raises(RuntimeError, match="not loaded"):
+        run_eval(engine, tokenizer, make_items(1), EvalSpec(selectors=(), ratios=()), progress=False)

@@ -177,6 +177,18 @@ def last_token_attention(engine: FusionEngine, result: FuseResult, last_token_id
     return {layer: out.attentions[layer][0, :, -1].float() for layer in layers}
 
 
+def _fresh_store(engine: FusionEngine) -> None:
+    """An empty store and metadata for the next item: items stay independent, and a variant budget
+    (max_variants) can never evict one item's base variants to admit another's (a miss would turn a
+    reuse setting into a partial prefill)."""
+    from cachefuse.metastore import SqliteMetaStore
+    from cachefuse.store.memory import MemoryStore
+
+    engine.store = MemoryStore(engine.store.identity, capacity_bytes=sys.maxsize)
+    engine.metastore = SqliteMetaStore(":memory:", max_variants=engine.config.max_variants,
+                                       policy=engine.config.eviction_policy)
+
+
 def _selector(engine: FusionEngine, name: str, ratio: float) -> Selector:
     config = engine.config.replace(force_cfo=ratio) if name == "cachecraft" else engine.config
     return make_selector(name, config)
@@ -186,6 +198,7 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
              on_setting: Callable[[], None] = lambda: None) -> dict[str, ItemRun]:
     """Every setting on one item (the item's base variants are stored first)."""
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
+    _fresh_store(engine)
     store_base_variants(engine, prompt)
     layers = range(engine.adapter.shape.num_layers)
     metric = METRICS[spec.metric]
@@ -196,8 +209,11 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
             result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
                                        save_holes=False, choices=[None] * len(prompt.chunks))
         else:
-            result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector=_selector(engine, name, ratio),
-                                       ratio=ratio, save_holes=False)
+            result, stats = engine.prefill(prompt.token_ids, prompt.chunks,
+                                           selector=_selector(engine, name, ratio), ratio=ratio, save_holes=False)
+            if stats.chunks_missed:
+                raise RuntimeError(f"{setting_name(name, ratio)}: {stats.chunks_missed} declared chunk(s) were not "
+                                   f"loaded ({stats.miss_reasons}); the setting would not be measured as stated")
         tokens = greedy_continuation(engine.adapter, result, spec.max_new_tokens)
         attention = last_token_attention(engine, result, prompt.token_ids[-1], layers)
         if full_result is None:
