@@ -2,7 +2,7 @@
 
     alpha* = argmin_alpha E[CFO_alpha]   subject to   quality_alpha >= floor
 
-Imports torch, tqdm and cachefuse.{chunks, config, engine, errors, eval.fidelity, select}; never vllm.
+Imports torch, tqdm and cachefuse.{chunks, config, engine, errors, eval.fidelity, eval.harness, select}; never vllm.
 Runs on the reference engine (FusionEngine over adapters.hf.HFAdapter), which `cachefuse tune-alpha`
 builds over an in-memory store.
 
@@ -46,6 +46,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import ConfigError
 from cachefuse.eval.fidelity import greedy_continuation, matching_prefix
+from cachefuse.eval.harness import decode_text, store_base_variants
 from cachefuse.eval.metrics import qa_f1_score
 from cachefuse.jsonl import read_jsonl
 from cachefuse.select import Selector, make_selector
@@ -233,7 +234,7 @@ def tune_alpha(engine: FusionEngine, tokenizer: Any, items: Sequence[ValItem], s
         with _configured(engine, base.replace(collect_attention_stats=False)):
             full = []
             for prompt in prompts:
-                _store_base_variants(engine, prompt)
+                store_base_variants(engine, prompt)
                 full.append(_continuation(engine, prompt, "full_prefill", spec.max_new_tokens,
                                           choices=[None] * len(prompt.chunks)))  # every chunk computed
                 bar.update(2)
@@ -261,17 +262,6 @@ def _configured(engine: FusionEngine, config: CacheFuseConfig) -> Iterator[None]
         yield
     finally:
         engine.config = saved
-
-
-def _store_base_variants(engine: FusionEngine, prompt: RagPrompt) -> None:
-    """The system chunk alone; each retrieved chunk after everything before the first retrieved one
-    (the system prompt, or BOS when there is none)."""
-    retrieved = [(start, ids) for (start, _), ids in zip(prompt.chunks, prompt.chunk_token_ids, strict=True)
-                 if start != 0]  # a chunk at offset 0 is the system chunk (cachefuse.chunks.segment_prompt)
-    if prompt.chunks[0][0] == 0:
-        engine.precompute([prompt.chunk_token_ids[0]])
-    if retrieved:
-        engine.precompute([ids for _, ids in retrieved], prefix_ids=prompt.token_ids[:retrieved[0][0]])
 
 
 def _warm(engine: FusionEngine, tokenizer: Any, items: Sequence[ValItem], seed: int, bar: Any) -> None:
@@ -329,17 +319,9 @@ def _quality(tokenizer: Any, items: Sequence[ValItem], runs: Sequence[_Run], ful
     if spec.metric == "match":
         matched = sum(matching_prefix(a.tokens, b.tokens) for a, b in zip(runs, full, strict=True))
         return matched / (len(items) * spec.max_new_tokens)
-    scores = [qa_f1_score(_decode(tokenizer, run.tokens), item.answer or "")
+    scores = [qa_f1_score(decode_text(tokenizer, run.tokens), item.answer or "")
               for run, item in zip(runs, items, strict=True)]
     return sum(scores) / len(scores)
-
-
-def _decode(tokenizer: Any, tokens: list[int]) -> str:
-    """The continuation's text up to its first end-of-sequence token."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos in tokens:
-        tokens = tokens[:tokens.index(eos)]
-    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def format_report(report: TuneReport) -> str:

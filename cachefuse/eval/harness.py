@@ -218,7 +218,7 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
         attention = last_token_attention(engine, result, prompt.token_ids[-1], layers)
         if full_result is None:
             full_result, full_tokens, full_attention = result, tokens, attention
-        prediction = _decode(tokenizer, tokens)
+        prediction = decode_text(tokenizer, tokens)
         out[setting_name(name, ratio)] = ItemRun(
             score=best_score(metric, prediction, item.answers), prediction=prediction,
             kl=max(0.0, logits_kl(full_result.logits, result.logits)),
@@ -250,7 +250,7 @@ def run_eval(engine: FusionEngine, tokenizer: Any, items: Sequence[EvalItem], sp
     return runs
 
 
-def _decode(tokenizer: Any, tokens: list[int]) -> str:
+def decode_text(tokenizer: Any, tokens: list[int]) -> str:
     """The continuation's text up to its first end-of-sequence token."""
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos in tokens:
