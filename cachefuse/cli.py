@@ -7,7 +7,7 @@
     cachefuse tune-alpha --model DIR --data val.jsonl --floor F [--metric match|f1] [--alphas 0.25,0.5,1,2]
                          [--max-new-tokens N] [--no-warm] [--early-termination] [--config cachefuse.yaml]
                          [--json] [--no-progress]
-    cachefuse eval --model DIR (--probe N | --longbench F --dataset D | --data items.jsonl)
+    cachefuse eval --model DIR (--probe N | --longbench F --dataset D | --data items.jsonl) [--engine vllm]
                    [--selectors ...] [--ratios ...] [--out report.json] [--plot report.png]  (cachefuse.eval.command)
 
 Each subcommand is a `_add_<name>(subparsers)` that registers its arguments and a `_run_<name>(args,

@@ -2,13 +2,14 @@
 
     cachefuse eval --model DIR --probe 500 [--seed 0]
     cachefuse eval --model DIR --longbench hotpotqa.jsonl --dataset hotpotqa [--limit 200]
-    cachefuse eval --model DIR --data items.jsonl --metric f1
+    cachefuse eval --model DIR --data items.jsonl --metric f1 [--engine vllm [--store DIR]]
         [--selectors cacheblend,epic,cachecraft,random] [--ratios 0,0.05,0.1,0.15,0.2,0.3,0.5,1]
         [--max-new-tokens N] [--config cachefuse.yaml] [--out report.json] [--plot report.png]
         [--json] [--no-progress]
 
-Runs the reference engine (transformers, in-memory store): cachefuse.eval.harness. Bad arguments and
-input files end in `parser.error` (exit status 2) before the model loads.
+Runs the reference engine (transformers, in-memory store; cachefuse.eval.harness) or, with `--engine
+vllm`, a connector-enabled vLLM engine (cachefuse.eval.vllm_backend). Bad arguments and input files
+end in `parser.error` (exit status 2) before the model loads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LONGBENCH_NEW_TOKENS = {"f1": 32, "rouge_l": 128}
 
 
 def add_eval(subparsers: Any) -> None:
-    from cachefuse.cli import _positive_int
+    from cachefuse.cli import _add_engine_args, _positive_int
 
     p = subparsers.add_parser(
         "eval", help="score fused prefills against full prefill and full reuse, per selector and ratio",
@@ -56,7 +57,12 @@ def add_eval(subparsers: Any) -> None:
                         "(default: the dataset's; em for --probe and --data)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=None,
                    help="greedy tokens per item (default 1 for --probe, 32 for QA, 128 for summaries, 8 for --data)")
-    p.add_argument("--config", type=Path, default=None, help="a cachefuse YAML config (cacheblend_check_layers, ...)")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
+                   help="reference: transformers, every fidelity metric (default); vllm: a connector-enabled vLLM "
+                        "engine, scored against plain vLLM on tokens and first-token logprobs")
+    p.add_argument("--store", type=Path, default=None,
+                   help="with --engine vllm: the connector's store directory (default: a temporary one)")
+    _add_engine_args(p)  # --config, --max-model-len, --dtype, --kv-cache-memory-bytes (the last three: vllm)
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--plot", type=Path, default=None, help="write the score-vs-ratio plot here (PNG)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
@@ -71,18 +77,33 @@ def run_eval_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error("--longbench needs --dataset (hotpotqa, 2wikimqa, musique, multi_news or samsum)")
     if args.dataset is not None and args.longbench is None:
         parser.error("--dataset applies to --longbench only")
+    if args.store is not None and args.engine != "vllm":
+        parser.error("--store applies to --engine vllm only")
+    default_selectors = harness.DEFAULT_SELECTORS if args.engine == "reference" else tuple(
+        n for n in harness.DEFAULT_SELECTORS if n != "cachecraft")
     try:
         config = CacheFuseConfig() if args.config is None else CacheFuseConfig.from_yaml(args.config)
-        engine, tokenizer = harness.reference_engine(args.model, config)
+        if args.engine == "reference":
+            engine, tokenizer = harness.reference_engine(args.model, config)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(args.model))
         items, metric, new_tokens = _items(args, tokenizer)
         spec = harness.EvalSpec(
-            selectors=args.selectors or harness.DEFAULT_SELECTORS, ratios=args.ratios or harness.DEFAULT_RATIOS,
+            selectors=args.selectors or default_selectors, ratios=args.ratios or harness.DEFAULT_RATIOS,
             metric=args.metric or metric, max_new_tokens=args.max_new_tokens or new_tokens)
         for name in spec.selectors:
             harness.make_selector(name, config)
+            if args.engine == "vllm" and name == "cachecraft":
+                raise ValueError("selector 'cachecraft' runs on --engine reference only (its ratio is force_cfo, "
+                                 "an engine-wide field)")
     except (ValueError, OSError) as exc:  # ConfigError included
         parser.error(str(exc))
-    runs = harness.run_eval(engine, tokenizer, items, spec, progress=not args.no_progress)
+    if args.engine == "reference":
+        runs = harness.run_eval(engine, tokenizer, items, spec, progress=not args.no_progress)
+    else:
+        runs = _run_vllm(args, parser, items, spec)
     summary = report.summarize(runs)
     summary["model"] = str(args.model)
     if args.out is not None:
@@ -92,6 +113,26 @@ def run_eval_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     print(json.dumps(summary, indent=2) if args.json else "\n".join(
         report.format_table(summary, kind) for kind in summary["kinds"]))
     return 0
+
+
+def _run_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser, items: list, spec: Any) -> Any:
+    """A connector-enabled vLLM engine over --store (or a temporary directory) with a variant budget
+    that holds every chunk of the run. (Holes stay saved: precompute stores chunks as holes, and the
+    evaluated requests have none, every declared chunk being a checked hit.)"""
+    import tempfile
+
+    from cachefuse.cli import _connector_config, _connector_llm
+    from cachefuse.eval.vllm_backend import run_eval_vllm
+
+    with tempfile.TemporaryDirectory(prefix="cachefuse-eval-") as scratch:
+        args.store = args.store or Path(scratch)
+        budget = sum(len(item.chunks) + 1 for item in items) + 1
+        extra, config = _connector_config(args, parser, max_variants=max(budget, CacheFuseConfig().max_variants))
+        llm = _connector_llm(args, extra)
+        try:
+            return run_eval_vllm(llm, items, spec, store_dir=config.store_path, progress=not args.no_progress)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
 
 
 def _items(args: argparse.Namespace, tokenizer: Any) -> tuple[list, str, int]:

@@ -97,13 +97,17 @@ class ItemRun:
 
     score: float
     prediction: str
-    kl: float
+    kl: float | None
+    """KL(full || fused) of the last-token distribution (None through vLLM: it returns top logprobs only)."""
     top1_agree: bool
     greedy_match: float
     kv_deviation: list[float]
+    """Per layer (empty through vLLM)."""
     attention_deviation: list[float]
     """Per layer, the last token's attention's total variation distance to full prefill's (mean over heads)."""
     recompute_fraction: float
+    logprob_deviation: float | None = None
+    """Through vLLM: the largest |difference| of the first token's top-20 logprobs to the reference's."""
 
 
 @dataclass

@@ -54,10 +54,14 @@ def summarize(runs: EvalRuns, seed: int = 0) -> dict[str, Any]:
 
 def fidelity(item_runs: Sequence[ItemRun]) -> dict[str, Any]:
     """Means over items (KL also as median and max: its distribution is skewed)."""
-    kls = [r.kl for r in item_runs]
+    kls = [r.kl for r in item_runs if r.kl is not None]
+    deviations = [r.logprob_deviation for r in item_runs if r.logprob_deviation is not None]
     layers = len(item_runs[0].kv_deviation)
     return {
-        "kl_mean": statistics.fmean(kls), "kl_median": statistics.median(kls), "kl_max": max(kls),
+        "kl_mean": statistics.fmean(kls) if kls else None, "kl_median": statistics.median(kls) if kls else None,
+        "kl_max": max(kls) if kls else None,
+        "logprob_deviation_max": max(deviations) if deviations else None,
+        "logprob_deviation_median": statistics.median(deviations) if deviations else None,
         "top1_agree": statistics.fmean(float(r.top1_agree) for r in item_runs),
         "greedy_match": statistics.fmean(r.greedy_match for r in item_runs),
         "kv_deviation_per_layer": [statistics.fmean(r.kv_deviation[layer] for r in item_runs)
@@ -72,7 +76,7 @@ def format_table(report: dict[str, Any], kind: str = "all") -> str:
     """One line per setting: score +- SE, normalized, difference to full prefill with its CI, KL."""
     lines = [f"cachefuse eval: {report['num_items']} items ({kind}: {report['kinds'].get(kind, 0)}), "
              f"metric {report['metric']}",
-             f"  {'setting':<22} {'score':>14} {'norm':>6} {'vs full [95% CI]':>26} {'p':>8} {'KL mean':>9} "
+             f"  {'setting':<22} {'score':>14} {'norm':>6} {'vs full [95% CI]':>26} {'p':>8} {'KL mean*':>9} "
              f"{'top1':>5} {'recomp':>6}"]
     for key, setting in report["settings"].items():
         entry = setting["by_kind"].get(kind)
@@ -83,10 +87,18 @@ def format_table(report: dict[str, Any], kind: str = "all") -> str:
         vs_text = f"{vs['diff']:+.3f} [{vs['ci_low']:+.3f},{vs['ci_high']:+.3f}]" if vs else "-"
         p_text = f"{vs['p_value']:.2g}" if vs else "-"
         fid = setting["fidelity"]
+        kl = fid["kl_mean"] if fid["kl_mean"] is not None else fid["logprob_deviation_median"]
         lines.append(f"  {key:<22} {score['mean']:>7.3f}+-{score['se']:.3f} "
                      f"{'-' if norm is None else f'{norm:.2f}':>6} {vs_text:>26} {p_text:>8} "
-                     f"{fid['kl_mean']:>9.4f} {fid['top1_agree']:>5.2f} {fid['recompute_fraction']:>6.2f}")
+                     f"{kl:>9.4f} {fid['top1_agree']:>5.2f} {fid['recompute_fraction']:>6.2f}")
+    lines.append("  * through vLLM: the median largest |logprob difference| of the first token instead")
     return "\n".join(lines)
+
+
+def _divergence(setting: dict[str, Any]) -> float:
+    """Mean KL, or (through vLLM, where there is none) the median first-token logprob deviation."""
+    fid = setting["fidelity"]
+    return fid["kl_mean"] if fid["kl_mean"] is not None else fid["logprob_deviation_median"]
 
 
 def plot_report(report: dict[str, Any], path: str | Path, kind: str = "all", title: str = "") -> None:
@@ -102,18 +114,20 @@ def plot_report(report: dict[str, Any], path: str | Path, kind: str = "all", tit
         entry = settings[baseline]
         ax_score.axhline(entry["by_kind"][kind]["score"]["mean"], color=style[0], linestyle=style[1:],
                          label=baseline)
-        ax_kl.axhline(max(entry["fidelity"]["kl_mean"], 1e-8), color=style[0], linestyle=style[1:], label=baseline)
+        ax_kl.axhline(max(_divergence(entry), 1e-8), color=style[0], linestyle=style[1:], label=baseline)
     for selector in report["selectors"]:
         rows = [s for s in settings.values() if s["selector"] == selector]
         ratios = [100 * s["ratio"] for s in rows]
         means = [s["by_kind"][kind]["score"]["mean"] for s in rows]
         errors = [1.96 * s["by_kind"][kind]["score"]["se"] for s in rows]
         ax_score.errorbar(ratios, means, yerr=errors, marker="o", capsize=3, label=selector)
-        ax_kl.plot(ratios, [max(s["fidelity"]["kl_mean"], 1e-8) for s in rows], marker="o", label=selector)
+        ax_kl.plot(ratios, [max(_divergence(s), 1e-8) for s in rows], marker="o", label=selector)
     ax_score.set(xlabel="recompute ratio (%)", ylabel=f"{report['metric']} ({kind})",
                  title=title or f"score vs ratio, {report['kinds'][kind]} items")
-    ax_kl.set(xlabel="recompute ratio (%)", ylabel="KL(full || fused), mean", yscale="log",
-              title="last-token KL to full prefill")
+    kl_known = settings["full_reuse"]["fidelity"]["kl_mean"] is not None
+    ax_kl.set(xlabel="recompute ratio (%)", yscale="log",
+              ylabel="KL(full || fused), mean" if kl_known else "max |logprob diff|, median",
+              title="last-token KL to full prefill" if kl_known else "first-token logprobs vs plain vLLM")
     ax_score.legend(fontsize=8)
     ax_kl.legend(fontsize=8)
     fig.tight_layout()
