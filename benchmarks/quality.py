@@ -30,21 +30,15 @@ from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import (  # noqa: E402
     DEFAULT_RATIOS,
     DEFAULT_SELECTORS,
-    EvalItem,
     EvalSpec,
+    probe_eval_items,
     reference_engine,
     run_eval,
 )
-from cachefuse.eval.probe_task import make_items  # noqa: E402
-from cachefuse.eval.report import plot_report, summarize  # noqa: E402
-from cachefuse.eval.stats import mcnemar, mean_se  # noqa: E402
+from cachefuse.eval.report import plot_report, probe_gate, summarize  # noqa: E402
 
 VAL_SEED, TEST_SEED = 1, 2
 TARGET_RATIO = 0.15
-
-
-def probe_items(seed: int, count: int) -> list[EvalItem]:
-    return [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind) for i in make_items(seed, count)]
 
 
 def choose_best(summary: dict, ratio: float) -> str:
@@ -52,22 +46,6 @@ def choose_best(summary: dict, ratio: float) -> str:
     rows = [s for s in summary["settings"].values() if s["ratio"] == ratio and s["selector"] in summary["selectors"]]
     best = min(rows, key=lambda s: (-s["by_kind"]["all"]["score"]["mean"], s["fidelity"]["kl_mean"], s["selector"]))
     return best["selector"]
-
-
-def gate(summary: dict, runs) -> dict:
-    """The probe's gate: same-chunk full-prefill EM >= 0.8, and cross-chunk full reuse >= 15 points below."""
-    kinds = [item.kind for item in runs.items]
-    full = [r.score for r in runs.runs["full_prefill"]]
-    reuse = [r.score for r in runs.runs["full_reuse"]]
-    same = [f for f, k in zip(full, kinds, strict=True) if k == "same_chunk"]
-    cross = [(f, r) for f, r, k in zip(full, reuse, kinds, strict=True) if k == "cross_chunk"]
-    gap = mcnemar([bool(f) for f, _ in cross], [bool(r) for _, r in cross])
-    same_em = mean_se(same)
-    return {"full_prefill_same_chunk_em": same_em.to_dict(),
-            "full_prefill_cross_chunk_em": mean_se([f for f, _ in cross]).to_dict(),
-            "full_reuse_cross_chunk_em": mean_se([r for _, r in cross]).to_dict(),
-            "cross_chunk_gap": gap.to_dict(),
-            "passed": same_em.mean >= 0.8 and gap.diff >= 0.15}
 
 
 def target(summary: dict, best: str) -> dict:
@@ -94,9 +72,9 @@ def main(argv=None) -> int:
     engine, tokenizer = reference_engine(args.model, CacheFuseConfig())
     started = time.perf_counter()
     val_spec = EvalSpec(selectors=DEFAULT_SELECTORS, ratios=(TARGET_RATIO,))
-    val = summarize(run_eval(engine, tokenizer, probe_items(VAL_SEED, args.val_items), val_spec, desc="validation"))
+    val = summarize(run_eval(engine, tokenizer, probe_eval_items(VAL_SEED, args.val_items), val_spec, desc="validation"))
     best = choose_best(val, TARGET_RATIO)
-    test_runs = run_eval(engine, tokenizer, probe_items(TEST_SEED, args.test_items),
+    test_runs = run_eval(engine, tokenizer, probe_eval_items(TEST_SEED, args.test_items),
                          EvalSpec(selectors=DEFAULT_SELECTORS, ratios=DEFAULT_RATIOS), desc="test")
     test = summarize(test_runs)
     report = {
@@ -107,7 +85,7 @@ def main(argv=None) -> int:
         "best_selector": {"chosen_on": "validation", "ratio": TARGET_RATIO, "name": best,
                           "validation_em": {s["selector"]: s["by_kind"]["all"]["score"]["mean"]
                                             for s in val["settings"].values()}},
-        "gate": gate(test, test_runs), "target": target(test, best), "test": test,
+        "gate": probe_gate(test_runs), "target": target(test, best), "test": test,
         "seconds": round(time.perf_counter() - started, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

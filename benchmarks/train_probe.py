@@ -292,35 +292,17 @@ def write_gate(out: Path, threads: int) -> dict:
     items: full-prefill EM on same-chunk questions >= 80%, and full reuse >= 15 EM points below full
     prefill on cross-chunk ones (McNemar). Also records the CI subset's full-prefill hits."""
     from cachefuse.config import CacheFuseConfig
-    from cachefuse.eval.harness import EvalItem, EvalSpec, reference_engine, run_eval
-    from cachefuse.eval.stats import mcnemar, mean_se
+    from cachefuse.eval.harness import EvalSpec, probe_eval_items, reference_engine, run_eval
+    from cachefuse.eval.report import probe_gate
 
     torch.set_num_threads(threads)
     engine, tokenizer = reference_engine(out, CacheFuseConfig())
-    spec = EvalSpec(selectors=(), ratios=())
-
-    def hits(seed: int, count: int):
-        items = [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind) for i in make_items(seed, count)]
-        runs = run_eval(engine, tokenizer, items, spec, desc=f"gate seed {seed}")
-        return items, [r.score for r in runs.runs["full_prefill"]], [r.score for r in runs.runs["full_reuse"]]
-
-    items, full, reuse = hits(GATE_SEED, GATE_ITEMS)
-    kind = [i.kind for i in items]
-    same = [f for f, k in zip(full, kind, strict=True) if k == "same_chunk"]
-    cross = [(f, r) for f, r, k in zip(full, reuse, kind, strict=True) if k == "cross_chunk"]
-    gap = mcnemar([bool(f) for f, _ in cross], [bool(r) for _, r in cross])
-    same_reuse = [r for r, k in zip(reuse, kind, strict=True) if k == "same_chunk"]
-    gate = {
-        "items": GATE_ITEMS, "seed": GATE_SEED, "threads": threads,
-        "full_prefill_em": {"same_chunk": mean_se(same).to_dict(),
-                            "cross_chunk": mean_se([f for f, _ in cross]).to_dict()},
-        "full_reuse_em": {"same_chunk": mean_se(same_reuse).to_dict(),
-                          "cross_chunk": mean_se([r for _, r in cross]).to_dict()},
-        "cross_chunk_gap": gap.to_dict(),
-        "passed": mean_se(same).mean >= 0.8 and gap.diff >= 0.15,
-    }
-    _, ci_full, _ = hits(CI_SEED, CI_ITEMS)
-    gate["ci_subset"] = {"seed": CI_SEED, "items": CI_ITEMS, "full_prefill_hits": int(sum(ci_full))}
+    spec = EvalSpec(selectors=(), ratios=())  # the baselines only
+    runs = run_eval(engine, tokenizer, probe_eval_items(GATE_SEED, GATE_ITEMS), spec, desc="gate")
+    gate = {"items": GATE_ITEMS, "seed": GATE_SEED, "threads": threads, **probe_gate(runs)}
+    ci_runs = run_eval(engine, tokenizer, probe_eval_items(CI_SEED, CI_ITEMS), spec, desc="CI subset")
+    gate["ci_subset"] = {"seed": CI_SEED, "items": CI_ITEMS,
+                         "full_prefill_hits": int(sum(r.score for r in ci_runs.runs["full_prefill"]))}
     (out / "gate.json").write_text(json.dumps(gate, indent=2) + "\n")
     return gate
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from cachefuse.config import CacheFuseConfig
-from cachefuse.eval.harness import EvalItem, EvalSpec, reference_engine, run_eval
-from cachefuse.eval.probe_task import make_items
+from cachefuse.eval.harness import EvalSpec, probe_eval_items, reference_engine, run_eval
 
 PROBE_DIR = Path(__file__).resolve().parents[1] / "models" / "rag-probe"
 
@@ -32,10 +31,9 @@ def runs(recorded):
     torch.set_num_threads(2)
     try:
         engine, tokenizer = reference_engine(PROBE_DIR, CacheFuseConfig())
-        items = [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind)
-                 for i in make_items(recorded["seed"], recorded["items"])]
         spec = EvalSpec(selectors=("cacheblend", "epic"), ratios=(0.15, 1.0))
-        return run_eval(engine, tokenizer, items, spec, progress=False)
+        return run_eval(engine, tokenizer, probe_eval_items(recorded["seed"], recorded["items"]), spec,
+                        progress=False)
     finally:
         torch.set_num_threads(threads)
 

@@ -24,7 +24,6 @@ statistics, so their ranking is the chunk's first tokens; docs/variants.md).
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +63,13 @@ class EvalItem:
     answers: tuple[str, ...]
     kind: str = "all"
     """A label to break scores down by (the probe's same_chunk / cross_chunk)."""
+
+
+def probe_eval_items(seed: int, count: int) -> list[EvalItem]:
+    """`count` items of the RAG probe task (cachefuse.eval.probe_task.make_items), kinds kept."""
+    from cachefuse.eval.probe_task import make_items
+
+    return [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind) for i in make_items(seed, count)]
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,3 @@ def decode_text(tokenizer: Any, tokens: list[int]) -> str:
         tokens = tokens[:tokens.index(eos)]
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
-
-def finite_mean(values: Sequence[float]) -> float:
-    values = [v for v in values if math.isfinite(v)]
-    return sum(values) / len(values) if values else float("nan")

@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from cachefuse.eval.harness import BASELINES, EvalRuns, ItemRun, setting_name
-from cachefuse.eval.stats import mean_se, normalized_score, paired_diff
+from cachefuse.eval.stats import mcnemar, mean_se, normalized_score, paired_diff
+
+GATE_SAME_CHUNK_EM = 0.8
+GATE_CROSS_CHUNK_GAP = 0.15
+"""The probe model's gate (docs/quality.md): full-prefill EM on same-chunk questions, and how far full reuse
+must fall below full prefill on cross-chunk ones."""
 
 
 def _indices_by_kind(runs: EvalRuns) -> dict[str, list[int]]:
@@ -50,6 +55,22 @@ def summarize(runs: EvalRuns, seed: int = 0) -> dict[str, Any]:
     return {"num_items": len(runs.items), "metric": runs.spec.metric, "max_new_tokens": runs.spec.max_new_tokens,
             "selectors": list(runs.spec.selectors), "ratios": list(runs.spec.ratios),
             "kinds": {k: len(v) for k, v in kinds.items()}, "settings": settings}
+
+
+def probe_gate(runs: EvalRuns) -> dict[str, Any]:
+    """The probe's gate on runs of probe items: same-chunk full-prefill EM >= GATE_SAME_CHUNK_EM, and
+    cross-chunk full reuse >= GATE_CROSS_CHUNK_GAP below full prefill (McNemar, paired)."""
+    kinds = [item.kind for item in runs.items]
+    full = [r.score for r in runs.runs["full_prefill"]]
+    reuse = [r.score for r in runs.runs["full_reuse"]]
+    same = mean_se([f for f, k in zip(full, kinds, strict=True) if k == "same_chunk"])
+    cross = [(f, r) for f, r, k in zip(full, reuse, kinds, strict=True) if k == "cross_chunk"]
+    gap = mcnemar([bool(f) for f, _ in cross], [bool(r) for _, r in cross])
+    return {"full_prefill_same_chunk_em": same.to_dict(),
+            "full_prefill_cross_chunk_em": mean_se([f for f, _ in cross]).to_dict(),
+            "full_reuse_cross_chunk_em": mean_se([r for _, r in cross]).to_dict(),
+            "cross_chunk_gap": gap.to_dict(),
+            "passed": same.mean >= GATE_SAME_CHUNK_EM and gap.diff >= GATE_CROSS_CHUNK_GAP}
 
 
 def fidelity(item_runs: Sequence[ItemRun]) -> dict[str, Any]:
