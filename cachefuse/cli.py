@@ -294,14 +294,22 @@ def _run_tune_alpha(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return 0 if report.alpha is not None else 1
 
 
-def _alpha_list(text: str) -> tuple[float, ...]:
-    try:
-        alphas = tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected comma-separated numbers") from None
-    if not all(0.0 <= a <= 100.0 for a in alphas):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected alphas in 0..100")
-    return alphas
+def number_list(low: float, high: float, what: str) -> Any:
+    """An argparse type: comma-separated numbers, each in low..high (`what` names them in the error)."""
+
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected comma-separated numbers") from None
+        if not all(low <= v <= high for v in values):  # also rejects nan
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {what} in {low:g}..{high:g}")
+        return values
+
+    return parse
+
+
+_alpha_list = number_list(0.0, 100.0, "alphas")
 
 
 def _unit_float(text: str) -> float:

@@ -27,7 +27,7 @@ LONGBENCH_NEW_TOKENS = {"f1": 32, "rouge_l": 128}
 
 
 def add_eval(subparsers: Any) -> None:
-    from cachefuse.cli import _add_engine_args, _positive_int
+    from cachefuse.cli import _add_engine_args, _positive_int, number_list
 
     p = subparsers.add_parser(
         "eval", help="score fused prefills against full prefill and full reuse, per selector and ratio",
@@ -50,7 +50,7 @@ def add_eval(subparsers: Any) -> None:
     p.add_argument("--limit", type=_positive_int, default=None, help="evaluate at most this many items")
     p.add_argument("--selectors", type=_name_list, default=None,
                    help="comma-separated selectors (default cacheblend,epic,cachecraft,random)")
-    p.add_argument("--ratios", type=_ratio_list, default=None,
+    p.add_argument("--ratios", type=number_list(0.0, 1.0, "comma-separated numbers"), default=None,
                    help="comma-separated recompute ratios in 0..1 (default 0,0.05,0.1,0.15,0.2,0.3,0.5,1)")
     p.add_argument("--metric", choices=("em", "f1", "rouge_l"), default=None,
                    help="em (exact match after normalisation), f1 (LongBench token F1) or rouge_l "
@@ -137,13 +137,10 @@ def _run_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser, items: 
 
 def _items(args: argparse.Namespace, tokenizer: Any) -> tuple[list, str, int]:
     """The items, their default metric and generation length."""
-    from cachefuse.eval.harness import EvalItem
+    from cachefuse.eval.harness import EvalItem, probe_eval_items
 
     if args.probe is not None:
-        from cachefuse.eval.probe_task import make_items
-
-        items = [EvalItem(i.system, i.chunks, i.question, (i.answer,), i.kind) for i in make_items(args.seed, args.probe)]
-        return items[:args.limit], "em", 1
+        return probe_eval_items(args.seed, args.probe)[:args.limit], "em", 1
     if args.longbench is not None:
         from cachefuse.eval.longbench import SPECS, load_longbench_jsonl
 
@@ -165,14 +162,4 @@ def _name_list(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated selector names")
     return names
-
-
-def _ratio_list(text: str) -> tuple[float, ...]:
-    try:
-        ratios = tuple(float(r) for r in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers in 0..1") from None
-    if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers in 0..1")
-    return ratios
 
