@@ -215,14 +215,15 @@ class IndexRefresher:
                     logger.warning("cachefuse index refresh failed (%s: %s); keeping the last snapshot",
                                    type(exc).__name__, exc)
                 failing = True
-                if store is not None:
-                    try:
-                        store.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                    store = None
-        if store is not None:
-            try:
-                store.close()
-            except Exception:  # noqa: BLE001
-                pass
+                _close_quietly(store)
+                store = None  # reopened on the next poll
+        _close_quietly(store)
+
+
+def _close_quietly(store: MetaStore | None) -> None:
+    """Closes the refresher's own store handle, if any; a failing close changes nothing for it."""
+    if store is not None:
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001
+            pass
