@@ -64,6 +64,14 @@ def max_logprob_diff(expected: dict[int, float], actual: dict[int, float]) -> fl
     return max(abs(lp - actual.get(token, -math.inf)) for token, lp in expected.items())
 
 
+def random_pieces(seed: int, lengths: dict[str, int]) -> dict[str, list[int]]:
+    """Seeded random ids (3..999, clear of the special tokens) per named prompt piece, e.g. system, a, question."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randint(3, 1000, (n,), generator=g).tolist() for name, n in lengths.items()}
+
+
 def named_prompt(pieces: dict[str, list[int]], names, **overrides: Any) -> tuple[list[int], dict]:
     """The ids of `pieces[name]` for `names` in order, every piece but "question" declared as a chunk,
     and the request's kv_transfer_params (`overrides` join the chunks, e.g. selector)."""

@@ -13,11 +13,9 @@ import pytest
 
 from cachefuse.eval.harness import EvalSpec
 from cachefuse.eval.report import summarize
+from tests.helpers.tolerances import LOGPROB_TOL
 from tests.helpers.vllm_engines import start_engine, stop_engine
 from tests.test_eval_harness import make_items
-
-LOGPROB_TOL = 5e-5
-"""As the connector's end-to-end tests (fp32 end to end: fused K/V written into vLLM's cache vs its own prefill)."""
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.disk import encode_entry
@@ -25,6 +24,7 @@ from tests.helpers.vllm_engines import (
     max_logprob_diff,
     named_prompt,
     precompute,
+    random_pieces,
     scheduler_connector,
     start_engine,
     stop_engine,
@@ -42,9 +42,7 @@ def setup(tiny_model_dir, tmp_path_factory):
     store_dir = tmp_path_factory.mktemp("failure-store")
     # Disk tier only: every request reads the files, so what a test does to a file is what it sees.
     llm = start_engine(tiny_model_dir("llama"), store_dir, memory_capacity_bytes=0, selector="full_reuse")
-    g = torch.Generator().manual_seed(3)
-    pieces = {n: torch.randint(3, 1000, (k,), generator=g).tolist()
-              for n, k in {"system": 10, "a": 33, "c": 27, "d": 21, "question": 9}.items()}
+    pieces = random_pieces(3, {"system": 10, "a": 33, "c": 27, "d": 21, "question": 9})
     precompute(llm, pieces["system"], [pieces["a"], pieces["c"]])
     yield llm, store_dir, pieces
     stop_engine(llm)

@@ -20,15 +20,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tests.helpers.redis_server import DroppingProxy, RedisServer
+from tests.helpers.tolerances import LOGPROB_TOL
 from tests.helpers.vllm_engines import (
     first_logprobs,
     generate,
     max_logprob_diff,
     named_prompt,
     precompute,
+    random_pieces,
     scheduler_connector,
     start_engine,
     stop_engine,
@@ -36,7 +37,6 @@ from tests.helpers.vllm_engines import (
 )
 
 PEER = Path(__file__).with_name("redis_peer.py")
-LOGPROB_TOL = 5e-5
 HANG_GUARD_S = 60.0
 
 
@@ -47,9 +47,7 @@ def family():
 
 @pytest.fixture(scope="module")
 def pieces():
-    g = torch.Generator().manual_seed(17)
-    return {n: torch.randint(3, 1000, (k,), generator=g).tolist()
-            for n, k in {"system": 11, "a": 29, "b": 24, "c": 22, "question": 7}.items()}
+    return random_pieces(17, {"system": 11, "a": 29, "b": 24, "c": 22, "question": 7})
 
 
 def prompt(pieces, names):

@@ -9,22 +9,21 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cachefuse.metastore import SqliteMetaStore
+from tests.helpers.tolerances import LOGPROB_TOL
 from tests.helpers.vllm_engines import (
     first_logprobs,
     generate,
     max_logprob_diff,
     named_prompt,
     precompute,
+    random_pieces,
     scheduler_connector,
     start_engine,
     stop_engine,
     worker_side,
 )
-
-LOGPROB_TOL = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,7 @@ def family():
 
 @pytest.fixture(scope="module")
 def pieces():
-    g = torch.Generator().manual_seed(11)
-    return {n: torch.randint(3, 1000, (k,), generator=g).tolist()
-            for n, k in {"system": 12, "a": 31, "b": 26, "c": 23, "question": 8}.items()}
+    return random_pieces(11, {"system": 12, "a": 31, "b": 26, "c": 23, "question": 8})
 
 
 @pytest.fixture(scope="module")
