@@ -2,7 +2,7 @@
 
 Model and prompt as in fusor_prefill.py (12 layers, 2144 tokens: a 64-token system prompt, 8 chunks of
 256, a 32-token question). Chunks are precomputed into a host-memory tier, wrapped by a SleepingStore
-(cachefuse/bench/sleeping_store.py) whose reads sleep bytes / bytes_per_s, so a load costs only its
+(cachefuse/testing/sleeping_store.py) whose reads sleep bytes / bytes_per_s, so a load costs only its
 modelled transfer time. Its bandwidth is set so that loading all chunks takes 0.3x, 1x and 3x the
 compute time of a 15% CacheBlend pass (T_r15, measured unthrottled during calibration).
 
@@ -21,7 +21,7 @@ controller / full prefill. Targets: the first <= 1.15, the second <= 1.05.
 NOTE: the sleeping double's reads are I/O waits: the sleep releases the cores and the GIL, which is
 exactly the case where the pipeline's overlap is real (a cold disk, the network). A read from the OS
 page cache would be CPU work competing with compute for the same cores; this benchmark does not
-measure that case (see the NOTE in cachefuse/loader.py).
+measure that case (see the NOTE in cachefuse/loading/loader.py).
 
     python benchmarks/controller.py [--threads 2] [--repeats 5] [--out docs/benchmarks] [--replot]
 
@@ -48,20 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fusor_prefill import CHUNK_LEN, MODEL, NUM_CHUNKS, QUESTION_LEN, SYSTEM_LEN, build_prompt  # noqa: E402
 
 from cachefuse.adapters.hf import HFAdapter  # noqa: E402
-from cachefuse.bench.sleeping_store import SleepingStore  # noqa: E402
-from cachefuse.bench.tiny_models import cached_tiny_model  # noqa: E402
 from cachefuse.chunks import KeyContext  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
-from cachefuse.controller import (  # noqa: E402
-    RequestShape,
-    TierFigures,
-    decide,
-    pipeline_depth,  # noqa: E402
-)
 from cachefuse.engine import FusionEngine  # noqa: E402
-from cachefuse.figures import FigureRecorder  # noqa: E402
+from cachefuse.loading.controller import RequestShape, decide, pipeline_depth  # noqa: E402
+from cachefuse.loading.figures import FigureRecorder, TierFigures  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.memory import MemoryStore  # noqa: E402
+from cachefuse.testing.sleeping_store import SleepingStore  # noqa: E402
+from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
 
 LOAD_FACTORS = (0.3, 1.0, 3.0)
 RATIO = 0.15

@@ -2,7 +2,7 @@
 
 Three measurements, each the median of `--repeats` timed calls after one warm-up:
 
-1. Scheduler planning: `variant_index.plan_variants` for a prompt of a system chunk and 8 retrieved
+1. Scheduler planning: `metadata.index.plan_variants` for a prompt of a system chunk and 8 retrieved
    chunks, over an index of 100 chunks x 5 variants (each after 3 other chunks, with statistics and a
    512-token ranking). This runs inside vLLM's `schedule()`.
 2. Worker metadata writes, SQLite file in a temporary directory under --tmp: `record_uses` of 8
@@ -35,11 +35,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from cachefuse.metastore import SqliteMetaStore, VariantRecord  # noqa: E402
+from cachefuse.metadata.base import VariantRecord  # noqa: E402
+from cachefuse.metadata.index import VariantIndex, plan_variants  # noqa: E402
+from cachefuse.metadata.sqlite import SqliteMetaStore  # noqa: E402
 from cachefuse.store.base import ChunkKV, StoreIdentity  # noqa: E402
 from cachefuse.store.disk import DiskStore  # noqa: E402
-from cachefuse.store.redis_store import RedisKVStore  # noqa: E402
-from cachefuse.variant_index import VariantIndex, plan_variants  # noqa: E402
+from cachefuse.store.redis import RedisKVStore  # noqa: E402
 from tests.helpers.redis_server import RedisServer  # noqa: E402
 
 

@@ -284,7 +284,7 @@ def export_state(args) -> None:
 
 GATE_SEED, GATE_ITEMS = 3, 1000
 CI_SEED, CI_ITEMS = 11, 40
-"""The fixed subset tests/test_probe_model.py checks in CI (its full-prefill hits are recorded)."""
+"""The fixed subset tests/eval/test_probe_model.py checks in CI (its full-prefill hits are recorded)."""
 
 
 def write_gate(out: Path, threads: int) -> dict:

@@ -57,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cachefuse.bench.tiny_models import cached_tiny_model  # noqa: E402
+from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
 
 MODEL = dict(num_layers=12, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4,
              head_dim=64, vocab_size=1024, max_position_embeddings=8192)

@@ -1,4 +1,4 @@
-"""Chunk identity, request segmentation and RAG prompt assembly (DESIGN.md, Definitions).
+"""Chunk identity, request segmentation and RAG prompt assembly (docs/architecture.md, Definitions).
 
 Imports only the standard library and cachefuse.errors: the scheduler process hashes and segments
 requests without torch. Tokenizers are passed in (anything with `encode(text,
@@ -99,7 +99,7 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
 
 @dataclass(frozen=True)
 class KeyContext:
-    """Everything besides the token ids that changes a chunk's stored bytes (DESIGN.md, chunk key)."""
+    """Everything besides the token ids that changes a chunk's stored bytes (docs/architecture.md, Definitions: chunk key)."""
 
     model_fingerprint: str
     kv_dtype: str
@@ -114,6 +114,11 @@ class KeyContext:
             raise ConfigError(f"tp_size={self.tp_size!r}, expected an int >= 1")
         if not (_is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size):
             raise ConfigError(f"tp_rank={self.tp_rank!r}, expected an int in 0..{self.tp_size - 1}")
+
+
+def dtype_name(dtype: Any) -> str:
+    """`KeyContext.kv_dtype` of a torch dtype (or its name): "float32" for torch.float32 or "float32"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def chunk_key(token_ids: Sequence[int], ctx: KeyContext) -> str:

@@ -35,7 +35,7 @@ class CacheFuseConfig:
     selector: str = "cacheblend"
     """Token selector, a module name under cachefuse/select/."""
     recompute_ratio: float = 0.15
-    """Selected rows / cached tokens of the declared non-system chunks (DESIGN.md, Definitions)."""
+    """Selected rows / cached tokens of the declared non-system chunks (docs/architecture.md, Definitions)."""
     ratio_mode: str = "fixed"
     """"fixed": use recompute_ratio; "controller": the loading controller picks r >= recompute_ratio
     from measured figures, and runs a request as plain vLLM when fusing would not be faster."""
@@ -73,7 +73,7 @@ class CacheFuseConfig:
     frequency-reuse score) or "lru" (the comparison baseline). Byte budgets of the tiers evict LRU."""
     placement: str = "lru"
     """"lru": a disk hit is copied into memory (memory caches disk); "frequency": chunks move between
-    tiers by decayed access count (placement_hot / placement_cold), see cachefuse/placement.py."""
+    tiers by decayed access count (placement_hot / placement_cold), see cachefuse/loading/placement.py."""
     placement_hot: float = 3.0
     """Decayed access count at which a chunk is promoted to the next faster tier."""
     placement_cold: float = 0.5
@@ -255,7 +255,7 @@ class CacheFuseConfig:
         return Path(self.store_dir).expanduser()
 
     def compute_hash(self) -> str:
-        """Hash of what changes stored bytes; it joins every chunk key (DESIGN.md, Definitions).
+        """Hash of what changes stored bytes; it joins every chunk key (docs/architecture.md, Definitions).
 
         Selection and capacity fields change which rows are recomputed or kept, never the bytes of a
         stored entry, so only the entry format version enters today.

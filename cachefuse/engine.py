@@ -1,9 +1,9 @@
 """FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
 
-Imports cachefuse.{chunks, config, fusor, loader, metastore, select, store, variant_index}; never vllm. The reference engine (demo,
-benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
+Imports cachefuse.{chunks, config, fusor, loading.loader, metadata, select, store}; never vllm. The
+reference engine (demo, benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
 same steps over its own adapter. Each declared chunk reuses the variant the metadata store scores
-best for its prefix (cachefuse.variant_index); holes are saved as the variant for their prefix.
+best for its prefix (cachefuse.metadata.index); holes are saved as the variant for their prefix.
 With `preload_depth` >= 1 (or None) chunk K/V are fetched layer by
 layer during the pass (docs/loading.md); a layer that misses mid-pass re-runs the pass with that
 chunk as a hole.
@@ -30,12 +30,13 @@ from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
-from cachefuse.metastore import MetaStore, SqliteMetaStore, VariantRecord, make_variant_id, record_to_dict
+from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
+from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id, record_to_dict
+from cachefuse.metadata.index import VariantChoice, VariantIndex, plan_variants
+from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.select import ChunkReuse, Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
-from cachefuse.variant_index import VariantChoice, VariantIndex, plan_variants
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class FusionEngine:
 
     def plan_variants(self, token_ids: Sequence[int],
                       chunks: Sequence[Sequence[int]]) -> list[VariantChoice | None]:
-        """Which variant each declared chunk reuses (cachefuse.variant_index rules), from this engine's
+        """Which variant each declared chunk reuses (cachefuse.metadata.index rules), from this engine's
         metadata store; the vLLM scheduler makes the same choice from its in-process index."""
         segments = [s for s in segment_prompt(len(token_ids), chunks) if s.is_chunk]
         keys = [self.meta_key(token_ids[s.start:s.end]) for s in segments]
@@ -372,7 +373,7 @@ class FusionEngine:
         """
         saved, records, evicted, failures = [], [], [], 0
         for index in result.hole_segments:
-            # variant_index rule 1: the declared non-system chunks before it, in prompt order
+            # metadata.index rule 1: the declared non-system chunks before it, in prompt order
             prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
             key, prefix, seg = meta_keys[index], tuple(meta_keys[i] for i in prefix_ids), segments[index]
             variant_id = make_variant_id(key, prefix)
@@ -419,7 +420,7 @@ class FusionEngine:
 
 def _variant_record(result: FuseResult, index: int, prefix_ids: list[int], segments: list[Segment],
                     keys: dict[int, str], ratio: float) -> VariantRecord:
-    """The hole's metadata, in cachefuse.meta.Variant's terms. With the pass's attention statistics:
+    """The hole's metadata, in cachefuse.metadata.scores.Variant's terms. With the pass's attention statistics:
     inter-attention to each prefix chunk, intra-attention, and the chunk's token offsets ranked by the
     inter-attention each pays to the prefix (recompute candidates, most contextualised first; ties by
     offset). Without them, a record without statistics."""

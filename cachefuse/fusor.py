@@ -1,6 +1,7 @@
 """Fusor: the layer-wise blend pass (CacheBlend section 4, generalised over selectors).
 
-Imports torch, cachefuse.{adapters.base, attention, chunks, loader, ops, select, store.base}; never vllm.
+Imports torch, cachefuse.{adapters.base, attention, chunks, loading.loader, ops, select, store.base};
+never vllm.
 Given a prompt, its segments and the loaded RoPE-stripped chunk caches, it re-rotates cached K to
 target positions, runs the selector's full layers over every row, then recomputes only the
 selected rows plus the forced ones (holes, undeclared tokens, question, last token), attending
@@ -29,7 +30,7 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, rows_attention, segment_attention_mass
 from cachefuse.chunks import Segment
-from cachefuse.loader import FetchLayer, LayerKV, LayerUnavailable, PipelinedLoader, SerialLoader
+from cachefuse.loading.loader import FetchLayer, LoadedLayers
 from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
@@ -47,7 +48,7 @@ class FuseRequest:
     loaded: Mapping[int, ChunkKV]
     """Segment index -> its stored K/V; a declared chunk absent here is a hole (computed in full)."""
     ratio: float
-    """Recompute ratio over the candidate rows (DESIGN.md, Definitions)."""
+    """Recompute ratio over the candidate rows (docs/architecture.md, Definitions)."""
     fetch_layer: FetchLayer | None = None
     """Layer -> K/V of the chunks in `fetched` (loader.store_layer_fetcher), called for layers 0..L-1
     in order. A layer that misses raises loader.LayerUnavailable out of `fuse` (the caller re-runs)."""
@@ -168,12 +169,12 @@ class Fusor:
         layout = _RequestLayout(request, shape.num_layers, self.reduce_scores)
         num_full = selector.num_full_layers(shape.num_layers)
         check_layers = selector.check_layers(shape.num_layers)
-        with _LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
+        with LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
                            set(check_layers)) as loaded_kv:
             return self._fuse(request, selector, layout, loaded_kv, num_full, check_layers)
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
-              loaded_kv: _LoadedLayers, num_full: int, check_layers: tuple[int, ...]) -> FuseResult:
+              loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...]) -> FuseResult:
         """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`."""
         adapter, num_layers = self.adapter, self.adapter.shape.num_layers
         positions = torch.arange(layout.num_tokens, dtype=torch.int64)
@@ -264,16 +265,6 @@ class Fusor:
         return selector.select_at_check(layout.ctx, check_layers.index(layer), kv)
 
 
-@dataclass
-class _Layer:
-    """One layer of every loaded segment, rows in segment order ([num_loaded, num_kv_heads, head_dim])."""
-
-    k_nope: torch.Tensor
-    v: torch.Tensor
-    k: torch.Tensor | None
-    """k_nope rotated at its target positions; None until a layer that merges needs it."""
-
-
 class _HoleStats:
     """Accumulates, per hole, the attention mass its rows put on each segment, layer by layer."""
 
@@ -322,98 +313,6 @@ class _QuestionAttention:
                                       self.num_segments, scale, block_rows)  # [num_heads, num_segments]
         total = ctx.reduce(torch.cat([mass.sum(dim=0), mass.new_tensor([mass.shape[0]])]))  # one all-reduce
         return total[:-1] / total[-1]
-
-
-class _LoadedLayers:
-    """Full-length views of the loaded chunks, one layer at a time: `advance(layer)` for layers 0, 1, ...
-
-    Whole entries (`request.loaded`) are sliced on first use in the pass's thread. Fetched chunks
-    (`request.fetched`) come through a PipelinedLoader (preload_depth >= 1) whose worker thread also
-    gathers and re-rotates, so layer i+1 is read and rotated while layer i computes, or a SerialLoader.
-    Use it as a context manager: leaving the block joins the loader thread, also on an exception.
-    """
-
-    def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec,
-                 first_merged_layer: int, check_layers: set[int] | frozenset[int] = frozenset()) -> None:
-        self.num_tokens, self.shape, self.rope_spec = num_tokens, shape, rope_spec
-        self.first_merged_layer = first_merged_layer  # layers before it compute every row: no rotation
-        # A full layer that is no check layer never reads loaded K/V (CacheBlend's layer 0): not fetched.
-        self.unread_layers = set(range(first_merged_layer)) - set(check_layers)
-        indices = sorted({*request.loaded, *request.fetched})
-        self.sources = [(request.segments[i], request.loaded.get(i), request.fetched.get(i)) for i in indices]
-        # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
-        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end) for s, _, _ in self.sources])
-                            if self.sources else torch.zeros(0, dtype=torch.int64))
-        self.fetch = request.fetch_layer if request.fetched else None
-        self.loader: SerialLoader | PipelinedLoader | None = None
-        if self.fetch is not None:
-            depth = request.preload_depth
-            self.loader = (PipelinedLoader(self._work, shape.num_layers, depth) if depth >= 1
-                           else SerialLoader(self._work, shape.num_layers))
-        self._layer, self._current = -1, None
-
-    def __enter__(self) -> _LoadedLayers:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.loader is not None:
-            self.loader.close()
-
-    def advance(self, layer: int) -> None:
-        """Make `layer` current (layers in order); re-raises loader.LayerUnavailable at its layer."""
-        self._layer = layer
-        self._current = self.loader.layer(layer) if self.loader is not None else None
-
-    @torch.inference_mode()
-    def _work(self, layer: int) -> _Layer:
-        """Gather (and from the first merged layer on, re-rotate) one layer; the loader thread's work."""
-        if not self.sources or layer in self.unread_layers:
-            empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype)
-            return _Layer(empty, empty, empty)
-        fetched: LayerKV = self.fetch(layer) if self.fetch is not None else {}
-        parts = []
-        for seg, entry, key in self.sources:
-            k_nope, v = (entry.k_nope[layer], entry.v[layer]) if entry is not None else fetched[key]
-            if k_nope.shape[0] != seg.length or v.shape[0] != seg.length:
-                raise LayerUnavailable(key, layer, "length_mismatch")
-            parts.append((k_nope, v))
-        k_nope = torch.cat([k for k, _ in parts])  # [num_loaded, num_kv_heads, head_dim]
-        v = torch.cat([v for _, v in parts])
-        k = self._rotate(k_nope) if layer >= self.first_merged_layer else None
-        return _Layer(k_nope, v, k)
-
-    def _rotate(self, k_nope: torch.Tensor) -> torch.Tensor:
-        return ops.apply_rope(k_nope, self.loaded_rows, self.rope_spec)
-
-    def _data(self, layer: int) -> _Layer:
-        if layer != self._layer:
-            raise RuntimeError(f"layer {layer} asked for while layer {self._layer} is current")
-        if self._current is None:
-            self._current = self._work(layer)  # whole entries: gathered here, on first use
-        return self._current
-
-    def stripped(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, zeros where nothing is loaded."""
-        data = self._data(layer)
-        shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
-        k_nope = torch.zeros(shape, dtype=self.shape.dtype)
-        v = torch.zeros(shape, dtype=self.shape.dtype)
-        k_nope[self.loaded_rows], v[self.loaded_rows] = data.k_nope, data.v
-        return k_nope, v
-
-    def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loaded K re-rotated at its target positions, and V; both new tensors.
-
-        Rows outside loaded segments are left uninitialised: they are forced rows, which the
-        caller overwrites with freshly computed K/V before anything reads them.
-        """
-        data = self._data(layer)
-        shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
-        k = torch.empty(shape, dtype=self.shape.dtype)
-        v = torch.empty(shape, dtype=self.shape.dtype)
-        k[self.loaded_rows] = data.k if data.k is not None else self._rotate(data.k_nope)
-        v[self.loaded_rows] = data.v
-        return k, v
 
 
 def extract_chunk_kv(result: FuseResult, segment: Segment, rope_spec, meta: dict[str, str] | None = None) -> ChunkKV:

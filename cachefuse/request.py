@@ -4,7 +4,7 @@ Imports only cachefuse.{chunks, config, errors}; no vllm, no torch. Every malfor
 RequestError naming it (e.g. "cachefuse.chunks[2]"), so the connector can run the request as plain
 vLLM and say why in its response.
 
-Accepted shape (DESIGN.md, Definitions):
+Accepted shape (docs/architecture.md, Definitions):
 
     {"cachefuse": {"chunks": [[start, end], ...]}}          token offsets, sorted, non-overlapping
     {"cachefuse": {"chunk_texts": ["...", ...]}}            matched as standalone-tokenized subsequences

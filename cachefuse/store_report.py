@@ -1,6 +1,6 @@
-"""`cachefuse inspect --store URL`: what a store holds, variant by variant, and what is out of step.
+"""What a store holds, variant by variant, and what is out of step (`cachefuse inspect --store URL`).
 
-Imports the standard library and cachefuse.{metastore, store.disk}; Redis only for a redis:// URL.
+Imports the standard library and cachefuse.{metadata, store.disk}; Redis only for a redis:// URL.
 A store URL is a directory (the disk tier, with `meta.sqlite` next to it) or `redis://` / `rediss://`.
 
 Reported per variant: chunk key, variant id, prefix, CCI, f_r, access count, size, tier, whether it
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachefuse.errors import ConfigError
-from cachefuse.metastore import META_FILE, MetaStore, SqliteMetaStore, VariantRecord
+from cachefuse.metadata.base import MetaStore, VariantRecord
+from cachefuse.metadata.sqlite import META_FILE, SqliteMetaStore
 
 
 @dataclass
@@ -66,8 +67,8 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
         StoreError: Redis did not answer.
     """
     if url.startswith(("redis://", "rediss://")):
-        from cachefuse.redis_meta import RedisMetaStore
-        from cachefuse.store.redis_store import list_redis_keys
+        from cachefuse.metadata.redis import RedisMetaStore
+        from cachefuse.store.redis import list_redis_keys
 
         metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s)
         try:

@@ -26,13 +26,13 @@ sys.path.insert(0, str(REPO))
 from transformers import AutoTokenizer  # noqa: E402
 
 from cachefuse.adapters.hf import HFAdapter  # noqa: E402
-from cachefuse.bench.tiny_models import cached_tiny_model  # noqa: E402
 from cachefuse.chunks import KeyContext, build_rag_prompt, model_fingerprint  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.engine import FusionEngine  # noqa: E402
 from cachefuse.eval import fidelity  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.tiered import open_store  # noqa: E402
+from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
 
 MODEL = dict(num_layers=12, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4,
              head_dim=64, vocab_size=1024, max_position_embeddings=8192)

@@ -99,7 +99,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.model_dir is None:
-        from cachefuse.bench.tiny_models import cached_tiny_model
+        from cachefuse.testing.tiny_models import cached_tiny_model
 
         args.model_dir = str(cached_tiny_model("llama", Path(".cache") / "examples-model"))
     store = args.store or tempfile.mkdtemp(prefix="cachefuse-offline-batch-")

@@ -11,7 +11,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cachefuse.bench.tiny_models import cached_tiny_model  # noqa: E402
+from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
 
 pytest_plugins = ["tests.helpers.redis_server"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def model_cache_root() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(model_cache_root: Path) -> Callable[..., Path]:
-    """`make(family, **kwargs) -> Path`: a cached tiny checkpoint (see cachefuse.bench.tiny_models)."""
+    """`make(family, **kwargs) -> Path`: a cached tiny checkpoint (see cachefuse.testing.tiny_models)."""
 
     def make(family: str, **kwargs) -> Path:
         return cached_tiny_model(family, model_cache_root, **kwargs)

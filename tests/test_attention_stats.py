@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.attention import segment_attention_mass
 from cachefuse.config import CacheFuseConfig
-from cachefuse.meta import Variant
+from cachefuse.metadata.scores import Variant
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 
 

@@ -1,4 +1,7 @@
-"""Import boundaries (STYLE.md section 1): cachefuse imports without vllm or triton, touching no device."""
+"""Import boundaries at run time: cachefuse imports without vllm or triton, touching no device.
+
+The same rules read from the source files, imports inside functions included: tests/test_import_graph.py.
+"""
 
 import subprocess
 import sys
@@ -13,6 +16,8 @@ class Blocker:
 sys.meta_path.insert(0, Blocker())
 import cachefuse, cachefuse.config, cachefuse.rope, cachefuse.chunks, cachefuse.ops, cachefuse.fusor
 import cachefuse.engine, cachefuse.select, cachefuse.store.tiered, cachefuse.adapters.hf
+import cachefuse.cli, cachefuse.metadata.index, cachefuse.metadata.sqlite, cachefuse.loading.placement
+import cachefuse.offline.precompute, cachefuse.eval.harness, cachefuse.eval.vllm_backend, cachefuse.store_report
 import torch
 from cachefuse.select import make_selector
 from cachefuse.config import CacheFuseConfig

@@ -1,4 +1,4 @@
-"""The blend pass pinned at both ends on every family (DESIGN.md, Invariants).
+"""The blend pass pinned at both ends on every family (docs/architecture.md, Invariants).
 
 - ratio 1.0 reproduces the model's own full forward; full reuse differs (negative control);
 - full_reuse equals an independent reference: each chunk prefilled alone through transformers,
@@ -22,7 +22,7 @@ from cachefuse.attention import rows_attention
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, Fusor
-from cachefuse.metastore import variant_store_key
+from cachefuse.metadata.base import variant_store_key
 from cachefuse.select import make_selector
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.models import ALL_FAMILIES

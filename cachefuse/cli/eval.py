@@ -1,4 +1,4 @@
-"""`cachefuse eval`: the quality harness on the command line (registered by cachefuse.cli).
+"""`cachefuse eval`: the quality harness on the command line.
 
     cachefuse eval --model DIR --probe 500 [--seed 0]
     cachefuse eval --model DIR --longbench hotpotqa.jsonl --dataset hotpotqa [--limit 200]
@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cachefuse.cli.args import add_engine_args, engine_config, engine_llm, number_list, positive_int
 from cachefuse.config import CacheFuseConfig
 
 LONGBENCH_METRICS = {"qa_f1_score": "f1", "rouge_l_score": "rouge_l"}
@@ -26,28 +27,29 @@ LONGBENCH_NEW_TOKENS = {"f1": 32, "rouge_l": 128}
 """LongBench's generation lengths for its QA and summarisation datasets."""
 
 
-def add_eval(subparsers: Any) -> None:
-    from cachefuse.cli import _add_engine_args, _positive_int, number_list
+NAME = "eval"
+HELP = "score fused prefills against full prefill and full reuse, per selector and ratio"
+DESCRIPTION = (
+    "Runs the reference engine on a dataset: full prefill, full reuse, and every selector at every "
+    "ratio, each chunk loaded from its base variant. Reports the task score with its standard "
+    "error, the normalized score, paired tests (McNemar for exact match, paired bootstrap "
+    "otherwise) against full prefill and cacheblend, and fidelity (K/V and attention deviation, "
+    "last-token KL, greedy match).")
 
-    p = subparsers.add_parser(
-        "eval", help="score fused prefills against full prefill and full reuse, per selector and ratio",
-        description="Runs the reference engine on a dataset: full prefill, full reuse, and every selector at every "
-                    "ratio, each chunk loaded from its base variant. Reports the task score with its standard "
-                    "error, the normalized score, paired tests (McNemar for exact match, paired bootstrap "
-                    "otherwise) against full prefill and cacheblend, and fidelity (K/V and attention deviation, "
-                    "last-token KL, greedy match).")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", type=Path, help='JSONL, one item per line: {"system": "...", "chunks": ["...", '
                                                   '...], "question": "...", "answer": "..."}')
     source.add_argument("--longbench", type=Path, help="a LongBench JSONL file (with --dataset)")
-    source.add_argument("--probe", type=_positive_int, metavar="N",
+    source.add_argument("--probe", type=positive_int, metavar="N",
                         help="N items of the RAG probe task (cachefuse/eval/probe_task.py), half cross-chunk")
     p.add_argument("--model", required=True, type=Path, help="a local checkpoint directory (with its tokenizer)")
     p.add_argument("--dataset", help="with --longbench: hotpotqa, 2wikimqa, musique, multi_news or samsum")
-    p.add_argument("--chunk-tokens", type=_positive_int, default=512,
+    p.add_argument("--chunk-tokens", type=positive_int, default=512,
                    help="with --longbench: window size of the datasets split into fixed windows (default 512)")
     p.add_argument("--seed", type=int, default=0, help="with --probe: the items' seed (default 0)")
-    p.add_argument("--limit", type=_positive_int, default=None, help="evaluate at most this many items")
+    p.add_argument("--limit", type=positive_int, default=None, help="evaluate at most this many items")
     p.add_argument("--selectors", type=_name_list, default=None,
                    help="comma-separated selectors (default cacheblend,epic,cachecraft,random)")
     p.add_argument("--ratios", type=number_list(0.0, 1.0, "comma-separated numbers"), default=None,
@@ -55,22 +57,21 @@ def add_eval(subparsers: Any) -> None:
     p.add_argument("--metric", choices=("em", "f1", "rouge_l"), default=None,
                    help="em (exact match after normalisation), f1 (LongBench token F1) or rouge_l "
                         "(default: the dataset's; em for --probe and --data)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="greedy tokens per item (default 1 for --probe, 32 for QA, 128 for summaries, 8 for --data)")
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="reference: transformers, every fidelity metric (default); vllm: a connector-enabled vLLM "
                         "engine, scored against plain vLLM on tokens and first-token logprobs")
     p.add_argument("--store", type=Path, default=None,
                    help="with --engine vllm: the connector's store directory (default: a temporary one)")
-    _add_engine_args(p)  # --config, --max-model-len, --dtype, --kv-cache-memory-bytes (the last three: vllm)
+    add_engine_args(p)  # --config, --max-model-len, --dtype, --kv-cache-memory-bytes (the last three: vllm)
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--plot", type=Path, default=None, help="write the score-vs-ratio plot here (PNG)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(run=run_eval_command, parser=p)
 
 
-def run_eval_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from cachefuse.eval import harness, report
 
     if args.longbench is not None and args.dataset is None:
@@ -121,14 +122,13 @@ def _run_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser, items: 
     evaluated requests have none, every declared chunk being a checked hit.)"""
     import tempfile
 
-    from cachefuse.cli import _connector_config, _connector_llm
     from cachefuse.eval.vllm_backend import run_eval_vllm
 
     with tempfile.TemporaryDirectory(prefix="cachefuse-eval-") as scratch:
         args.store = args.store or Path(scratch)
         budget = sum(len(item.chunks) + 1 for item in items) + 1
-        extra, config = _connector_config(args, parser, max_variants=max(budget, CacheFuseConfig().max_variants))
-        llm = _connector_llm(args, extra)
+        extra, config = engine_config(args, parser, max_variants=max(budget, CacheFuseConfig().max_variants))
+        llm = engine_llm(args, extra)
         try:
             return run_eval_vllm(llm, items, spec, store_dir=config.store_path, progress=not args.no_progress)
         finally:
@@ -150,7 +150,7 @@ def _items(args: argparse.Namespace, tokenizer: Any) -> tuple[list, str, int]:
         metric = LONGBENCH_METRICS[SPECS[args.dataset].metric.__name__]
         return ([EvalItem(i.system, i.chunks, i.question, i.answers, i.dataset) for i in loaded],
                 metric, LONGBENCH_NEW_TOKENS[metric])
-    from cachefuse.tune import check_items, read_items_jsonl
+    from cachefuse.eval.tune import check_items, read_items_jsonl
 
     loaded = read_items_jsonl(args.data)[:args.limit]
     check_items(loaded, "f1")  # every item needs an answer to be scored

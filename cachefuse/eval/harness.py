@@ -191,7 +191,7 @@ def _fresh_store(engine: FusionEngine) -> None:
     """An empty store and metadata for the next item: items stay independent, and a variant budget
     (max_variants) can never evict one item's base variants to admit another's (a miss would turn a
     reuse setting into a partial prefill)."""
-    from cachefuse.metastore import SqliteMetaStore
+    from cachefuse.metadata.sqlite import SqliteMetaStore
     from cachefuse.store.memory import MemoryStore
 
     engine.store = MemoryStore(engine.store.identity, capacity_bytes=sys.maxsize)

@@ -29,7 +29,7 @@ against a feature the previous-token head moved into the value (K-composition), 
 small learned too slowly on 2 CPU cores (chance among the stream's values after 4,000 steps); with
 the value first the question matches the name token itself and reads what that token carries.
 
-Shortcuts removed, after ../shared/research/tiny-rag-experiment.md:
+Shortcuts removed (docs/quality.md, "The RAG probe", says which ones earlier designs learned):
 
 - No chunk markers: training streams have no chunk boundaries at all, so no position or token tells
   a model where a straddling value sits.

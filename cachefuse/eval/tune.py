@@ -26,7 +26,7 @@ per alpha:  | system | chunk 1 | chunk 2 | chunk 3 | question |   ceil(CFO * |C|
 NOTE: early termination (Algorithm 1) is off unless `TuneSpec.early_termination`: with it on,
 unfocused chunks keep loaded K/V after the focus layer whatever alpha is, so quality stops rising
 with alpha. A chunk whose variant's prefix lies inside its new prefix in the same order has beta' = 1,
-hence CFO 0 at every alpha (chunks new to the prefix do not lower beta: cachefuse/meta.py, choice 6),
+hence CFO 0 at every alpha (chunks new to the prefix do not lower beta: cachefuse/metadata/scores.py, choice 6),
 so with warm variants even a huge alpha need not reproduce the full prefill; with base variants only
 (`warm_variants=False`) alpha >= 2 recomputes every loaded token but the first chunk's (exact context).
 """

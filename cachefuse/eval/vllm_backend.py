@@ -1,7 +1,7 @@
 """`cachefuse eval --engine vllm`: the same comparison through a connector-enabled vLLM engine.
 
 Imports the standard library, tqdm and cachefuse.{chunks, eval.harness, eval.metrics, offline}; vllm
-only through the engine it is handed. What vLLM hands back is tokens and logprobs, not K/V, so per
+only through the engine it is handed and cachefuse.vllm.engines, which builds its requests. What vLLM hands back is tokens and logprobs, not K/V, so per
 setting this measures the task score, greedy tokens that match the reference, top-1 agreement, and
 the largest |difference| of the first token's top-20 logprobs to the reference's; K/V deviation,
 attention deviation and the full KL need the reference engine (`--engine reference`, the default).
@@ -68,15 +68,14 @@ def run_eval_vllm(llm: Any, items: Sequence[EvalItem], spec: EvalSpec, *, store_
 
 def _generate(llm: Any, prompt: Any, settings: list[tuple[str, float]], max_new_tokens: int) -> list[Any]:
     """One request per setting, in one batch; full_prefill is plain vLLM (no cachefuse parameters)."""
-    from vllm import SamplingParams
+    from cachefuse.vllm.engines import sampling_params
 
     chunks = [[s, e] for s, e in prompt.chunks]
     params = []
     for name, ratio in settings:
-        fields = None if name == "full_prefill" else {
-            "kv_transfer_params": {"cachefuse": {"chunks": chunks, "selector": name, "recompute_ratio": ratio}}}
-        params.append(SamplingParams(max_tokens=max_new_tokens, temperature=0.0, logprobs=TOP_LOGPROBS,
-                                     extra_args=fields))
+        fields = None if name == "full_prefill" else {"chunks": chunks, "selector": name, "recompute_ratio": ratio}
+        params.append(sampling_params(max_tokens=max_new_tokens, temperature=0.0, logprobs=TOP_LOGPROBS,
+                                      cachefuse=fields))
     return llm.generate([{"prompt_token_ids": prompt.token_ids}] * len(settings), params, use_tqdm=False)
 
 

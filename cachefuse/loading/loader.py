@@ -1,9 +1,12 @@
 """Layer-wise KV loading, serial or pipelined: layer i+1 is fetched while layer i computes.
 
-Imports torch, threading and `cachefuse.store.base`; never vllm. Follows CacheBlend §5 and §6 ("two
+Imports torch, threading, `cachefuse.ops` and `cachefuse.store.base`; never vllm. Follows CacheBlend §5 and §6 ("two
 threads ... pipeline prefill_layer of layer i and fetch_kv of layer i+1"): a `PipelinedLoader` runs
 the per-layer fetch (and whatever the fetch does after reading, e.g. re-rotation) on one background
 thread, layers 0..L-1 in order, into a bounded buffer, while the caller computes.
+
+`LoadedLayers` is what the fusor reads: full-length views of every loaded chunk, one layer at a time,
+gathered and re-rotated to target positions on the loader thread (or, for whole entries, on first use).
 
 Memory: at most `depth` fetched-but-unconsumed layers exist at once (ready + in flight), plus the one
 layer the caller is computing on, so the loader holds O(depth) layers, never O(L).
@@ -20,16 +23,21 @@ stream. The pipeline never changes the bytes: each layer is the same fetch, only
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
+import torch
 from torch import Tensor
 
+from cachefuse import ops
 from cachefuse.errors import StoreError
 from cachefuse.store.base import MISS_SHAPE_MISMATCH, ChunkKV, KVStore
+
+if TYPE_CHECKING:  # the annotation only: the fusor imports this module
+    from cachefuse.fusor import FuseRequest
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +203,7 @@ class PipelinedLoader(Generic[T]):
     Args:
         fetch: layer -> that layer's data; runs on the worker thread.
         num_layers: layers 0..num_layers-1 are fetched.
-        depth: ready + in-flight layers allowed at once (>= 1; see `preload_depth`).
+        depth: ready + in-flight layers allowed at once (>= 1; see `cachefuse.loading.controller.preload_depth`).
         events: where to record ("load_start", i) / ("load_end", i); a new EventLog(clock) if None.
     """
 
@@ -279,21 +287,103 @@ class PipelinedLoader(Generic[T]):
         self.close()
 
 
-def preload_depth(num_layers: int, t_compute_layer: float, t_load_layer: float) -> int:
-    """How many layers to load ahead so that loading slower than compute never idles the loader.
+@dataclass
+class _Layer:
+    """One layer of every loaded segment, rows in segment order ([num_loaded, num_kv_heads, head_dim])."""
 
-    L_p = max(1, ceil((L - 1) * (1 - T_compute / T_load) + 1)) when T_load > T_compute, else 1
-    (loading keeps up: one layer ahead suffices). Ranges over 1..L.
+    k_nope: torch.Tensor
+    v: torch.Tensor
+    k: torch.Tensor | None
+    """k_nope rotated at its target positions; None until a layer that merges needs it."""
 
-    Args:
-        num_layers: L, decoder layers.
-        t_compute_layer: seconds of (selective) compute per layer, >= 0.
-        t_load_layer: seconds to load one layer, >= 0.
+
+class LoadedLayers:
+    """Full-length views of the loaded chunks, one layer at a time: `advance(layer)` for layers 0, 1, ...
+
+    Whole entries (`request.loaded`) are sliced on first use in the pass's thread. Fetched chunks
+    (`request.fetched`) come through a PipelinedLoader (preload_depth >= 1) whose worker thread also
+    gathers and re-rotates, so layer i+1 is read and rotated while layer i computes, or a SerialLoader.
+    Use it as a context manager: leaving the block joins the loader thread, also on an exception.
     """
-    if num_layers < 1 or t_compute_layer < 0 or t_load_layer < 0:
-        raise ValueError(f"preload_depth({num_layers!r}, {t_compute_layer!r}, {t_load_layer!r}): "
-                         "expected num_layers >= 1 and times >= 0")
-    if t_load_layer <= t_compute_layer:
-        return 1
-    depth = (num_layers - 1) * (1 - t_compute_layer / t_load_layer) + 1
-    return max(1, min(num_layers, math.ceil(depth - 1e-9)))  # 1e-9: 2.0000000001 from rounding is 2
+
+    def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec,
+                 first_merged_layer: int, check_layers: set[int] | frozenset[int] = frozenset()) -> None:
+        self.num_tokens, self.shape, self.rope_spec = num_tokens, shape, rope_spec
+        self.first_merged_layer = first_merged_layer  # layers before it compute every row: no rotation
+        # A full layer that is no check layer never reads loaded K/V (CacheBlend's layer 0): not fetched.
+        self.unread_layers = set(range(first_merged_layer)) - set(check_layers)
+        indices = sorted({*request.loaded, *request.fetched})
+        self.sources = [(request.segments[i], request.loaded.get(i), request.fetched.get(i)) for i in indices]
+        # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
+        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end) for s, _, _ in self.sources])
+                            if self.sources else torch.zeros(0, dtype=torch.int64))
+        self.fetch = request.fetch_layer if request.fetched else None
+        self.loader: SerialLoader | PipelinedLoader | None = None
+        if self.fetch is not None:
+            depth = request.preload_depth
+            self.loader = (PipelinedLoader(self._work, shape.num_layers, depth) if depth >= 1
+                           else SerialLoader(self._work, shape.num_layers))
+        self._layer, self._current = -1, None
+
+    def __enter__(self) -> LoadedLayers:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.loader is not None:
+            self.loader.close()
+
+    def advance(self, layer: int) -> None:
+        """Make `layer` current (layers in order); re-raises loader.LayerUnavailable at its layer."""
+        self._layer = layer
+        self._current = self.loader.layer(layer) if self.loader is not None else None
+
+    @torch.inference_mode()
+    def _work(self, layer: int) -> _Layer:
+        """Gather (and from the first merged layer on, re-rotate) one layer; the loader thread's work."""
+        if not self.sources or layer in self.unread_layers:
+            empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype)
+            return _Layer(empty, empty, empty)
+        fetched: LayerKV = self.fetch(layer) if self.fetch is not None else {}
+        parts = []
+        for seg, entry, key in self.sources:
+            k_nope, v = (entry.k_nope[layer], entry.v[layer]) if entry is not None else fetched[key]
+            if k_nope.shape[0] != seg.length or v.shape[0] != seg.length:
+                raise LayerUnavailable(key, layer, "length_mismatch")
+            parts.append((k_nope, v))
+        k_nope = torch.cat([k for k, _ in parts])  # [num_loaded, num_kv_heads, head_dim]
+        v = torch.cat([v for _, v in parts])
+        k = self._rotate(k_nope) if layer >= self.first_merged_layer else None
+        return _Layer(k_nope, v, k)
+
+    def _rotate(self, k_nope: torch.Tensor) -> torch.Tensor:
+        return ops.apply_rope(k_nope, self.loaded_rows, self.rope_spec)
+
+    def _data(self, layer: int) -> _Layer:
+        if layer != self._layer:
+            raise RuntimeError(f"layer {layer} asked for while layer {self._layer} is current")
+        if self._current is None:
+            self._current = self._work(layer)  # whole entries: gathered here, on first use
+        return self._current
+
+    def stripped(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, zeros where nothing is loaded."""
+        data = self._data(layer)
+        shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
+        k_nope = torch.zeros(shape, dtype=self.shape.dtype)
+        v = torch.zeros(shape, dtype=self.shape.dtype)
+        k_nope[self.loaded_rows], v[self.loaded_rows] = data.k_nope, data.v
+        return k_nope, v
+
+    def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loaded K re-rotated at its target positions, and V; both new tensors.
+
+        Rows outside loaded segments are left uninitialised: they are forced rows, which the
+        caller overwrites with freshly computed K/V before anything reads them.
+        """
+        data = self._data(layer)
+        shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
+        k = torch.empty(shape, dtype=self.shape.dtype)
+        v = torch.empty(shape, dtype=self.shape.dtype)
+        k[self.loaded_rows] = data.k if data.k is not None else self._rotate(data.k_nope)
+        v[self.loaded_rows] = data.v
+        return k, v

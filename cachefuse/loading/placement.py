@@ -1,7 +1,8 @@
 """Tier placement by access frequency: hot chunks move to faster tiers, cold ones leave them.
 
-Imports cachefuse.controller (AccessCounter, placement_moves) and cachefuse.store; the worker owns
-the one instance (it is the store's single writer). With `placement="frequency"` the tiered store
+Imports cachefuse.loading.figures (TierFigures) and cachefuse.store. `AccessCounter` and
+`placement_moves` are the pure policy (an injected clock, no I/O); `FrequencyPlacement` applies it to a
+TieredStore. The worker owns the one instance (it is the store's single writer). With `placement="frequency"` the tiered store
 stops promoting on every hit (`promote_on_hit=False`), and this policy decides instead: a chunk
 whose decayed access count reaches `hot` is copied into the next faster tier; one that falls to
 `cold` is dropped from its faster tier (the slower tier keeps it: puts write through). With
@@ -12,12 +13,59 @@ is not used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-from cachefuse.controller import AccessCounter, TierFigures, placement_moves
+from cachefuse.loading.figures import TierFigures
 from cachefuse.store.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
+
+
+class AccessCounter:
+    """Per chunk key, access frequency with exponential decay (half-life in clock units)."""
+
+    def __init__(self, half_life_s: float, clock: Callable[[], float]) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s={half_life_s!r} must be > 0")
+        self.half_life_s, self.clock = half_life_s, clock
+        self._score: dict[Hashable, tuple[float, float]] = {}  # key -> (score, at time)
+
+    def _decayed(self, key: Hashable, now: float) -> float:
+        score, at = self._score.get(key, (0.0, now))
+        return score * 0.5 ** (max(0.0, now - at) / self.half_life_s)
+
+    def record(self, key: Hashable) -> float:
+        now = self.clock()
+        score = self._decayed(key, now) + 1.0
+        self._score[key] = (score, now)
+        return score
+
+    def frequency(self, key: Hashable) -> float:
+        return self._decayed(key, self.clock())
+
+    def forget(self, key: Hashable) -> None:
+        self._score.pop(key, None)
+
+
+def placement_moves(counter: AccessCounter, tiers_of_keys: Mapping[Hashable, str],
+                    tiers: Sequence[TierFigures], hot_threshold: float,
+                    cold_threshold: float) -> list[tuple[Hashable, str, str]]:
+    """Moves (key, from_tier, to_tier): hot keys (frequency >= hot) one tier faster, cold ones
+    (frequency <= cold) one tier slower. Pure: the worker applies them. Keys in unknown tiers stay.
+    """
+    if not cold_threshold < hot_threshold:
+        raise ValueError(f"cold_threshold={cold_threshold!r} must be < hot_threshold={hot_threshold!r}")
+    order = [t.name for t in sorted(tiers, key=lambda t: -t.bytes_per_s)]  # fastest first
+    moves = []
+    for key, name in tiers_of_keys.items():
+        if name not in order:
+            continue
+        i, freq = order.index(name), counter.frequency(key)
+        if freq >= hot_threshold and i > 0:
+            moves.append((key, name, order[i - 1]))
+        elif freq <= cold_threshold and i + 1 < len(order):
+            moves.append((key, name, order[i + 1]))
+    return moves
 
 
 class FrequencyPlacement:

@@ -1,6 +1,6 @@
 """Which stored variant each declared chunk of a prompt reuses: an in-memory index of variant metadata.
 
-Imports only the standard library and cachefuse.{meta, metastore}: the vLLM scheduler plans with it
+Imports only the standard library and cachefuse.metadata.{base, scores}: the vLLM scheduler plans with it
 inside `schedule()` (no tensors, no I/O; the index is filled at start-up and kept current by the
 worker's reports and by `IndexRefresher`, a background thread), and the reference engine plans with
 it over its own metadata store.
@@ -9,7 +9,7 @@ Rules (docs/variants.md):
 
 1. A declared chunk's new prefix is the ordered chunk keys of the declared non-system chunks before it
    (the system prompt is shared by every prompt and is not context that distinguishes variants).
-2. Among the chunk's variants the lowest CFO wins (meta.choose_variant; ties to the closer prefix).
+2. Among the chunk's variants the lowest CFO wins (scores.choose_variant; ties to the closer prefix).
 3. A K/V entry stored under the plain chunk key without a metadata row (a store written before the
    metadata store, or by another tool) is a base variant without statistics: prefix (), CCI 0.5.
 4. A chunk whose best CFO is >= `admission_cfo` is not loaded: it is computed in full in the prompt
@@ -25,8 +25,8 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from cachefuse import meta
-from cachefuse.metastore import MetaStore, VariantRecord, variant_store_key
+from cachefuse.metadata import scores
+from cachefuse.metadata.base import MetaStore, VariantRecord, variant_store_key
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class VariantChoice:
     """Key of its K/V entry in the K/V tiers (metastore choice 7)."""
     variant_id: str
     cfo: float
-    """Cache Fix Overhead of this variant after the prompt's prefix (meta.cfo)."""
+    """Cache Fix Overhead of this variant after the prompt's prefix (scores.cfo)."""
     ranked_tokens: tuple[int, ...] = ()
     """Offsets within the chunk, most contextualised first; empty: no ranking."""
     has_metadata: bool = True
@@ -129,7 +129,7 @@ class VariantIndex:
             has_metadata = False
         else:
             has_metadata = True
-        index, cfo = meta.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        index, cfo = scores.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
         record = records[index]
         return VariantChoice(chunk_key, record.store_key, record.variant_id, cfo,
                              record.ranked_tokens, has_metadata)

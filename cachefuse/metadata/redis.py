@@ -1,9 +1,8 @@
-"""Variant metadata in Redis, shared by several vLLM instances: cachefuse.metastore's contract, same choices.
+"""Variant metadata in Redis, shared by several vLLM instances: cachefuse.metadata.base's contract.
 
-Imports the standard library, redis, `cachefuse.{meta, metastore, errors}`; no torch (the scheduler reads
-it). `redis_client` lives here, torch-free, and `cachefuse.store.redis_store` reuses it. Every choice
-of metastore.py's docstring (1-7) holds exactly as in `SqliteMetaStore`; tests/test_metastore_contract.py
-runs one suite over both. Layout, every key under `{namespace}:meta:`:
+Imports the standard library, redis, `cachefuse.{metadata.base, metadata.scores, redis_client, errors}`;
+no torch (the scheduler reads it). Every choice of base.py's docstring (1-7) holds exactly as in
+`SqliteMetaStore`; tests/metadata/test_contract.py runs one suite over both. Layout, every key under `{namespace}:meta:`:
 
     v:{variant_id}     hash: the VariantRecord's fields (JSON for prefix, inter, prefix_num_tokens,
                        ranked_tokens; floats as repr, which round-trips) and `seq`, its insertion number
@@ -42,12 +41,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from cachefuse import meta
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.metastore import POLICIES, PinCounts, VariantRecord
+from cachefuse.metadata import scores
+from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
+from cachefuse.redis_client import redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -142,31 +140,6 @@ for _, id in ipairs(redis.call('ZRANGE', ARGV[1] .. ARGV[2], 0, -1)) do
 end
 return out
 """
-
-
-def redis_client(url: str, timeout_s: float, *, decode_responses: bool = False) -> redis.Redis:
-    """A client whose every call fails within about `timeout_s` (connect and each reply), never retried.
-
-    NOTE: redis-py retries failed calls by default (with backoff); a shared cache must answer "miss"
-    after one timeout instead, so the retry policy is set to none.
-
-    Args:
-        url: "redis://[[user]:password@]host:port/db" or "rediss://..." (TLS).
-        timeout_s: socket connect and read timeout, seconds.
-        decode_responses: replies as str (metadata) instead of bytes (K/V tensors).
-
-    Raises:
-        ConfigError: the URL cannot be parsed.
-    """
-    if not timeout_s > 0:
-        raise ConfigError(f"redis timeout_s={timeout_s!r}, expected > 0")
-    try:
-        return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                    retry_on_timeout=False, retry=Retry(NoBackoff(), 0),
-                                    decode_responses=decode_responses)
-    except ValueError as exc:
-        expected = "redis://host:port/db or rediss://..."
-        raise ConfigError(f"redis_url={url!r}: {exc}; expected {expected}") from None
 
 
 def _fields(record: VariantRecord) -> dict[str, str]:
@@ -315,11 +288,11 @@ class RedisMetaStore:
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str],
                alpha: float) -> tuple[VariantRecord, float] | None:
-        """The variant to reuse after `new_prefix` and its CFO (meta.choose_variant), or None on a miss."""
+        """The variant to reuse after `new_prefix` and its CFO (scores.choose_variant), or None on a miss."""
         records = self.variants(chunk_key)
         if not records:
             return None
-        index, cfo_value = meta.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        index, cfo_value = scores.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
         return records[index], cfo_value
 
     def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int:
@@ -338,7 +311,7 @@ class RedisMetaStore:
         """
         if not eps > 0.0:
             raise ValueError(f"eps={eps!r}, expected > 0")
-        increment = 1.0 / max(cfo, eps)  # the same double meta.record_use adds
+        increment = 1.0 / max(cfo, eps)  # the same double scores.record_use adds
         with self._redis("record_use"):
             args = [self._prefix, variant_id, repr(increment), repr(float(self._clock()))]
             flat = self._use_script(args=args)

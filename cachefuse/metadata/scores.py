@@ -12,7 +12,7 @@ Eqs. 3-12 and §3.3); its attention statistics are plain floats computed by the 
     CFO   = clamp(alpha CCI (1 - beta'), 0, 1)                                 Eq. 12
     f_r  += 1 / max(CFO, eps) on every use                                     §3.3
 
-Choices where the paper is ambiguous (each is pinned by a test in tests/test_meta.py):
+Choices where the paper is ambiguous (each is pinned by a test in tests/metadata/test_scores.py):
 
 1. Direction. `inter[j]` is the attention weight with queries in this chunk and keys in prefix
    chunk j (the causal reading of Eq. 5, whose block inter(C1, C2) sits in row C2); Eq. 3's index

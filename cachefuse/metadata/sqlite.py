@@ -1,35 +1,8 @@
-"""Persistent chunk-variant metadata: one SQLite file holding every stored variant's scores.
+"""Variant metadata in one SQLite file next to the disk tier: the `MetaStore` contract of
+`cachefuse.metadata.base` (choices 1-7 there), plus the choice below.
 
-Imports only the standard library, `cachefuse.meta` (the Cache-Craft math, not repeated here) and
-`cachefuse.errors`; no torch, no vllm: the scheduler reads it. The K/V bytes live in `cachefuse.store`;
-this module holds what Cache-Craft's Metadata Store holds per variant (research seed, §2.2): the ordered
-prefix, inter/intra attention, CCI, the recompute-token ranking, access count, f_r, size and tier.
-
-Choices (each pinned by a test in tests/test_metastore.py):
-
-1. Identity. A variant is one (chunk key, ordered prefix) pair; `variant_id` is the first 16 hex
-   digits of sha256 over the JSON of both, so the same pair always gets the same id. `put` of an
-   existing id is an upsert: every field is replaced (f_r and access_count too) and the variant keeps
-   its insertion order, which `variants()` returns and `choose()` breaks ties by (meta choice 9).
-2. Budget. `max_variants` is N x M, the total number of variants over all chunks; one chunk may own
-   all of them (M is not a per-chunk cap). The per-tier byte budget belongs to the K/V tiers; this
-   store only reports `size_by_tier()`.
-3. Admission evicts on demand: a `put` of a new variant into a full store evicts, in the same
-   transaction, the lowest-f_r unpinned variants (ties: least recently used, then oldest) until the
-   new one fits, and returns them so the caller deletes their K/V. There is no periodic pass.
-   Policy "lru" orders victims by `last_access` instead (ties: lower f_r, then oldest); it exists as
-   the comparison baseline. `last_access` is stamped by the store's clock on `put` and `record_use`.
-4. Pins. `pin(id)` marks a variant in use by a request (nested: n pins need n unpins); a pinned
-   variant is never evicted and `remove()` refuses it. Pins live in memory only: after a restart no
-   request holds one.
-5. Refusal. When the store is full and too few variants are unpinned, `put` raises `StoreError` and
-   changes nothing: the caller drops the K/V it computed (the chunk stays a miss). A refusal is the
-   only way `count()` stays at the budget without admitting; it never exceeds it.
-6. Misses are return values: `get`, `choose` and `record_use` return None for an unknown id/chunk.
-7. K/V location. A variant's K/V entry lives in the K/V tiers under `store_key`: the plain chunk key
-   for the empty prefix (the base variant precompute stores, also what stores without metadata hold),
-   `<chunk key>-<variant id>` otherwise. `generation()` changes whenever the set of variants changes
-   (put of a new id, eviction, remove), so an index can poll it cheaply and reload only on change.
+Imports the standard library, `cachefuse.metadata.{base, scores}` and `cachefuse.errors`; no torch, no
+vllm: the scheduler reads it. SQLite-only behaviour is pinned in tests/metadata/test_sqlite.py.
 
 8. Journal. The SQLite file uses a rollback journal (TRUNCATE), not WAL: WAL's shared-memory index
    is an mmap'd `-shm` file, and when that file cannot be written or extended (an immutable or
@@ -38,29 +11,23 @@ Choices (each pinned by a test in tests/test_metastore.py):
    fail with an error the caller turns into a miss. Writes are few (a row per saved hole, one
    transaction of f_r updates per request, `record_uses`), so WAL's concurrency is not needed;
    readers (`cachefuse inspect`, another process's index refresh) see committed states only.
-
-`MetaStore` is the contract every backend follows (this SQLite one and cachefuse.redis_meta's);
-tests/test_metastore_contract.py runs the same suite over both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
-from cachefuse import meta
 from cachefuse.errors import ConfigError, StoreError
+from cachefuse.metadata import scores
+from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
 
 SCHEMA_VERSION = 1
-POLICIES = ("f_r", "lru")
 META_FILE = "meta.sqlite"
 """The SQLite file's name inside the disk tier's directory (never a K/V key: keys have no dot)."""
 
@@ -79,7 +46,7 @@ CREATE TABLE IF NOT EXISTS variants (
     num_tokens INTEGER NOT NULL,
     prefix_num_tokens TEXT NOT NULL,    -- JSON object: prefix chunk key -> int
     ranked_tokens TEXT NOT NULL,        -- JSON list of token offsets, highest inter-attention first
-    cci REAL NOT NULL,                  -- derived (meta.cci), kept for inspection
+    cci REAL NOT NULL,                  -- derived (scores.cci), kept for inspection
     access_count INTEGER NOT NULL,
     f_r REAL NOT NULL,
     size_bytes INTEGER NOT NULL,
@@ -92,81 +59,6 @@ CREATE INDEX IF NOT EXISTS variants_chunk ON variants (chunk_key);
 CREATE TABLE IF NOT EXISTS generation (value INTEGER NOT NULL);
 """
 _ORDER = {"f_r": "f_r, last_access, seq", "lru": "last_access, f_r, seq"}
-
-
-def make_variant_id(chunk_key: str, prefix: Sequence[str]) -> str:
-    """The stable id of the (chunk, ordered prefix) pair: sha256[:16] of their JSON (choice 1)."""
-    blob = json.dumps([chunk_key, list(prefix)], separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
-
-
-def variant_store_key(chunk_key: str, prefix: Sequence[str]) -> str:
-    """Where the variant's K/V live in the K/V tiers (choice 7): the chunk key for the empty prefix."""
-    return chunk_key if not prefix else f"{chunk_key}-{make_variant_id(chunk_key, prefix)}"
-
-
-@dataclass(frozen=True)
-class VariantRecord:
-    """One stored variant's metadata: a snapshot; change it through the store (put, record_use).
-
-    `variant_id` and `cci` are derived in `__post_init__`; construction validates the attention
-    fields exactly as `meta.Variant` does.
-    """
-
-    chunk_key: str
-    prefix: tuple[str, ...]
-    """Chunk keys before the chunk when its K/V was computed, in prompt order."""
-    inter: dict[str, float]
-    intra: float
-    num_tokens: int
-    prefix_num_tokens: dict[str, int] = field(default_factory=dict)
-    ranked_tokens: tuple[int, ...] = ()
-    """Token offsets within the chunk, highest inter-attention from the prefix first (recompute order)."""
-    access_count: int = 0
-    f_r: float = 0.0
-    size_bytes: int = 0
-    tier: str = "disk"
-    last_access: float = 0.0
-    recompute_ratio: float | None = None
-    """The recompute ratio its prefix was fused under; None when computed after the system prompt alone."""
-    has_stats: bool = True
-    """False when the K/V were stored without attention statistics (inter/intra zeros: CCI 0.5,
-    beta the unweighted share of meta choice 6, no ranking)."""
-    variant_id: str = field(init=False)
-    cci: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "prefix", tuple(self.prefix))
-        object.__setattr__(self, "ranked_tokens", tuple(int(t) for t in self.ranked_tokens))
-        bad = [t for t in self.ranked_tokens if not 0 <= t < self.num_tokens]
-        if bad:
-            raise ValueError(f"ranked_tokens {bad[:5]} outside 0..{self.num_tokens - 1}")
-        if self.size_bytes < 0 or self.access_count < 0:
-            raise ValueError(f"size_bytes={self.size_bytes!r}, access_count={self.access_count!r}, expected >= 0")
-        object.__setattr__(self, "variant_id", make_variant_id(self.chunk_key, self.prefix))
-        object.__setattr__(self, "cci", self.to_variant().cci)
-
-    @property
-    def store_key(self) -> str:
-        """The key of this variant's K/V entry in the K/V tiers (choice 7)."""
-        return variant_store_key(self.chunk_key, self.prefix)
-
-    @classmethod
-    def without_stats(cls, chunk_key: str, prefix: Sequence[str], num_tokens: int,
-                      prefix_num_tokens: dict[str, int] | None = None, **kw) -> VariantRecord:
-        """A variant whose K/V came without attention statistics (zeros; see `has_stats`)."""
-        prefix = tuple(prefix)
-        lengths = dict(prefix_num_tokens or {})
-        for key in prefix:
-            lengths.setdefault(key, 1)
-        return cls(chunk_key=chunk_key, prefix=prefix, inter=dict.fromkeys(prefix, 0.0), intra=0.0,
-                   num_tokens=num_tokens, prefix_num_tokens=lengths, has_stats=False, **kw)
-
-    def to_variant(self) -> meta.Variant:
-        """The scoring view (a fresh meta.Variant; mutating it does not change the record)."""
-        return meta.Variant(prefix=self.prefix, inter=dict(self.inter), intra=self.intra,
-                            num_tokens=self.num_tokens, prefix_num_tokens=dict(self.prefix_num_tokens),
-                            access_count=self.access_count, f_r=self.f_r)
 
 
 def _row_values(record: VariantRecord) -> tuple:
@@ -185,83 +77,6 @@ def _from_row(row: sqlite3.Row) -> VariantRecord:
         recompute_ratio=row["recompute_ratio"], has_stats=bool(row["has_stats"]))
     assert record.variant_id == row["variant_id"], (record.variant_id, row["variant_id"])
     return record
-
-
-class PinCounts:
-    """Nested pins per variant id, held in process memory (choice 4); the owning store's lock guards it.
-
-    Unlike the K/V tiers' PinTable (store/base.py), an unbalanced unpin raises: the metadata stores'
-    callers pin and unpin in one place (FusionEngine), so an imbalance is a bug to surface.
-    """
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._counts)
-
-    def count(self, variant_id: str) -> int:
-        return self._counts.get(variant_id, 0)
-
-    def add(self, variant_id: str) -> None:
-        self._counts[variant_id] = self.count(variant_id) + 1
-
-    def release(self, variant_id: str) -> None:
-        """Undo one pin; StoreError when the variant is not pinned."""
-        count = self.count(variant_id)
-        if count == 0:
-            raise StoreError(f"unpin({variant_id!r}): not pinned")
-        if count == 1:
-            del self._counts[variant_id]
-        else:
-            self._counts[variant_id] = count - 1
-
-    def check_unpinned(self, variant_id: str) -> None:
-        """StoreError when the variant is pinned (`remove` refuses it)."""
-        if self.count(variant_id):
-            raise StoreError(f"remove({variant_id!r}): pinned {self.count(variant_id)} time(s)")
-
-    def clear(self) -> None:
-        self._counts.clear()
-
-
-@runtime_checkable
-class MetaStore(Protocol):
-    """The variant metadata contract (module docstring, choices 1-7); SQLite and Redis implement it."""
-
-    max_variants: int
-    policy: str
-
-    def put(self, record: VariantRecord) -> list[VariantRecord]: ...
-
-    def get(self, variant_id: str) -> VariantRecord | None: ...
-
-    def variants(self, chunk_key: str) -> list[VariantRecord]: ...
-
-    def choose(self, chunk_key: str, new_prefix: Sequence[str],
-               alpha: float) -> tuple[VariantRecord, float] | None: ...
-
-    def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None: ...
-
-    def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int: ...
-
-    def remove(self, variant_id: str) -> VariantRecord | None: ...
-
-    def pin(self, variant_id: str) -> None: ...
-
-    def unpin(self, variant_id: str) -> None: ...
-
-    def pin_count(self, variant_id: str) -> int: ...
-
-    def count(self) -> int: ...
-
-    def all_records(self) -> list[VariantRecord]: ...
-
-    def size_by_tier(self) -> dict[str, int]: ...
-
-    def generation(self) -> int: ...
-
-    def close(self) -> None: ...
 
 
 class SqliteMetaStore:
@@ -391,15 +206,15 @@ class SqliteMetaStore:
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str],
                alpha: float) -> tuple[VariantRecord, float] | None:
-        """The variant to reuse after `new_prefix` and its CFO (meta.choose_variant), or None on a miss."""
+        """The variant to reuse after `new_prefix` and its CFO (scores.choose_variant), or None on a miss."""
         records = self.variants(chunk_key)
         if not records:
             return None
-        index, cfo_value = meta.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        index, cfo_value = scores.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
         return records[index], cfo_value
 
     def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None:
-        """Persist one reuse: access_count += 1, f_r += 1 / max(CFO, eps) (meta.record_use), last_access.
+        """Persist one reuse: access_count += 1, f_r += 1 / max(CFO, eps) (scores.record_use), last_access.
 
         Returns:
             The updated record, or None when the variant is gone (evicted or removed).
@@ -410,7 +225,7 @@ class SqliteMetaStore:
                 return None
             record = _from_row(row)
             variant = record.to_variant()
-            meta.record_use(variant, cfo, eps)
+            scores.record_use(variant, cfo, eps)
             record = dataclasses.replace(record, access_count=variant.access_count, f_r=variant.f_r,
                                          last_access=self._clock())
             cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
@@ -432,7 +247,7 @@ class SqliteMetaStore:
                 if row is None:
                     continue
                 variant = _from_row(row).to_variant()
-                meta.record_use(variant, cfo, eps)
+                scores.record_use(variant, cfo, eps)
                 cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
                             (variant.access_count, variant.f_r, now, variant_id))
                 found += 1
@@ -498,38 +313,3 @@ class SqliteMetaStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def record_to_dict(record: VariantRecord) -> dict:
-    """A plain dict of the record's constructor fields (JSON- and pickle-safe; derived fields left out)."""
-    data = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
-    data["prefix"], data["ranked_tokens"] = list(record.prefix), list(record.ranked_tokens)
-    return data
-
-
-def record_from_dict(data: dict) -> VariantRecord:
-    """The inverse of record_to_dict (validates like the constructor)."""
-    return VariantRecord(**data)
-
-
-def open_metastore(store_dir: str | None, *, max_variants: int, policy: str = "f_r",
-                   redis_url: str | None = None, redis_timeout_s: float = 0.5) -> MetaStore:
-    """The configured metadata store: Redis when `redis_url` is set, else SQLite in `store_dir/meta.sqlite`
-    (one file next to the disk tier), or in memory when there is no disk tier (`store_dir` None)."""
-    if redis_url is not None:
-        from cachefuse.redis_meta import RedisMetaStore
-
-        return RedisMetaStore(redis_url, max_variants=max_variants, policy=policy, timeout_s=redis_timeout_s)
-    if store_dir is None:
-        return SqliteMetaStore(":memory:", max_variants=max_variants, policy=policy)
-    import os
-
-    os.makedirs(store_dir, exist_ok=True)
-    return SqliteMetaStore(os.path.join(store_dir, META_FILE), max_variants=max_variants, policy=policy)
-
-
-def open_config_metastore(config) -> MetaStore:
-    """`open_metastore` for a CacheFuseConfig: SQLite next to the disk tier, in memory without one, or Redis."""
-    store_dir = str(config.store_path) if config.disk_capacity_bytes else None
-    return open_metastore(store_dir, max_variants=config.max_variants, policy=config.eviction_policy,
-                          redis_url=config.redis_url, redis_timeout_s=config.redis_timeout_s)

@@ -4,7 +4,7 @@ Each chunk is sent once as the prompt below, with `max_tokens=1` and the `full_p
 The connector treats a declared chunk that is not stored as a hole: its blend pass computes it in
 full and saves it RoPE-stripped. So the system prompt is stored at position 0 (exact: it never
 moves) and the chunk as computed after the system prompt alone, which is the base variant
-(DESIGN.md, "A chunk's variants").
+(docs/architecture.md, Definitions: variant).
 
 ```
 | system (chunk, [BOS] + ids) | chunk (hole: computed, saved) | tail (1 token) |
@@ -25,7 +25,8 @@ once at start-up (and then only its own saves), so it does not see entries anoth
 until it restarts, and the engine's worker is meant to be the store's only writer.
 
 Imports the standard library, tqdm and cachefuse.{chunks, config, errors, store.disk} at module
-level; vllm and cachefuse.vllm only inside `precompute_chunks`, which drives a vLLM engine.
+level; cachefuse.vllm only inside the functions that drive a vLLM engine (never vllm itself: the engine
+is handed in, and requests are built by cachefuse.vllm.engines).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import KeyContext, build_rag_prompt, chunk_key, model_fingerprint, tokenize_piece
+from cachefuse.chunks import (
+    KeyContext,
+    build_rag_prompt,
+    chunk_key,
+    model_fingerprint,
+    tokenize_piece,
+)
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.store.disk import list_keys
@@ -155,8 +162,8 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
 
 def scheduler_key_context(vllm_config: Any, config: CacheFuseConfig) -> KeyContext:
     """The KeyContext the connector's scheduler builds (rank 0): fingerprint, dtype, TP size, config hash."""
+    from cachefuse.chunks import dtype_name
     from cachefuse.vllm.checks import resolve_model_dir
-    from cachefuse.vllm.scheduler_side import dtype_name
 
     model_config = vllm_config.model_config
     return KeyContext(model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
@@ -228,10 +235,9 @@ def _plan(tokenizer: Any, system: str, texts: list[str], key_context: KeyContext
 
 
 def _sampling_params(item: _Item) -> Any:
-    from vllm import SamplingParams
+    from cachefuse.vllm.engines import sampling_params
 
-    params = {"cachefuse": {"chunks": item.chunks, "selector": SELECTOR}}
-    return SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": params})
+    return sampling_params(max_tokens=1, temperature=0.0, cachefuse={"chunks": item.chunks, "selector": SELECTOR})
 
 
 def _record(report: PrecomputeReport, item: _Item, output: Any, stored: set[str]) -> None:

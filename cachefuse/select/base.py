@@ -1,7 +1,7 @@
 """Selector protocol: how many leading layers run in full, and which cached rows are recomputed.
 
 Imports only torch and cachefuse.chunks. A selector picks among *candidate* rows: cached tokens of
-the declared non-system chunks (DESIGN.md, Definitions: the recompute ratio counts only these).
+the declared non-system chunks (docs/architecture.md, Definitions: the recompute ratio counts only these).
 Forced rows (holes, undeclared tokens, the question, the last token) are added by the fusor on top
 and never pass through a selector.
 

@@ -1,7 +1,7 @@
 """The KV store contract: the stored unit (ChunkKV), the identity a store serves, the KVStore protocol.
 
 Imports only torch and `cachefuse.errors`. Every tier (memory.py, disk.py, tiered.py, later redis.py)
-follows the same rules (DESIGN.md, "store"):
+follows the same rules (docs/architecture.md, "Packages and modules"):
 
 - Stored caches are never mutated. A tier may hand out the tensors it holds; callers never write into
   them (clone first). A tier never writes into tensors it was given after `put` returns.

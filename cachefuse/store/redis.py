@@ -1,7 +1,7 @@
 """Redis tier: K/V entries shared by several vLLM instances, one Redis hash per entry.
 
 Imports torch, redis, `cachefuse.store.{base, disk}` (disk.py's header and tensor checks, reused as they
-are) and `cachefuse.redis_meta.redis_client` (torch-free, so the scheduler side can share it). Layout,
+are) and `cachefuse.redis_client` (torch-free, so the scheduler side can share it). Layout,
 every key under `{namespace}:kv:`:
 
     e:{key}     hash: "header" (JSON of disk.py's safetensors metadata: format, format_version,
@@ -45,7 +45,7 @@ import redis
 import torch
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.redis_meta import redis_client
+from cachefuse.redis_client import redis_client
 from cachefuse.store import base, disk
 from cachefuse.store.base import ChunkKV, StoreIdentity
 

@@ -68,7 +68,7 @@ class TieredStore:
             if entry is None:
                 continue
             self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
-            if self.promote_on_hit:  # else a placement policy decides (cachefuse.placement)
+            if self.promote_on_hit:  # else a placement policy decides (cachefuse.loading.placement)
                 for faster in self.tiers[:depth]:
                     faster.put(key, entry)
             return entry
@@ -131,7 +131,7 @@ def open_store(
     if disk_capacity_bytes > 0:
         tiers.append(DiskStore(root, identity, disk_capacity_bytes))
     if redis_url is not None:
-        from cachefuse.store.redis_store import RedisKVStore  # redis is imported only when configured
+        from cachefuse.store.redis import RedisKVStore  # redis is imported only when configured
 
         tiers.append(RedisKVStore(redis_url, identity, redis_capacity_bytes, timeout_s=redis_timeout_s))
     if not tiers:

@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from cachefuse.variant_index import VariantChoice
+from cachefuse.metadata.index import VariantChoice
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The scheduler half of CacheFuseConnector: plans, budget, index, per-request outcomes.
 
 Runs inside vLLM's `Scheduler.schedule()` hot path: no tensors, no network, no file reads per
-request. The variant index (cachefuse.variant_index) is loaded from the metadata store at start-up,
+request. The variant index (cachefuse.metadata.index) is loaded from the metadata store at start-up,
 kept current by the variants the worker reports saving and evicting, and reloaded by a background
 thread when the store's generation changes (other engines sharing it). Each declared chunk's variant
 is chosen here by CFO and sent in the plan (advisory: the worker re-checks every entry when it loads).
@@ -21,15 +21,17 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint, tokenize_piece
+from cachefuse.chunks import KeyContext, chunk_key, dtype_name, model_fingerprint, tokenize_piece
 from cachefuse.config import CacheFuseConfig
-from cachefuse.controller import ComputeFigures, RequestShape, TierFigures, decide
 from cachefuse.errors import RequestError
-from cachefuse.metastore import open_config_metastore, record_from_dict
+from cachefuse.loading.controller import RequestShape, decide
+from cachefuse.loading.figures import ComputeFigures, TierFigures
+from cachefuse.metadata import open_config_metastore
+from cachefuse.metadata.base import record_from_dict
+from cachefuse.metadata.index import IndexRefresher, VariantChoice, VariantIndex, plan_variants
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import make_selector
 from cachefuse.store.disk import list_keys
-from cachefuse.variant_index import IndexRefresher, VariantChoice, VariantIndex, plan_variants
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
@@ -47,10 +49,6 @@ def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
     if plans or not scheduled or set(scheduled) != new_ids:
         return 0
     return int(sum(scheduled.values()))
-
-
-def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

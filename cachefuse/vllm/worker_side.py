@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, model_fingerprint
+from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError
-from cachefuse.figures import FigureRecorder
-from cachefuse.metastore import open_config_metastore, record_to_dict
-from cachefuse.placement import FrequencyPlacement
+from cachefuse.loading.figures import FigureRecorder
+from cachefuse.loading.placement import FrequencyPlacement
+from cachefuse.metadata import open_config_metastore
+from cachefuse.metadata.base import record_to_dict
 from cachefuse.select import make_selector
 from cachefuse.select.fixed import FixedSelector
 from cachefuse.store.base import StoreIdentity
@@ -34,7 +35,6 @@ from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorke
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from cachefuse.vllm.paged import PagedAttention, supports_paged_attention
 from cachefuse.vllm.plugin import captured_model
-from cachefuse.vllm.scheduler_side import dtype_name
 
 logger = logging.getLogger(__name__)
 

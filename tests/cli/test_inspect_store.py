@@ -10,11 +10,12 @@ from cachefuse.chunks import KeyContext
 from cachefuse.cli import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
-from cachefuse.metastore import SqliteMetaStore, open_config_metastore
+from cachefuse.metadata import open_config_metastore
+from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store
 from tests.helpers.fusion import make_case, precompute_case
-from tests.test_variants import prompt
+from tests.metadata.test_variants import prompt
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,10 @@ def test_inspect_a_redis_store(private_redis, capsys):
     """The same report over Redis: metadata rows, a stale one, and an orphan K/V entry."""
     import torch
 
-    from cachefuse.metastore import VariantRecord
-    from cachefuse.redis_meta import RedisMetaStore
+    from cachefuse.metadata.base import VariantRecord
+    from cachefuse.metadata.redis import RedisMetaStore
     from cachefuse.store.base import ChunkKV
-    from cachefuse.store.redis_store import RedisKVStore
+    from cachefuse.store.redis import RedisKVStore
 
     identity = StoreIdentity("fp", 2, torch.float32)
     entry = ChunkKV([torch.ones(3, 1, 4)] * 2, [torch.zeros(3, 1, 4)] * 2)

@@ -1,6 +1,6 @@
 """`cachefuse eval` on a tiny random model: invariants of the harness, the report and the CLI.
 
-The probe model's own figures are tests/test_probe_model.py's; here any model will do.
+The probe model's own figures are tests/eval/test_probe_model.py's; here any model will do.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from cachefuse.config import CacheFuseConfig
 from cachefuse.eval.harness import EvalSpec, probe_eval_items, reference_engine, run_eval
 
-PROBE_DIR = Path(__file__).resolve().parents[1] / "models" / "rag-probe"
+PROBE_DIR = Path(__file__).resolve().parents[2] / "models" / "rag-probe"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Fitting Cache-Craft's alpha (Eq. 13): the data loader, the F1 metric, tune_alpha on a tiny model, the CLI.
 
-The rules under test are cachefuse/tune.py's docstring; the CFO math is tests/test_meta.py's.
+The rules under test are cachefuse/eval/tune.py's docstring; the CFO math is tests/metadata/test_scores.py's.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from cachefuse.cli import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.eval.metrics import normalize_answer, qa_f1_score
-from cachefuse.tune import (
+from cachefuse.eval.tune import (
     AlphaRow,
     TuneReport,
     TuneSpec,

@@ -3,6 +3,6 @@
 Checkpoints come from the `tiny_model_dir` fixture (tests/conftest.py).
 """
 
-from cachefuse.bench.tiny_models import FAMILIES
+from cachefuse.testing.tiny_models import FAMILIES
 
 ALL_FAMILIES: tuple[str, ...] = FAMILIES

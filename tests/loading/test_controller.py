@@ -6,25 +6,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefuse.controller import (
-    AccessCounter,
-    BandwidthMeter,
-    ComputeFigures,
-    EmaEstimator,
+from cachefuse.errors import ConfigError
+from cachefuse.loading.controller import (
     RequestShape,
-    TierFigures,
     choose_ratio,
     choose_tier,
     decide,
-    fit_compute_figures,
-    fit_prefill,
     load_time,
     match_ratio,
-    placement_moves,
     preload_depth,
     recompute_time,
 )
-from cachefuse.errors import ConfigError
+from cachefuse.loading.figures import (
+    BandwidthMeter,
+    ComputeFigures,
+    EmaEstimator,
+    TierFigures,
+    fit_compute_figures,
+    fit_prefill,
+)
+from cachefuse.loading.placement import AccessCounter, placement_moves
 
 MB = 1 << 20
 FIG = ComputeFigures(fixed_s=2e-4, per_row_s=2e-6, per_row_key_s=1e-9,
@@ -249,7 +250,7 @@ def test_decide_properties(num_tokens, num_layers, full, cand_frac, forced, num_
 
 
 def test_pipeline_depth_sizes_the_buffer_for_heavy_full_layers():
-    from cachefuse.controller import pipeline_depth, pipeline_finish
+    from cachefuse.loading.controller import pipeline_depth, pipeline_finish
 
     # CacheBlend-like: two heavy full layers, ten light ones; loading about as slow as the average layer.
     compute = [0.122, 0.041] + [0.027] * 10
@@ -270,3 +271,27 @@ def test_every_row_recomputed_is_a_no_go():
     d = decide(shape, figures, [slow], r_min=0.15, r_max=1.0, ratio_mode="controller", fixed_ratio=0.15,
                force_fuse=False)
     assert d.ratio == 1.0 and not d.fuse and "every row recomputed" in d.reason
+
+
+@pytest.mark.parametrize(("num_layers", "t_compute", "t_load", "expected"), [
+    (32, 3.0, 16.0, 27),  # Llama-7B, NVMe (CacheBlend §5): ceil(31 * 13/16 + 1) = ceil(26.19)
+    (80, 7.0, 4.0, 1),  # Llama-70B: loading keeps up
+    (3, 1.0, 2.0, 2),  # exactly 2.0, no rounding up to 3
+    (8, 0.0, 1.0, 8),  # free compute: load everything ahead
+    (8, 1.0, 1.0, 1),
+    (1, 0.0, 5.0, 1),
+    (4, 0.0, 0.0, 1),
+])
+def test_preload_depth_cases(num_layers, t_compute, t_load, expected):
+    assert preload_depth(num_layers, t_compute, t_load) == expected
+
+
+def test_preload_depth_bounds():
+    for num_layers in (1, 2, 7, 32):
+        depths = [preload_depth(num_layers, t_compute, 1.0) for t_compute in (0.0, 0.1, 0.5, 0.9, 1.5)]
+        assert all(1 <= d <= num_layers for d in depths)
+        assert depths == sorted(depths, reverse=True)  # faster compute never needs fewer layers ahead
+    with pytest.raises(ValueError):
+        preload_depth(0, 1.0, 2.0)
+    with pytest.raises(ValueError):
+        preload_depth(4, -1.0, 2.0)

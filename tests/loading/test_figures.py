@@ -2,8 +2,8 @@
 double (5x slower, on an injectable clock: no test waits) makes the controller raise r; the
 unthrottled tier keeps r at r_min."""
 
-from cachefuse.controller import ComputeFigures, RequestShape, decide
-from cachefuse.figures import FigureRecorder
+from cachefuse.loading.controller import RequestShape, decide
+from cachefuse.loading.figures import ComputeFigures, FigureRecorder
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.throttled import FakeClock
 

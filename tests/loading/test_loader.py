@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from cachefuse.errors import StoreError
-from cachefuse.loader import (
+from cachefuse.loading.loader import (
     EventLog,
     LayerUnavailable,
     PipelinedLoader,
     SerialLoader,
-    preload_depth,
     store_layer_fetcher,
 )
 from cachefuse.store.base import StoreIdentity
@@ -249,29 +248,3 @@ def test_misuse_is_rejected():
     with PipelinedLoader(lambda i: i, 0, depth=1) as empty:
         empty._thread.join(WAIT)
         assert not empty._thread.is_alive()
-
-
-# ---- preload depth ----
-
-@pytest.mark.parametrize(("num_layers", "t_compute", "t_load", "expected"), [
-    (32, 3.0, 16.0, 27),  # Llama-7B, NVMe (CacheBlend §5): ceil(31 * 13/16 + 1) = ceil(26.19)
-    (80, 7.0, 4.0, 1),  # Llama-70B: loading keeps up
-    (3, 1.0, 2.0, 2),  # exactly 2.0, no rounding up to 3
-    (8, 0.0, 1.0, 8),  # free compute: load everything ahead
-    (8, 1.0, 1.0, 1),
-    (1, 0.0, 5.0, 1),
-    (4, 0.0, 0.0, 1),
-])
-def test_preload_depth(num_layers, t_compute, t_load, expected):
-    assert preload_depth(num_layers, t_compute, t_load) == expected
-
-
-def test_preload_depth_bounds():
-    for num_layers in (1, 2, 7, 32):
-        depths = [preload_depth(num_layers, t_compute, 1.0) for t_compute in (0.0, 0.1, 0.5, 0.9, 1.5)]
-        assert all(1 <= d <= num_layers for d in depths)
-        assert depths == sorted(depths, reverse=True)  # faster compute never needs fewer layers ahead
-    with pytest.raises(ValueError):
-        preload_depth(0, 1.0, 2.0)
-    with pytest.raises(ValueError):
-        preload_depth(4, -1.0, 2.0)

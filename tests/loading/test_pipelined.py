@@ -22,7 +22,7 @@ from cachefuse.store.disk import DiskStore
 from tests.helpers.fusion import make_case, precompute_case
 from tests.helpers.models import ALL_FAMILIES
 from tests.helpers.throttled import ThrottledStore, real_sleep
-from tests.test_loader import _corrupt_tensor
+from tests.loading.test_loader import _corrupt_tensor
 
 SELECTORS = ["cacheblend", "epic", "full_reuse"]
 RATIOS = [0.15, 1.0]

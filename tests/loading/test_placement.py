@@ -1,7 +1,7 @@
 """Frequency placement over memory-over-disk: hot chunks are promoted into memory, cold ones leave
 it (disk keeps them); with the policy on, a disk hit alone no longer promotes."""
 
-from cachefuse.placement import FrequencyPlacement
+from cachefuse.loading.placement import FrequencyPlacement
 from cachefuse.store.tiered import TieredStore, open_store
 from tests.helpers.store import IDENTITY, make_entry
 

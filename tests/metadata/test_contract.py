@@ -1,9 +1,9 @@
-"""The MetaStore contract (cachefuse/metastore.py, choices 1-7), one suite over both backends.
+"""The MetaStore contract (cachefuse/metadata/base.py, choices 1-7), one suite over both backends.
 
 Every test takes `open_store`, a factory for the backend under test: "sqlite" (a file under tmp_path)
 or "redis" (a namespace of its own on the session's shared server). Calling it with the same `name`
 reopens the same data, as a second process would. SQLite-only behaviour (journal, schema version) stays in
-tests/test_metastore.py; Redis-only failure behaviour in tests/test_redis_meta_failures.py.
+tests/metadata/test_sqlite.py; Redis-only failure behaviour in tests/metadata/test_redis.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.metastore import MetaStore, SqliteMetaStore, VariantRecord
-from cachefuse.redis_meta import RedisMetaStore
+from cachefuse.metadata.base import MetaStore, VariantRecord
+from cachefuse.metadata.redis import RedisMetaStore
+from cachefuse.metadata.sqlite import SqliteMetaStore
 from tests.helpers.redis_server import delete_namespace
 
 

@@ -1,6 +1,6 @@
 """RedisMetaStore when Redis fails: every call raises StoreError within the hang guard, never hangs,
 and the same instance works again once the server is back. (The contract itself is in
-tests/test_metastore_contract.py.)"""
+tests/metadata/test_contract.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from cachefuse.errors import StoreError
-from cachefuse.metastore import VariantRecord
-from cachefuse.redis_meta import RedisMetaStore
+from cachefuse.metadata.base import VariantRecord
+from cachefuse.metadata.redis import RedisMetaStore
 from tests.helpers.redis_server import DroppingProxy
 
 HANG_GUARD_S = 5.0  # bounded by timeout_s; this only catches a hang

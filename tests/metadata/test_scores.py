@@ -1,4 +1,4 @@
-"""cachefuse.meta: CCI, beta, gamma, beta', CFO, variant choice and f_r against hand-computed cases."""
+"""cachefuse.metadata.scores: CCI, beta, gamma, beta', CFO, variant choice and f_r against hand-computed cases."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefuse.meta import (
+from cachefuse.metadata.scores import (
     CCI_MAX,
     Variant,
     adjusted_overlap,

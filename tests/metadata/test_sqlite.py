@@ -1,16 +1,17 @@
 """SQLite-only behaviour of cachefuse.metastore (the record type, the journal, the schema version).
 
-Everything both backends share is tests/test_metastore_contract.py's suite.
+Everything both backends share is tests/metadata/test_contract.py's suite.
 """
 
 import sqlite3
 
 import pytest
 
-from cachefuse import meta
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.metastore import SqliteMetaStore, VariantRecord, make_variant_id
-from tests.test_metastore_contract import FakeClock, c3_after_c1_c2, c3_alone
+from cachefuse.metadata import scores
+from cachefuse.metadata.base import VariantRecord, make_variant_id
+from cachefuse.metadata.sqlite import SqliteMetaStore
+from tests.metadata.test_contract import FakeClock, c3_after_c1_c2, c3_alone
 
 
 def open_store(path, **kw) -> SqliteMetaStore:
@@ -27,7 +28,7 @@ def test_record_derives_id_and_cci_from_meta():
     assert record.cci == pytest.approx(0.7772998611746911)
     assert c3_alone().cci == 0.5
     variant = record.to_variant()
-    assert isinstance(variant, meta.Variant) and variant.prefix == ("C1", "C2") and variant.cci == record.cci
+    assert isinstance(variant, scores.Variant) and variant.prefix == ("C1", "C2") and variant.cci == record.cci
     with pytest.raises(ValueError, match="prefix"):
         VariantRecord(chunk_key="C3", prefix=("C1",), inter={}, intra=1.0, num_tokens=4)
     with pytest.raises(ValueError, match="ranked_tokens"):

@@ -1,6 +1,6 @@
 """Chunk variants end to end on the reference engine: choice by CFO, saving, f_r, N x M eviction, staleness.
 
-The rules under test are cachefuse/variant_index.py's docstring; the metadata math is tests/test_meta.py's.
+The rules under test are cachefuse/metadata/index.py's docstring; the metadata math is tests/metadata/test_scores.py's.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import threading
 import pytest
 import torch
 
-from cachefuse import meta
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
-from cachefuse.metastore import SqliteMetaStore, VariantRecord, make_variant_id, variant_store_key
-from cachefuse.variant_index import IndexRefresher, VariantIndex, new_prefixes, plan_variants
+from cachefuse.metadata import scores
+from cachefuse.metadata.base import VariantRecord, make_variant_id, variant_store_key
+from cachefuse.metadata.index import IndexRefresher, VariantIndex, new_prefixes, plan_variants
+from cachefuse.metadata.sqlite import SqliteMetaStore
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 
 
@@ -47,7 +48,7 @@ def test_index_picks_lowest_cfo_and_plain_keys_are_base_variants():
     alone = VariantRecord.without_stats("C", (), 4)
     index = VariantIndex([alone, after_ab], plain_keys=["P"])
     chosen = index.choose("C", ("B", "A"), alpha=1.0, num_tokens=4)  # swapped prefix: beta 1, gamma 1
-    expected_swapped = meta.cfo(1.0, after_ab.cci, 1.0, 1.0)
+    expected_swapped = scores.cfo(1.0, after_ab.cci, 1.0, 1.0)
     assert expected_swapped == pytest.approx(after_ab.cci)  # beta' = 0: no better than the base variant...
     # ... whose CCI is 0.5 < after_ab.cci, so the base variant (lower CFO) wins
     assert chosen.variant_id == alone.variant_id and chosen.cfo == pytest.approx(0.5)

@@ -16,7 +16,7 @@ from cachefuse.errors import ConfigError, StoreError
 from cachefuse.store import disk
 from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity
 from cachefuse.store.memory import MemoryStore
-from cachefuse.store.redis_store import RedisKVStore, encode_fields
+from cachefuse.store.redis import RedisKVStore, encode_fields
 from cachefuse.store.tiered import TieredStore
 from tests.helpers.redis_server import DroppingProxy, RedisServer, delete_namespace
 from tests.helpers.store import IDENTITY, IDENTITY_BF16, OPS, assert_same_entry, make_entry, run_ops

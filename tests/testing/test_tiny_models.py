@@ -1,4 +1,4 @@
-"""cachefuse.bench.tiny_models: local checkpoints load offline, carry their family's traits, build deterministically."""
+"""cachefuse.testing.tiny_models: local checkpoints load offline, carry their family's traits, build deterministically."""
 
 import hashlib
 from pathlib import Path
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cachefuse.bench import tiny_models
-from cachefuse.bench.tiny_models import build_tokenizer, cached_tiny_model
 from cachefuse.chunks import model_fingerprint
+from cachefuse.testing import tiny_models
+from cachefuse.testing.tiny_models import build_tokenizer, cached_tiny_model
 from tests.helpers.models import ALL_FAMILIES
 
 ARCHITECTURES = {

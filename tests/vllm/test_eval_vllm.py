@@ -13,9 +13,9 @@ import pytest
 
 from cachefuse.eval.harness import EvalSpec
 from cachefuse.eval.report import summarize
+from tests.eval.test_harness import make_items
 from tests.helpers.tolerances import LOGPROB_TOL
 from tests.helpers.vllm_engines import start_engine, stop_engine
-from tests.test_eval_harness import make_items
 
 
 @pytest.fixture(scope="module")

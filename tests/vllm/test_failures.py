@@ -1,4 +1,4 @@
-"""Every failure path yields the output DESIGN.md defines, counts it by reason, says why in the
+"""Every failure path yields the output docs/architecture.md defines, counts it by reason, says why in the
 response, and leaves the engine serving.
 
 - a missing, corrupt, truncated or foreign store entry is a hole: the output equals the same

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefuse.metastore import SqliteMetaStore
+from cachefuse.metadata.sqlite import SqliteMetaStore
 from tests.helpers.tolerances import LOGPROB_TOL
 from tests.helpers.vllm_engines import (
     first_logprobs,

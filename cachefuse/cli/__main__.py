@@ -1,0 +1,7 @@
+"""`python -m cachefuse.cli ...`: the same as the `cachefuse` console script."""
+
+import sys
+
+from cachefuse.cli import main
+
+sys.exit(main())

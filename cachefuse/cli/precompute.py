@@ -1,0 +1,91 @@
+"""`cachefuse precompute`: store each chunk's base variant through a connector-enabled vLLM engine.
+
+    cachefuse precompute --model M --chunks chunks.jsonl --store DIR [--system TEXT | --system-file F]
+                         [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
+
+The work is cachefuse.offline.precompute's; this module reads the arguments and the chunks file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cachefuse.cli.args import add_engine_args, engine_config, engine_llm, positive_int
+from cachefuse.jsonl import read_jsonl
+
+NAME = "precompute"
+HELP = "store each chunk's KV cache, computed after the system prompt"
+DESCRIPTION = (
+    "Runs [system][chunk] prompts through vLLM with CacheFuseConnector, which stores the system "
+    "prompt and each chunk (its base variant). Resumable: chunks already stored are skipped. "
+    "Serve with the same --model, --dtype and store, or the keys differ. Exit status 1 when "
+    "some chunk failed.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="a local checkpoint directory, or a hub id in the local cache (its files are fingerprinted)")
+    p.add_argument("--chunks", required=True, type=Path,
+                   help='JSONL file, one chunk per line: {"text": "...", "id": "..."} ("id" optional)')
+    p.add_argument("--store", required=True, type=Path,
+                   help="the store directory (the connector's store_dir); overrides the config file's")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("--system", default=None, help="the system prompt text (default: none)")
+    system.add_argument("--system-file", type=Path, default=None, help="read the system prompt from this file")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
+    add_engine_args(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        entries = read_chunks_jsonl(args.chunks)
+    except ValueError as exc:
+        parser.error(str(exc))
+    system = args.system or ""
+    if args.system_file is not None:
+        try:
+            system = args.system_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            parser.error(f"--system-file {str(args.system_file)!r}: {exc.strerror}")
+    extra, config = engine_config(args, parser)
+
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm = engine_llm(args, extra)
+    report = precompute_chunks(llm, llm.get_tokenizer(), system, [text for _, text in entries],
+                               store_dir=config.store_path, config=config, batch_size=args.batch_size,
+                               progress=not args.no_progress)
+    print(f"precompute: {report.num_stored} stored, {report.num_skipped} skipped, {report.num_failed} failed "
+          f"of {report.num_chunks} chunks; system prompt {report.system_status}; "
+          f"{report.elapsed_s:.1f} s; store {config.store_path}")
+    for failure in report.failures:
+        name = "system prompt" if failure.index is None else f"chunk {entries[failure.index][0]}"
+        print(f"  {name}: {failure.reason}: {failure.detail}")
+    return 0 if report.ok else 1
+
+
+def read_chunks_jsonl(path: str | Path) -> list[tuple[str, str]]:
+    """Reads `{"text": ..., "id": ...}` lines ("id" optional, default "line N"); blank lines are skipped.
+
+    Returns:
+        (id, text) per chunk, in file order.
+
+    Raises:
+        ValueError: the file cannot be read, or a line is bad; the message names the file and line.
+    """
+    entries = []
+    for where, lineno, record in read_jsonl(path, "--chunks"):
+        if not isinstance(record, dict):
+            raise ValueError(f'{where}: expected an object {{"text": "..."}}, got {type(record).__name__}')
+        text = record.get("text")
+        if not isinstance(text, str) or not text:
+            raise ValueError(f'{where}: expected a non-empty string in "text", got {text!r}')
+        chunk_id = record.get("id", f"line {lineno}")
+        if isinstance(chunk_id, bool) or not isinstance(chunk_id, str | int):
+            raise ValueError(f'{where}: expected a string or integer "id", got {chunk_id!r}')
+        entries.append((str(chunk_id), text))
+    if not entries:
+        raise ValueError(f"--chunks {str(path)!r}: no chunks (expected one JSON object per line)")
+    return entries
