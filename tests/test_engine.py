@@ -1,0 +1,232 @@
+"""FusionEngine's own contract (cachefuse/engine.py), on the tiny llama model in float32.
+
+- precompute stores one base entry per chunk under chunk_key (content, not position or prefix) and
+  stores nothing for a chunk already there;
+- with every chunk stored, every chunk hits and tokens_reused + tokens_recomputed is the prompt length;
+  ratio 1.0 and full_prefill give the model's own logits, full_reuse does not (negative control);
+- a declared chunk with no entry is a hole: reported missed ("not_stored"), saved under its variant's
+  store key, and hit by the next prefill; save_holes=False saves nothing;
+- a corrupt, truncated or foreign disk entry is a hole, with the output of a store without it, and saved;
+  a stored entry of the wrong length is a hole too (serial and pipelined loading); nothing raises;
+- neither the serial nor the pipelined pass writes into stored tensors; stats.to_dict() is JSON;
+  blend_time_s is the injected clock's; a `choices` list of the wrong length is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cachefuse.adapters.hf import HFAdapter
+from cachefuse.chunks import KeyContext, chunk_key
+from cachefuse.config import CacheFuseConfig
+from cachefuse.engine import FusionEngine
+from cachefuse.metadata.base import variant_store_key
+from cachefuse.store.base import StoreIdentity
+from cachefuse.store.disk import DiskStore, encode_entry
+from tests.helpers.fusion import make_case, make_engine, precompute_case
+from tests.store.test_disk import _flip_data_byte, _truncate
+
+LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir) -> HFAdapter:
+    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
+
+
+@pytest.fixture(scope="module")
+def case(adapter):
+    return make_case(adapter.shape.vocab_size, seed=SEED)  # chunks: system, A, B, C; then the question
+
+
+def _full(adapter, case, config: CacheFuseConfig | None = None) -> FusionEngine:
+    engine = make_engine(adapter, config)
+    precompute_case(engine, case, with_hole=False)
+    return engine
+
+
+def _copy(source: FusionEngine, target: FusionEngine, skip: str = "") -> FusionEngine:
+    """`target` with every entry of `source`'s store but `skip` (keys only: no metadata rows)."""
+    for key in source.store.keys():
+        if key != skip:
+            assert target.store.put(key, source.store.get(key))
+    return target
+
+
+def _tensors(engine: FusionEngine, key: str) -> list[torch.Tensor]:
+    entry = engine.store.get(key)
+    return [*entry.k_nope, *entry.v]
+
+
+def test_precompute_stores_one_entry_per_chunk_under_its_content_key(adapter, case):
+    engine = make_engine(adapter)
+    keys = engine.precompute([case.system]) + engine.precompute(case.pieces, prefix_ids=case.system)
+    chunks = [case.system, *case.pieces]
+    assert keys == [chunk_key(ids, engine.key_context) for ids in chunks]
+    assert keys == [engine.key(ids) for ids in chunks]
+    assert sorted(engine.store.keys()) == sorted(keys) and len(set(keys)) == 4
+    for key, ids in zip(keys, chunks, strict=True):
+        entry = engine.store.get(key)
+        assert (entry.num_tokens, entry.num_layers) == (len(ids), adapter.shape.num_layers)
+        assert [r.prefix for r in engine.metastore.variants(key)] == [()]  # the base variant
+    # computed after the prefix, not alone
+    expected = engine.compute_chunk(case.pieces[0], case.system)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(engine, keys[1]), [*expected.k_nope, *expected.v],
+                                                 strict=True))
+    alone = engine.compute_chunk(case.pieces[0])
+    assert not torch.equal(alone.k_nope[-1], expected.k_nope[-1])
+
+    # Same content, another prefix: same key, nothing stored or recomputed; the stored bytes stay.
+    puts, before = engine.store.stats.puts, _tensors(engine, keys[1])
+    assert engine.precompute(case.pieces[::-1]) == keys[:0:-1]
+    assert engine.store.stats.puts == puts and engine.metastore.count() == 4
+    assert all(a is b for a, b in zip(_tensors(engine, keys[1]), before, strict=True))
+    # another key context (config hash) gives other keys
+    other = KeyContext("test-model", "float32", config_hash="other")
+    assert chunk_key(case.pieces[0], other) != keys[1]
+
+
+def test_all_chunks_stored_every_chunk_hits_and_token_counts_add_up(adapter, case):
+    engine = _full(adapter, case)
+    keys = list(engine.store.keys())
+    result, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15)
+    n = len(case.token_ids)
+    assert (stats.chunks_hit, stats.chunks_missed, stats.miss_reasons) == (4, 0, {})
+    assert stats.holes_saved == 0 and stats.saved_keys == () and result.hole_segments == []
+    assert stats.tokens_recomputed == stats.layer_rows[-1] < n and stats.tokens_reused > 0
+    assert stats.tokens_reused + stats.tokens_recomputed == n
+    assert len(stats.layer_rows) == len(stats.layer_seconds) == adapter.shape.num_layers
+    assert stats.bytes_loaded == sum(engine.store.get(k).nbytes for k in keys)
+    assert stats.load_bytes_by_tier == {"memory": stats.bytes_loaded}
+    assert stats.chunk_cfo == [0.0, 0.0, 0.5, 0.5]  # B and C: base variants after a non-empty prefix
+    assert engine.store.keys() == keys
+
+    _, full = engine.prefill(case.token_ids, case.chunks, selector="full_prefill")
+    assert (full.tokens_reused, full.tokens_recomputed, full.chunks_hit) == (0, n, 4)
+
+
+def test_ratio_one_and_full_prefill_equal_the_model_and_full_reuse_differs(adapter, case):
+    engine = _full(adapter, case)
+    with torch.inference_mode():
+        expected = adapter.model(torch.tensor([case.token_ids])).logits[0, -1].float()
+    ratio_one, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=1.0)
+    full, _ = engine.prefill(case.token_ids, case.chunks, selector="full_prefill")
+    torch.testing.assert_close(ratio_one.logits, expected, **LOGIT_TOL)
+    torch.testing.assert_close(full.logits, expected, **LOGIT_TOL)
+    reuse, stats = engine.prefill(case.token_ids, case.chunks, selector="full_reuse")
+    assert stats.chunks_hit == 4 and (reuse.logits - expected).abs().max() > 100 * LOGIT_TOL["atol"]
+
+
+@pytest.mark.parametrize("hole", [0, 1], ids=["first-chunk", "after-a-prefix"])
+def test_missing_chunk_is_a_hole_saved_under_its_variant_key_and_hit_next_time(adapter, case, hole):
+    engine = make_engine(adapter)
+    engine.precompute([case.system])
+    engine.precompute([p for i, p in enumerate(case.pieces) if i != hole], prefix_ids=case.system)
+    stored = set(engine.store.keys())
+    result, stats = engine.prefill(case.token_ids, case.chunks)
+    keys = [engine.key(p) for p in case.pieces]
+    saved = variant_store_key(keys[hole], tuple(keys[:hole]))  # the declared non-system chunks before it
+    assert (stats.chunks_hit, stats.chunks_missed, stats.miss_reasons) == (3, 1, {"not_stored": 1})
+    assert result.hole_segments == [hole + 1] and stats.chunk_cfo[hole + 1] is None
+    assert stats.holes_saved == 1 and stats.saved_keys == (saved,) and stats.save_failures == 0
+    assert set(engine.store.keys()) == stored | {saved} and (saved == keys[0]) == (hole == 0)
+    assert [r.store_key for r in stats.saved_variants] == [saved]
+    assert engine.store.get(saved).num_tokens == len(case.pieces[hole])
+
+    _, again = engine.prefill(case.token_ids, case.chunks)
+    assert (again.chunks_hit, again.chunks_missed, again.holes_saved) == (4, 0, 0)
+    assert again.chunk_cfo[hole + 1] == 0.0  # the saved variant matches its prefix exactly
+
+
+def test_save_holes_false_saves_nothing(adapter, case):
+    engine = make_engine(adapter)
+    precompute_case(engine, case)  # B a hole
+    keys, puts, rows = engine.store.keys(), engine.store.stats.puts, engine.metastore.count()
+    for _ in range(2):
+        _, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+        assert (stats.chunks_missed, stats.holes_saved) == (1, 0)
+        assert stats.saved_keys == () and stats.saved_variants == ()
+    assert engine.store.keys() == keys and engine.store.stats.puts == puts
+    assert engine.metastore.count() == rows
+
+
+@pytest.mark.parametrize("damage, reason", [(_flip_data_byte, "corrupt"), (_truncate, "truncated"),
+                                            ("foreign", "foreign_model")],
+                         ids=["flipped", "truncated", "foreign"])
+def test_damaged_disk_entry_is_a_hole_with_the_output_of_a_missing_one(adapter, case, tmp_path, damage,
+                                                                       reason):
+    source = _full(adapter, case)
+    identity = StoreIdentity("test-model", adapter.shape.num_layers, adapter.shape.dtype)
+    disk = FusionEngine(adapter, DiskStore(tmp_path, identity, 1 << 30), source.key_context,
+                        CacheFuseConfig())
+    engine = _copy(source, disk)
+    key_a = engine.key(case.pieces[0])
+    without_a = _copy(source, make_engine(adapter), skip=key_a)
+    path = tmp_path / key_a[:2] / f"{key_a}.safetensors"
+    if damage == "foreign":
+        foreign = StoreIdentity("other-model", adapter.shape.num_layers, torch.float32)
+        path.write_bytes(encode_entry(source.store.get(key_a), foreign))
+    else:
+        damage(path)
+
+    result, stats = engine.prefill(case.token_ids, case.chunks)
+    expected, expected_stats = without_a.prefill(case.token_ids, case.chunks, save_holes=False)
+    assert torch.equal(result.logits, expected.logits)
+    assert all(torch.equal(a, b) for a, b in zip(result.k + result.v, expected.k + expected.v, strict=True))
+    assert stats.miss_reasons == {reason: 1} and expected_stats.miss_reasons == {"not_stored": 1}
+    assert (stats.chunks_hit, stats.chunks_missed) == (3, 1) and result.hole_segments == [1]
+    assert stats.saved_keys == (key_a,)  # saved again in place of the bad file
+    _, again = engine.prefill(case.token_ids, case.chunks)
+    assert (again.chunks_hit, again.miss_reasons) == (4, {})
+
+
+def test_wrong_length_entry_is_a_hole_with_the_output_of_a_missing_one(adapter, case):
+    engine = _full(adapter, case)
+    key_a = engine.key(case.pieces[0])
+    without_a = _copy(engine, make_engine(adapter), skip=key_a)
+    engine.store.put(key_a, engine.compute_chunk(case.pieces[1], case.system))  # B's 19 tokens under A's key
+    expected, _ = without_a.prefill(case.token_ids, case.chunks, save_holes=False)
+    # save_holes=False: such a hole is not re-saved today (the bad entry stays: contains() is true)
+    for depth in (0, 2):  # serial: checked on load; pipelined: a mid-pass miss, the pass re-run
+        result, stats = engine.prefill(case.token_ids, case.chunks, preload_depth=depth, save_holes=False)
+        assert stats.miss_reasons == {"length_mismatch": 1} and result.hole_segments == [1]
+        assert stats.chunks_hit == 3 and torch.equal(result.logits, expected.logits)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_stored_tensors_unchanged_by_prefill(adapter, case, depth):
+    engine = _full(adapter, case, CacheFuseConfig(preload_depth=depth))
+    before = {key: [t.clone() for t in _tensors(engine, key)] for key in engine.store.keys()}
+    for selector in ("cacheblend", "full_reuse"):
+        engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.3)
+    for key, tensors in before.items():
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(engine, key), tensors, strict=True))
+
+
+def test_stats_to_dict_is_json_and_blend_time_comes_from_the_clock(adapter, case):
+    ticks = []
+
+    def clock() -> float:
+        ticks.append(float(len(ticks)))
+        return ticks[-1]
+
+    store = make_engine(adapter).store
+    engine = FusionEngine(adapter, store, KeyContext("test-model", "float32"),
+                          CacheFuseConfig(collect_attention_stats=True), clock=clock)
+    precompute_case(engine, case)
+    ticks.clear()
+    _, stats = engine.prefill(case.token_ids, case.chunks)
+    assert 0 < stats.blend_time_s <= ticks[-1] - ticks[0] and stats.blend_time_s.is_integer()  # clock ticks
+    data = json.loads(json.dumps(stats.to_dict()))
+    assert data["saved_keys"] == list(stats.saved_keys) and len(data["saved_variants"]) == 1
+    assert data["miss_reasons"] == {"not_stored": 1} and data["chunks_hit"] == 3
+
+
+def test_choices_of_the_wrong_length_are_refused(adapter, case):
+    engine = make_engine(adapter)
+    with pytest.raises(ValueError, match="3 variant choices for 4 declared chunks"):
+        engine.prefill(case.token_ids, case.chunks, choices=[None] * 3)
