@@ -1,14 +1,16 @@
-"""One way to reach Redis: a client whose every call fails within its timeout, never retried.
+"""One way to reach Redis: a client that never retries, and URLs safe to print.
 
 Imports the standard library and cachefuse.errors; no torch (the scheduler's metadata reads use it), and
-redis only inside `redis_client` (it is an optional extra). Both Redis users, the K/V tier
-(`cachefuse.store.redis`) and the metadata store (`cachefuse.metadata.redis`), get their clients here,
-so a shared cache behaves the same everywhere: every call fails within about the timeout.
+redis only inside `redis_client` (it is an optional extra, and `redact_url` serves every process). Both
+Redis users, the K/V tier (`cachefuse.store.redis`) and the metadata store (`cachefuse.metadata.redis`),
+get their clients here, so a shared cache behaves the same everywhere: every call fails within about
+the timeout, and no message or log line carries a password.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 from cachefuse.errors import ConfigError
 
@@ -42,5 +44,29 @@ def redis_client(url: str, timeout_s: float, *, decode_responses: bool = False) 
                                     decode_responses=decode_responses)
     except ValueError as exc:
         expected = "redis://host:port/db or rediss://..."
-        raise ConfigError(f"redis_url={url!r}: {exc}; expected {expected}") from None
+        raise ConfigError(f"redis_url={redact_url(url)!r}: {exc}; expected {expected}") from None
 
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials masked, for messages and logs.
+
+    The password becomes `***` ("redis://user:secret@host:6379/0" -> "redis://user:***@host:6379/0");
+    a lone user-info part ("redis://secret@host"), which some servers read as a password, and the
+    user-info of a URL that does not parse are masked whole; a URL without "@" is returned unchanged.
+    """
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # a malformed port or netloc
+        parts, password = None, None
+    if parts is None or (password is None and "@" in url):
+        head, sep, tail = url.rpartition("@")
+        if not sep:
+            return url
+        scheme, colon, _ = head.partition("://")
+        return f"{scheme}://***@{tail}" if colon else f"***@{tail}"
+    if password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -68,11 +68,12 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
     """
     if url.startswith(("redis://", "rediss://")):
         from cachefuse.metadata.redis import RedisMetaStore
+        from cachefuse.redis_client import redact_url
         from cachefuse.store.redis import list_redis_keys
 
         metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s)
         try:
-            return report_from(url, metastore, list_redis_keys(url, timeout_s=timeout_s))
+            return report_from(redact_url(url), metastore, list_redis_keys(url, timeout_s=timeout_s))
         finally:
             metastore.close()
     from cachefuse.store.disk import list_keys

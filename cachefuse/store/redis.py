@@ -45,7 +45,7 @@ import redis
 import torch
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.redis_client import redis_client
+from cachefuse.redis_client import redact_url, redis_client
 from cachefuse.store import base, disk
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
@@ -412,6 +412,6 @@ def list_redis_keys(url: str, *, timeout_s: float = 0.5, namespace: str = "cache
     try:
         return {key.decode() for key in client.zrange(f"{namespace}:kv:lru", 0, -1)}
     except redis.RedisError as exc:
-        raise StoreError(f"redis at {url}: {type(exc).__name__}: {exc}") from exc
+        raise StoreError(f"redis at {redact_url(url)}: {type(exc).__name__}: {exc}") from exc
     finally:
         client.close()

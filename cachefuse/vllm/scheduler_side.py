@@ -29,6 +29,7 @@ from cachefuse.loading.figures import ComputeFigures, TierFigures
 from cachefuse.metadata import open_config_metastore
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import IndexRefresher, VariantChoice, VariantIndex, plan_variants
+from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import make_selector
 from cachefuse.store.disk import list_keys
@@ -90,7 +91,7 @@ class SchedulerSide:
         """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self._stats = CacheFuseConnectorStats()
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
-                    config.redis_url or config.store_path)
+                    redact_url(config.redis_url) if config.redis_url else config.store_path)
 
     def _start_index(self, config: CacheFuseConfig) -> IndexRefresher | None:
         """Loads the variant index once, then keeps it current on a background thread (other engines'
