@@ -8,7 +8,15 @@ is chosen here by CFO and sent in the plan (advisory: the worker re-checks every
 
 A request's outcome dict is created when it is planned and returned by `request_finished`; vLLM
 passes that same object on to the response, and in the step where the blend ran the worker's
-figures arrive (update_connector_output) after request_finished, so they are filled in place.
+figures arrive (update_connector_output) after request_finished, so they are filled in place. Its
+`status` ends as one of the documented values: `fused`, `fallback`, or `not_run` (planned, but the
+request finished before its blend ran); never the internal `planned`.
+
+Preemption: vLLM frees a preempted request's blocks and, when it resumes it, asks again how many
+tokens the connector holds. The request is planned again (`preemptions` counts how often) and its
+plan is sent with the new block table, which vLLM lists under the cached requests
+(`resumed_req_ids`), not the new ones: the blend writes [0, N-1) again before vLLM recomputes the
+rest. Without that plan vLLM would decode over blocks nothing wrote.
 """
 
 from __future__ import annotations
@@ -50,6 +58,19 @@ def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
     if plans or not scheduled or set(scheduled) != new_ids:
         return 0
     return int(sum(scheduled.values()))
+
+
+def _scheduled_block_ids(scheduler_output: Any) -> dict[str, list[int]]:
+    """req_id -> its whole block table, for the requests whose prompt this step computes from scratch:
+    new ones, and preempted ones resumed this step. vLLM lists a resumed request among the cached
+    requests (`resumed_req_ids`), its `new_block_ids` replacing the blocks it held before."""
+    block_ids_of = {r.req_id: list(r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or ()
+    for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if req_id in resumed and new_block_ids is not None:
+            block_ids_of[req_id] = list(new_block_ids[0])
+    return block_ids_of
 
 
 @dataclass
@@ -160,6 +181,13 @@ class SchedulerSide:
             fusion = dataclasses.replace(fusion, recompute_ratio=controller["ratio"])
         outcome = {"status": "planned", "selector": fusion.selector, "recompute_ratio": fusion.recompute_ratio,
                    "chunks": len(keys), "chunks_indexed": sum(indexed)}
+        previous = self._pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
+        preemptions = previous.outcome.get("preemptions", 0) if previous is not None else 0
+        if previous is not None and previous.sent:  # its plan ran: vLLM preempted it and resumes it now
+            preemptions += 1
+            self.counters["requests_replanned_after_preemption"] += 1
+        if preemptions:
+            outcome["preemptions"] = preemptions
         if controller is not None:
             outcome["controller"] = controller
         self._pending[req_id] = _Pending(fusion, prompt, outcome, variants)  # idempotent: a re-call replaces it
@@ -207,13 +235,13 @@ class SchedulerSide:
         pending.block_ids = list(blocks.get_block_ids()[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheFuseMetadata:
-        block_ids_of = {r.req_id: r.block_ids[0] for r in scheduler_output.scheduled_new_reqs}
         plans = []
+        block_ids_of = _scheduled_block_ids(scheduler_output)
         for req_id, pending in self._pending.items():
             if pending.sent or req_id not in block_ids_of:
                 continue
             pending.sent = True
-            plans.append(self._blend_plan(req_id, pending, list(block_ids_of[req_id])))
+            plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
         self._budget = _StepBudget()
         return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
 
@@ -254,7 +282,10 @@ class SchedulerSide:
                 for miss, count in (figures.get("miss_reasons") or {}).items():
                     self.counters[f"miss:{miss}"] += count
                 self.counters["save_failures"] += figures.get("save_failures", 0)
-        self._awaiting.clear()  # figures of a blend arrive in the step that ran it, or never
+        for outcome in self._awaiting.values():  # figures of a blend arrive in the step that ran it, or never
+            if outcome.get("status") == "planned":
+                outcome.update(status="not_run", detail="no figures came back from the worker for its blend")
+        self._awaiting.clear()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -263,7 +294,10 @@ class SchedulerSide:
         if outcome is None:
             return False, None
         if outcome.get("status") == "planned":
-            self._awaiting[req_id] = outcome  # this step's worker figures will fill it in place
+            if pending is not None and pending.sent:
+                self._awaiting[req_id] = outcome  # this step's worker figures will fill it in place
+            else:  # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
+                outcome.update(status="not_run", detail="the request finished before its blend ran")
         return False, {"cachefuse": outcome}
 
     def _fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:

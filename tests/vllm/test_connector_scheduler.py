@@ -37,10 +37,16 @@ def blocks(num_tokens: int, block_size: int = 16, first: int = 7):
     return SimpleNamespace(get_block_ids=lambda: (ids,))
 
 
-def step_output(*reqs):
+def step_output(*reqs, resumed=(), resumed_first_block: int = 40):
+    """A SchedulerOutput: `reqs` scheduled as new, `resumed` as preempted requests resumed this step (vLLM
+    lists those among the cached requests, with a whole new block table)."""
     new = [SimpleNamespace(req_id=r.request_id, block_ids=(blocks(len(r.prompt_token_ids)).get_block_ids()[0],))
            for r in reqs]
-    return SimpleNamespace(scheduled_new_reqs=new)
+    cached = SimpleNamespace(
+        req_ids=[r.request_id for r in resumed], resumed_req_ids={r.request_id for r in resumed},
+        new_block_ids=[(blocks(len(r.prompt_token_ids), first=resumed_first_block).get_block_ids()[0],)
+                       for r in resumed])
+    return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached)
 
 
 def assert_no_state(side: SchedulerSide) -> None:
@@ -73,7 +79,7 @@ def test_allocation_failing_after_the_hook_leaves_the_plan_unsent(make_side):
     side = make_side()
     req = request("r1")
     side.get_num_new_matched_tokens(req, 0)
-    assert side.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[])).plans == []  # not scheduled
+    assert side.build_connector_meta(step_output()).plans == []  # not scheduled
     side.get_num_new_matched_tokens(req, 0)  # retried in a later step
     side.update_state_after_alloc(req, blocks(100), 99)
     assert len(side.build_connector_meta(step_output(req)).plans) == 1
@@ -82,13 +88,48 @@ def test_allocation_failing_after_the_hook_leaves_the_plan_unsent(make_side):
     assert_no_state(side)
 
 
-def test_aborted_before_scheduling_leaves_nothing(make_side):
+def test_aborted_before_scheduling_leaves_nothing_and_says_it_never_ran(make_side):
     side = make_side()
     req = request("r1")
     side.get_num_new_matched_tokens(req, 0)
-    side.request_finished(req, [])
+    _, params = side.request_finished(req, [])
+    assert params["cachefuse"]["status"] == "not_run"  # never the internal "planned"
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
     assert_no_state(side)
+
+
+def test_a_preempted_request_is_planned_again_with_its_new_blocks_when_resumed(make_side):
+    side = make_side()
+    req = request("r1")
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(100), 99)
+    (first,) = side.build_connector_meta(step_output(req)).plans
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        {"r1": {"status": "fused", "fallback_reason": None}})))
+    # vLLM preempts r1 (its blocks are freed), later resumes it and asks the connector again.
+    assert side.get_num_new_matched_tokens(req, 0) == (99, False)
+    side.update_state_after_alloc(req, blocks(100, first=40), 99)
+    (again,) = side.build_connector_meta(step_output(resumed=[req], resumed_first_block=40)).plans
+    assert first.block_ids == [7, 8, 9, 10, 11, 12, 13] and again.block_ids == [40, 41, 42, 43, 44, 45, 46]
+    assert again.slot_mapping[0] == 40 * 16 and again.token_ids == first.token_ids
+    assert side.build_connector_meta(step_output()).plans == []  # sent once per resumption
+    _, params = side.request_finished(req, [])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        {"r1": {"status": "fused", "fallback_reason": None}})))
+    assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["preemptions"] == 1
+    assert side.counters["requests_replanned_after_preemption"] == 1
+    assert_no_state(side)
+
+
+def test_a_running_request_listed_among_cached_ones_is_not_planned_again(make_side):
+    side = make_side()
+    req = request("r1")
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(100), 99)
+    assert len(side.build_connector_meta(step_output(req)).plans) == 1
+    running = step_output()
+    running.scheduled_cached_reqs = SimpleNamespace(req_ids=["r1"], resumed_req_ids=set(), new_block_ids=[None])
+    assert side.build_connector_meta(running).plans == []  # decoding: only resumed requests are re-blended
 
 
 def test_budget_defers_but_always_admits_one(make_side):
