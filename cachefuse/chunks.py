@@ -121,19 +121,28 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def chunk_key(token_ids: Sequence[int], ctx: KeyContext) -> str:
-    """The store key of a chunk: its content and `ctx`, never its position or prefix.
+def chunk_key(token_ids: Sequence[int], ctx: KeyContext, *, at_prompt_start: bool = False) -> str:
+    """The store key of a chunk: its content and `ctx`, never its position or prefix; and whether it
+    was computed at the start of a prompt, with nothing before it.
+
+    A chunk at offset 0 (the system chunk) is reused as exact, with no row recomputed, so its entry
+    must hold K/V computed at positions 0..n-1 after nothing: that is a different entry from the same
+    text computed after anything else (a system prompt, a BOS token, glue), which is only ever reused
+    approximately. `at_prompt_start` keys the two apart, so one request's hole can never be served
+    as another request's exact system chunk.
 
     Args:
         token_ids: the chunk's ids as tokenized on its own, [num_tokens].
         ctx: model, dtype, tensor-parallel and config identity.
+        at_prompt_start: the chunk sits at offset 0 (computed after nothing).
 
     Returns:
-        32 hex characters of a sha256 over `ctx` and the ids as little-endian int64.
+        32 hex characters of a sha256 over `ctx`, the start flag and the ids as little-endian int64.
     """
-    header = json.dumps(
-        [ctx.model_fingerprint, ctx.kv_dtype, ctx.tp_size, ctx.tp_rank, ctx.config_hash, len(token_ids)]
-    ).encode()
+    fields = [ctx.model_fingerprint, ctx.kv_dtype, ctx.tp_size, ctx.tp_rank, ctx.config_hash, len(token_ids)]
+    if at_prompt_start:  # appended only when set: every other key is what it always was
+        fields.append("at_prompt_start")
+    header = json.dumps(fields).encode()
     h = hashlib.sha256(_KEY_VERSION)
     h.update(struct.pack("<Q", len(header)))
     h.update(header)

@@ -123,12 +123,13 @@ class FusionEngine:
         """How many leading layers `selector` computes in full on this model."""
         return make_selector(selector, self.config).num_full_layers(self.adapter.shape.num_layers)
 
-    def key(self, token_ids: Sequence[int]) -> str:
-        return chunk_key(token_ids, self.key_context)
+    def key(self, token_ids: Sequence[int], *, at_prompt_start: bool = False) -> str:
+        """This rank's key of a chunk (`at_prompt_start`: the system chunk, computed after nothing)."""
+        return chunk_key(token_ids, self.key_context, at_prompt_start=at_prompt_start)
 
-    def meta_key(self, token_ids: Sequence[int]) -> str:
+    def meta_key(self, token_ids: Sequence[int], *, at_prompt_start: bool = False) -> str:
         """The chunk's key in the metadata (rank 0's under tensor parallelism)."""
-        return chunk_key(token_ids, self.meta_key_context)
+        return chunk_key(token_ids, self.meta_key_context, at_prompt_start=at_prompt_start)
 
     def own_store_key(self, own_key: str, choice: VariantChoice) -> str:
         """This rank's K/V key of the chosen variant: its own chunk key, plus the variant id unless base."""
@@ -146,10 +147,11 @@ class FusionEngine:
         return extract_chunk_kv(result, segments[-1], self.adapter.rope_spec, meta={"variant": "base"})
 
     def precompute(self, chunks: Sequence[Sequence[int]], prefix_ids: Sequence[int] = ()) -> list[str]:
-        """Stores each chunk's base variant (computed after `prefix_ids`, e.g. the system prompt)."""
+        """Stores each chunk's base variant (computed after `prefix_ids`, e.g. the system prompt); with
+        no `prefix_ids`, each chunk's entry as a system chunk (computed at the prompt's start)."""
         keys = []
         for chunk_ids in chunks:
-            key = self.key(chunk_ids)
+            key = self.key(chunk_ids, at_prompt_start=not prefix_ids)
             if not self.store.contains(key):
                 entry = self.compute_chunk(chunk_ids, prefix_ids)
                 if self.store.put(key, entry):
@@ -167,7 +169,7 @@ class FusionEngine:
         """Which variant each declared chunk reuses (cachefuse.metadata.index rules), from this engine's
         metadata store; the vLLM scheduler makes the same choice from its in-process index."""
         segments = [s for s in segment_prompt(len(token_ids), chunks) if s.is_chunk]
-        keys = [self.meta_key(token_ids[s.start:s.end]) for s in segments]
+        keys = [self.meta_key(token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments]
         index = VariantIndex()
         for key in dict.fromkeys(keys):
             try:
@@ -202,9 +204,11 @@ class FusionEngine:
         ids = torch.tensor(list(token_ids), dtype=torch.int64)
         segments = segment_prompt(len(token_ids), chunks)
         chunk_indices = [i for i, s in enumerate(segments) if s.is_chunk]
-        keys = {i: self.key(token_ids[segments[i].start:segments[i].end]) for i in chunk_indices}
+        keys = {i: self.key(token_ids[segments[i].start:segments[i].end], at_prompt_start=segments[i].is_system)
+                for i in chunk_indices}
         meta_keys = keys if self.meta_key_context == self.key_context else {
-            i: self.meta_key(token_ids[segments[i].start:segments[i].end]) for i in chunk_indices}
+            i: self.meta_key(token_ids[segments[i].start:segments[i].end], at_prompt_start=segments[i].is_system)
+            for i in chunk_indices}
         if choices is None:
             choices = self.plan_variants(token_ids, chunks)
         if len(choices) != len(chunk_indices):

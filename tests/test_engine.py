@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 
+from cachefuse import ops
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
@@ -66,8 +67,10 @@ def test_precompute_stores_one_entry_per_chunk_under_its_content_key(adapter, ca
     engine = make_engine(adapter)
     keys = engine.precompute([case.system]) + engine.precompute(case.pieces, prefix_ids=case.system)
     chunks = [case.system, *case.pieces]
-    assert keys == [chunk_key(ids, engine.key_context) for ids in chunks]
-    assert keys == [engine.key(ids) for ids in chunks]
+    starts = [True, False, False, False]  # the system chunk is keyed as computed at the prompt's start
+    assert keys == [chunk_key(ids, engine.key_context, at_prompt_start=s)
+                    for ids, s in zip(chunks, starts, strict=True)]
+    assert keys == [engine.key(ids, at_prompt_start=s) for ids, s in zip(chunks, starts, strict=True)]
     assert sorted(engine.store.keys()) == sorted(keys) and len(set(keys)) == 4
     for key, ids in zip(keys, chunks, strict=True):
         entry = engine.store.get(key)
@@ -82,7 +85,7 @@ def test_precompute_stores_one_entry_per_chunk_under_its_content_key(adapter, ca
 
     # Same content, another prefix: same key, nothing stored or recomputed; the stored bytes stay.
     puts, before = engine.store.stats.puts, _tensors(engine, keys[1])
-    assert engine.precompute(case.pieces[::-1]) == keys[:0:-1]
+    assert engine.precompute(case.pieces[::-1], prefix_ids=case.question) == keys[:0:-1]
     assert engine.store.stats.puts == puts and engine.metastore.count() == 4
     assert all(a is b for a, b in zip(_tensors(engine, keys[1]), before, strict=True))
     # another key context (config hash) gives other keys
@@ -230,3 +233,27 @@ def test_choices_of_the_wrong_length_are_refused(adapter, case):
     engine = make_engine(adapter)
     with pytest.raises(ValueError, match="3 variant choices for 4 declared chunks"):
         engine.prefill(case.token_ids, case.chunks, choices=[None] * 3)
+
+
+def test_a_chunk_saved_after_other_tokens_is_never_served_as_an_exact_system_chunk(adapter, case):
+    """One request's hole must not become another request's system chunk: the system chunk (offset 0)
+    is reused with no row recomputed, so only an entry computed at the prompt's start may serve it."""
+    engine = make_engine(adapter)
+    doc, glue = case.pieces[0], case.question
+    # Tenant 1: the document after undeclared tokens, no declared chunk before it: saved with prefix ().
+    first = glue + doc + case.pieces[1]
+    engine.prefill(first, [[len(glue), len(glue) + len(doc)]], selector="full_reuse")
+    (saved,) = engine.store.keys()
+    assert saved == engine.key(doc) != engine.key(doc, at_prompt_start=True)
+    # Tenant 2: the same text as its system chunk, nothing recomputed after the (zero) full layers.
+    second = doc + case.pieces[2] + case.question
+    result, stats = engine.prefill(second, [[0, len(doc)]], selector="full_reuse", save_holes=False)
+    assert stats.chunks_hit == 0 and stats.miss_reasons == {"not_stored": 1}
+    exact, _ = engine.prefill(second, [], selector="full_prefill", save_holes=False)
+    positions = torch.arange(len(doc))
+    for layer in range(adapter.shape.num_layers):
+        torch.testing.assert_close(result.k[layer][:len(doc)], exact.k[layer][:len(doc)], atol=1e-5, rtol=1e-5)
+    # Negative control: the entry tenant 1 saved is not the exact one, so serving it would change the answer.
+    stored = engine.store.get(saved).k_nope[-1]
+    exact_k_nope = ops.strip_rope(exact.k[-1][:len(doc)], positions, adapter.rope_spec)
+    assert (stored - exact_k_nope).abs().max() > 1e-3

@@ -149,7 +149,8 @@ def test_unselected_rows_are_loaded_values_rerotated(adapters):
     precompute_case(engine, case)
     result, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15, save_holes=False)
     segments = segment_prompt(len(case.token_ids), case.chunks)
-    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end])) for i, s in enumerate(segments)}
+    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system))
+              for i, s in enumerate(segments)}
     full_layers = make_selector("cacheblend", CacheFuseConfig()).num_full_layers(adapter.shape.num_layers)
     checked = 0
     for layer in range(full_layers, adapter.shape.num_layers):
@@ -197,7 +198,8 @@ def test_poisoned_key_after_check_layer_is_invisible(adapters):
     case = make_case(adapter.shape.vocab_size, seed=6)
     precompute_case(engine, case, with_hole=False)
     segments = segment_prompt(len(case.token_ids), case.chunks)
-    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end])) for i, s in enumerate(segments)
+    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system))
+              for i, s in enumerate(segments)
               if s.is_chunk}
     poison_at = case.chunks[3][0] + 5  # inside chunk C: rows of chunks A and B must never see it
 

@@ -14,7 +14,9 @@ Rules (docs/variants.md):
    metadata store, or by another tool) is a base variant without statistics: prefix (), CCI 0.5.
 4. A chunk whose best CFO is >= `admission_cfo` is not loaded: it is computed in full in the prompt
    and stored as a new variant for its prefix (None: only chunks with no variant are computed).
-5. A system chunk always reuses its base variant (it never moves, so its K/V are exact).
+5. A system chunk always reuses its base variant (it never moves, so its K/V are exact). Its key is
+   `chunk_key(..., at_prompt_start=True)`: only an entry computed at the prompt's start, after nothing,
+   is ever found under it, never the same text computed after other tokens.
 """
 
 from __future__ import annotations

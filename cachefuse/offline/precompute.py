@@ -207,7 +207,7 @@ def _plan(tokenizer: Any, system: str, texts: list[str], key_context: KeyContext
     report = PrecomputeReport(num_chunks=len(texts))
     system_ids = build_rag_prompt(tokenizer, system, [], "").token_ids
     if system:
-        report.system_key = chunk_key(system_ids, key_context)
+        report.system_key = chunk_key(system_ids, key_context, at_prompt_start=True)
         report.system_status = "skipped" if report.system_key in stored else "pending"
     items, seen = [], set()
     for index, text in enumerate(texts):

@@ -167,7 +167,7 @@ class SchedulerSide:
                 return None, False  # over this step's blend budget: retried next step
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
-        keys = [chunk_key(prompt[s:e], self.key_context) for s, e in fusion.chunks]
+        keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
                                  [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
                                  self.config.variant_admission_cfo)

@@ -130,7 +130,8 @@ class WorkerSide:
         self._meta.evicted_variants.extend(stats.evicted_variants)
         self.figures.observe_blend(stats, len(plan.token_ids))
         if self.placement is not None:
-            self.placement.record(self.engine.key(plan.token_ids[s:e]) for s, e in plan.chunks)
+            self.placement.record(self.engine.key(plan.token_ids[s:e], at_prompt_start=s == 0)
+                                  for s, e in plan.chunks)
             for key, source, target in self.placement.apply():
                 logger.debug("cachefuse placement: %s %s -> %s", key, source, target)
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
