@@ -5,6 +5,10 @@ Three measurements, each the median of `--repeats` timed calls after one warm-up
 1. Scheduler planning: `metadata.index.plan_variants` for a prompt of a system chunk and 8 retrieved
    chunks, over an index of 100 chunks x 5 variants (each after 3 other chunks, with statistics and a
    512-token ranking). This runs inside vLLM's `schedule()`.
+1b. Planning at scale: a prompt of a system chunk and 64 retrieved chunks over an index of 10,000
+   variants (1,000 chunks x 10), with prefixes capped at `max_variant_prefix_chunks` (16, the default)
+   and, for comparison, uncapped (every variant recorded after 63 chunks, planned against up to 63);
+   and the capped planning time for 8..128 chunks, which must grow linearly with the chunk count.
 2. Worker metadata writes, SQLite file in a temporary directory under --tmp: `record_uses` of 8
    variants (one transaction: a request's reuses) and `put` of a new variant (a saved hole).
 3. K/V reads of one 12.6 MB entry (512 tokens x 12 layers x 4 KV heads x 64, fp32): the Redis tier on
@@ -67,6 +71,38 @@ def variant_records(rng: random.Random, num_chunks: int = 100, per_chunk: int = 
     return records
 
 
+def scale_index(rng: random.Random, prefix_len: int, num_chunks: int = 1000, per_chunk: int = 10
+                ) -> tuple[VariantIndex, list[str]]:
+    """10,000 variants, each recorded after `prefix_len` other chunks (no token ranking: it costs planning
+    nothing but memory)."""
+    keys = [f"c{i:04d}" for i in range(num_chunks)]
+    index = VariantIndex()
+    for key in keys:
+        for _ in range(per_chunk):
+            prefix = tuple(k for k in rng.sample(keys, prefix_len + 1) if k != key)[:prefix_len]
+            index.add(VariantRecord(chunk_key=key, prefix=prefix, inter={p: rng.random() for p in prefix},
+                                    intra=1.0, num_tokens=256, prefix_num_tokens=dict.fromkeys(prefix, 256)))
+    index.add(VariantRecord.without_stats("sys", (), 64))
+    return index, keys
+
+
+def measure_planning_scale(repeats: int) -> dict:
+    rng = random.Random(1)
+    out: dict = {}
+    for label, prefix_len, cap in (("capped", 16, 16), ("uncapped", 63, None)):
+        index, keys = scale_index(rng, prefix_len)
+        chosen = ["sys", *rng.sample(keys, 64)]
+        out[f"plan_64_chunks_10k_variants_{label}_s"] = timed(
+            lambda index=index, chosen=chosen, cap=cap: plan_variants(
+                index, chosen, [True] + [False] * 64, [64] + [256] * 64, 1.0, max_prefix_chunks=cap), repeats)
+        if label == "capped":
+            out["plan_capped_s_by_chunks"] = {
+                n: timed(lambda n=n, index=index, keys=keys, cap=cap: plan_variants(
+                    index, ["sys", *keys[:n]], [True] + [False] * n, [64] + [256] * n, 1.0,
+                    max_prefix_chunks=cap), repeats) for n in (8, 16, 32, 64, 128)}
+    return out
+
+
 def measure(repeats: int, tmp: Path) -> dict:
     rng = random.Random(0)
     records = variant_records(rng)
@@ -75,6 +111,7 @@ def measure(repeats: int, tmp: Path) -> dict:
     chosen = ["sys", *rng.sample(sorted({r.chunk_key for r in records}), 8)]
     out = {"plan_variants_s": timed(lambda: plan_variants(index, chosen, [True] + [False] * 8, [64] + [512] * 8,
                                                            1.0), repeats)}
+    out.update(measure_planning_scale(max(3, repeats // 4)))
 
     with tempfile.TemporaryDirectory(dir=tmp) as root:
         store = SqliteMetaStore(str(Path(root) / "meta.sqlite"), max_variants=100_000)
@@ -119,12 +156,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     m = result["medians"]
-    names = ["plan_variants", "sqlite record_uses (8)", "sqlite put (new)", "redis get_layer", "disk get",
-             "redis get"]
-    values = [m["plan_variants_s"], m["sqlite_record_uses_8_s"], m["sqlite_put_new_variant_s"],
-              m["redis_get_layer_s"], m["disk_get_s"], m["redis_get_s"]]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.barh(names, [1e3 * v for v in values], color=["C0", "C1", "C1", "C2", "C3", "C2"])
+    names = ["plan 8 chunks / 500 variants", "plan 64 chunks / 10k variants", "same, prefixes uncapped",
+             "sqlite record_uses (8)", "sqlite put (new)", "redis get_layer", "disk get", "redis get"]
+    values = [m["plan_variants_s"], m["plan_64_chunks_10k_variants_capped_s"],
+              m["plan_64_chunks_10k_variants_uncapped_s"], m["sqlite_record_uses_8_s"],
+              m["sqlite_put_new_variant_s"], m["redis_get_layer_s"], m["disk_get_s"], m["redis_get_s"]]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.barh(names, [1e3 * v for v in values], color=["C0", "C0", "C4", "C1", "C1", "C2", "C3", "C2"])
     for y, v in enumerate(values):
         ax.text(1e3 * v, y, f" {1e3 * v:.2f} ms", va="center", fontsize=8)
     ax.set_xscale("log")
@@ -150,9 +188,12 @@ def main() -> None:
     (args.out / "metadata.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "metadata.png")
     for name, value in medians.items():
-        shown = f"{value / 1e9:.2f} GB/s" if name.endswith("per_s") else (
-            f"{value / 1e6:.1f} MB" if name == "entry_bytes" else f"{value * 1e3:.3f} ms")
-        print(f"{name:<28} {shown}")
+        if isinstance(value, dict):
+            shown = ", ".join(f"{n}: {v * 1e3:.2f} ms" for n, v in value.items())
+        else:
+            shown = f"{value / 1e9:.2f} GB/s" if name.endswith("per_s") else (
+                f"{value / 1e6:.1f} MB" if name == "entry_bytes" else f"{value * 1e3:.3f} ms")
+        print(f"{name:<40} {shown}")
 
 
 if __name__ == "__main__":

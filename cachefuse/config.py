@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,12 @@ class CacheFuseConfig:
     redis_url: str | None = None
     """A shared tier for several vLLM instances: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
     K/V and variant metadata then live in Redis (memory and disk tiers, when enabled, cache it locally)."""
+    redis_password_env: str | None = None
+    """The name of an environment variable holding Redis's password, so it need not sit in the URL (or
+    in a config file); read once, when the config is built. Overrides a password in `redis_url`."""
+    redis_password_file: str | None = None
+    """A file holding Redis's password (e.g. a mounted secret; surrounding whitespace is dropped), read
+    once, when the config is built. Overrides a password in `redis_url`."""
     redis_capacity_bytes: int = 0
     """Byte budget of the Redis tier over its namespace (LRU); 0: only Redis's own maxmemory applies."""
     redis_timeout_s: float = 0.5
@@ -116,6 +123,18 @@ class CacheFuseConfig:
     the prompt (before the first: system chunk; after the last: the question). None disables it."""
     allow_debug_overrides: bool = False
     """Accept `selected_rows` in a request (tests inject the same selection into two engines)."""
+    max_chunks_per_request: int = 128
+    """Declared chunks a request may carry; one with more runs as plain vLLM (reason `over_limit`). Planning
+    and saving cost grows with it, inside vLLM's scheduler step."""
+    min_chunk_tokens: int = 2
+    """Tokens a declared chunk must have; a request declaring a shorter one runs as plain vLLM (`over_limit`):
+    a one-token chunk costs a store entry and a metadata row and saves nothing."""
+    max_chunk_text_bytes: int = 1 << 20
+    """UTF-8 bytes of a request's `chunk_texts`, summed; more runs as plain vLLM (`over_limit`) before any is
+    tokenized (tokenizing happens inside vLLM's scheduler step)."""
+    max_variant_prefix_chunks: int = 16
+    """A variant's prefix is the declared chunks before it, the nearest this many: Cache-Craft's order penalty
+    costs O(m^2) per variant scored, so an unbounded prefix would make planning cubic in a request's chunks."""
 
     def __post_init__(self) -> None:
         if self.selector not in SELECTORS:
@@ -155,8 +174,8 @@ class CacheFuseConfig:
             _fail("placement", self.placement, f"one of {', '.join(PLACEMENTS)}")
         for name in ("placement_hot", "placement_cold", "placement_half_life_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                _fail(name, value, "a positive number")
+            if not _is_number(value) or not 0 < value < math.inf:
+                _fail(name, value, "a positive finite number")
         if not self.placement_cold < self.placement_hot:
             _fail("placement_cold", self.placement_cold, f"a number below placement_hot={self.placement_hot!r}")
         if self.collect_attention_stats is not None and not isinstance(self.collect_attention_stats, bool):
@@ -171,6 +190,7 @@ class CacheFuseConfig:
             _fail("separator_token_id", self.separator_token_id, "null or a token id >= 0")
         if not isinstance(self.allow_debug_overrides, bool):
             _fail("allow_debug_overrides", self.allow_debug_overrides, "true or false")
+        self._validate_request_limits()
         if self.eviction_policy not in EVICTION_POLICIES:
             _fail("eviction_policy", self.eviction_policy, f"one of {', '.join(EVICTION_POLICIES)}")
 
@@ -190,10 +210,53 @@ class CacheFuseConfig:
         if self.redis_url is not None and (not isinstance(self.redis_url, str)
                                            or not self.redis_url.startswith(("redis://", "rediss://"))):
             _fail("redis_url", self.redis_url, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')
+        self._resolve_redis_password()
         for name in ("redis_timeout_s", "index_refresh_interval_s"):
             value = getattr(self, name)
             if not _is_number(value) or not 0.0 < value <= 3600.0:
                 _fail(name, value, "a positive number of seconds (at most 3600)")
+
+    def _validate_request_limits(self) -> None:
+        for name, low in (("max_chunks_per_request", 1), ("min_chunk_tokens", 1), ("max_chunk_text_bytes", 1),
+                          ("max_variant_prefix_chunks", 0)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                _fail(name, value, f"an integer >= {low}")
+
+    def _resolve_redis_password(self) -> None:
+        """Reads the password named by redis_password_env / _file (the config is where the environment is
+        read); kept out of the fields, so no repr, dict or log of the config shows it."""
+        env, file = self.redis_password_env, self.redis_password_file
+        if env is not None and file is not None:
+            _fail("redis_password_file", file, "null when redis_password_env is set (one source of the password)")
+        password = None
+        if env is not None:
+            if not isinstance(env, str) or not env:
+                _fail("redis_password_env", env, "null or the name of an environment variable")
+            password = os.environ.get(env)
+            if password is None:
+                _fail("redis_password_env", env, "the name of an environment variable that is set; export it")
+        if file is not None:
+            if not isinstance(file, str) or not file:
+                _fail("redis_password_file", file, "null or a path to a file holding the password")
+            try:
+                password = Path(file).expanduser().read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                _fail("redis_password_file", file, f"a readable UTF-8 file ({type(exc).__name__})")
+        if password is not None and self.redis_url is None:
+            _fail("redis_url", None, "a redis:// URL when redis_password_env or redis_password_file is set")
+        object.__setattr__(self, "_redis_password", password)
+
+    @property
+    def redis_connection_url(self) -> str | None:
+        """The URL to connect with: `redis_url`, with the password from redis_password_env / _file when set.
+        Never log it (cachefuse.redis_client.redact_url)."""
+        password = getattr(self, "_redis_password", None)
+        if self.redis_url is None or password is None:
+            return self.redis_url
+        from cachefuse.redis_client import url_with_password
+
+        return url_with_password(self.redis_url, password)
 
     @property
     def gathers_attention_stats(self) -> bool:
@@ -280,6 +343,11 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             data = yaml.safe_load(f) or {}
     except OSError as e:
         raise ConfigError(f"config_file={str(path)!r} cannot be read: {e.strerror}") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        reason = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"config_file={str(path)!r} is not valid YAML{at}: {reason}; fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config_file={str(path)!r} must hold a mapping of config fields")
     return data

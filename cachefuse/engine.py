@@ -182,7 +182,8 @@ class FusionEngine:
             if not records and self.key_context == self.meta_key_context and self.store.contains(key):
                 index.add_plain_keys([key])
         return plan_variants(index, keys, [s.is_system for s in segments], [s.length for s in segments],
-                             self.config.cachecraft_alpha, self.config.variant_admission_cfo)
+                             self.config.cachecraft_alpha, self.config.variant_admission_cfo,
+                             self.config.max_variant_prefix_chunks)
 
     # ------------------------------------------------------------------ fused prefill
 
@@ -377,8 +378,9 @@ class FusionEngine:
         """
         saved, records, evicted, failures = [], [], [], 0
         for index in result.hole_segments:
-            # metadata.index rule 1: the declared non-system chunks before it, in prompt order
+            # metadata.index rule 1: the declared non-system chunks before it, in prompt order, the nearest few
             prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
+            prefix_ids = prefix_ids[max(0, len(prefix_ids) - self.config.max_variant_prefix_chunks):]
             key, prefix, seg = meta_keys[index], tuple(meta_keys[i] for i in prefix_ids), segments[index]
             variant_id = make_variant_id(key, prefix)
             store_key = keys[index] if not prefix else f"{keys[index]}-{variant_id}"

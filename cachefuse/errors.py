@@ -28,3 +28,8 @@ class RequestError(CacheFuseError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.reason = message
+
+
+class RequestLimitError(RequestError):
+    """A well-formed request beyond a configured bound (chunk count, chunk length, text bytes); it runs
+    as plain vLLM with the reason `over_limit`, so that no request can make `schedule()` do unbounded work."""

@@ -10,7 +10,7 @@ the timeout, and no message or log line carries a password.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from cachefuse.errors import ConfigError
 
@@ -70,3 +70,12 @@ def redact_url(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def url_with_password(url: str, password: str) -> str:
+    """`url` with `password` as its password (replacing any in it), the user name kept:
+    ("redis://host:6379/0", "s3cret") -> "redis://:s3cret@host:6379/0"."""
+    parts = urlsplit(url)
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))

@@ -1,8 +1,10 @@
 """What a request asks of cachefuse: `kv_transfer_params["cachefuse"]`, parsed and validated.
 
-Imports only cachefuse.{chunks, config, errors}; no vllm, no torch. Every malformed field raises
-RequestError naming it (e.g. "cachefuse.chunks[2]"), so the connector can run the request as plain
-vLLM and say why in its response.
+Imports only the standard library and cachefuse.{chunks, config, errors}; no vllm, no torch. Every
+malformed field raises RequestError naming it (e.g. "cachefuse.chunks[2]"), and a request beyond the
+configured bounds RequestLimitError, so the connector can run the request as plain vLLM and say why in
+its response. Nothing else ever leaves `parse_request`, and no error carries more than an excerpt of
+what the client sent.
 
 Accepted shape (docs/architecture.md, Definitions):
 
@@ -13,16 +15,21 @@ Accepted shape (docs/architecture.md, Definitions):
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cachefuse.chunks import chunks_from_texts, segment_prompt
 from cachefuse.config import SELECTORS, CacheFuseConfig
-from cachefuse.errors import RequestError
+from cachefuse.errors import RequestError, RequestLimitError
 
 PARAMS_KEY = "cachefuse"
 KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows")
+
+_EXCERPT = reprlib.Repr()
+_EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother = 3, 40, 40
+_EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
 
 
 @dataclass(frozen=True)
@@ -46,50 +53,101 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
                   tokenize: Callable[[str], list[int]] | None = None) -> FusionRequest | None:
     """Validates a request's parameters against its prompt; raises RequestError on any bad field.
 
+    Nothing else leaves it for any input: whatever a client sends (wrong types, non-string keys, deep
+    nesting, lone surrogates, megabytes of text), the caller gets a RequestError naming the field, with
+    a bounded excerpt of the value (`excerpt`), never the value itself. Requests beyond the configured
+    bounds (`max_chunks_per_request`, `min_chunk_tokens`, `max_chunk_text_bytes`) raise
+    RequestLimitError, checked before the costly step each bounds.
+
     Returns None for a request that does not ask for fusion (plain vLLM, nothing to report).
     """
     raw = params.get(PARAMS_KEY) if isinstance(params, dict) else None
     if raw is None:
+        if isinstance(params, dict) and PARAMS_KEY in params:
+            raise RequestError(PARAMS_KEY, 'null; expected an object such as {"chunks": [[start, end], ...]}')
         return _from_separators(prompt_ids, config)
     if not isinstance(raw, dict):
         raise RequestError(PARAMS_KEY, f"expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(KNOWN_FIELDS))
+    unknown = [key for key in raw if not (isinstance(key, str) and key in KNOWN_FIELDS)]
     if unknown:
-        raise RequestError(f"{PARAMS_KEY}.{unknown[0]}", f"unknown field; expected some of {', '.join(KNOWN_FIELDS)}")
+        raise RequestError(f"{PARAMS_KEY}.{_key_name(unknown[0])}",
+                           f"unknown field; expected some of {', '.join(KNOWN_FIELDS)}")
     if ("chunks" in raw) == ("chunk_texts" in raw):
         raise RequestError(PARAMS_KEY, "expected exactly one of 'chunks' (token offsets) or 'chunk_texts'")
-    if "chunks" in raw:
+    source = "chunks" if "chunks" in raw else "chunk_texts"
+    if source == "chunks":
         chunks = raw["chunks"]
+        _check_count(chunks, source, config)
     else:
-        chunks = _chunks_from_texts(raw["chunk_texts"], prompt_ids, tokenize)
+        chunks = _chunks_from_texts(raw["chunk_texts"], prompt_ids, tokenize, config)
     # segment_prompt validates the offsets strictly and names "cachefuse.chunks[i]".
     segments = segment_prompt(len(prompt_ids), chunks)
     spans = tuple((s.start, s.end) for s in segments if s.is_chunk)
-    if spans and spans[-1][1] >= len(prompt_ids):
+    if not spans:
+        raise RequestError(f"{PARAMS_KEY}.{source}", "empty: declare at least one chunk, or leave out "
+                                                     f"'{PARAMS_KEY}' to run as plain vLLM")
+    if spans[-1][1] >= len(prompt_ids):
         # The hit must stop one token short of the prompt end: vLLM computes the last token.
-        raise RequestError(f"{PARAMS_KEY}.chunks[{len(spans) - 1}]",
+        raise RequestError(f"{PARAMS_KEY}.{source}[{len(spans) - 1}]",
                            f"ends at the prompt end ({len(prompt_ids)}); leave at least the last token outside")
+    for i, (start, end) in enumerate(spans):
+        if end - start < config.min_chunk_tokens:
+            raise RequestLimitError(f"{PARAMS_KEY}.{source}[{i}]",
+                                    f"{end - start} token(s); below min_chunk_tokens={config.min_chunk_tokens}")
     selector = raw.get("selector", config.selector)
-    if selector not in SELECTORS:
-        raise RequestError(f"{PARAMS_KEY}.selector", f"{selector!r}; expected one of {', '.join(SELECTORS)}")
+    if not isinstance(selector, str) or selector not in SELECTORS:
+        raise RequestError(f"{PARAMS_KEY}.selector", f"{excerpt(selector)}; expected one of {', '.join(SELECTORS)}")
     ratio = raw.get("recompute_ratio", config.recompute_ratio)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
-        raise RequestError(f"{PARAMS_KEY}.recompute_ratio", f"{ratio!r}; expected a number in 0.0..1.0")
+        raise RequestError(f"{PARAMS_KEY}.recompute_ratio", f"{excerpt(ratio)}; expected a number in 0.0..1.0")
     return FusionRequest(spans, selector, float(ratio), _selected_rows(raw, len(prompt_ids), config))
 
 
-def _chunks_from_texts(texts: Any, prompt_ids: Sequence[int],
-                       tokenize: Callable[[str], list[int]] | None) -> list[tuple[int, int]]:
+def excerpt(value: Any) -> str:
+    """A bounded repr of a client's value for an error message: at most a few dozen characters and three
+    levels deep, whatever its size or nesting (a 4 MB string, a list nested 1,000 deep)."""
+    return _EXCERPT.repr(value)
+
+
+def _key_name(key: Any) -> str:
+    return key if isinstance(key, str) and len(key) <= 40 and key.isprintable() else excerpt(key)
+
+
+def _check_count(chunks: Any, source: str, config: CacheFuseConfig) -> None:
+    if isinstance(chunks, list | tuple) and len(chunks) > config.max_chunks_per_request:
+        raise RequestLimitError(f"{PARAMS_KEY}.{source}", f"{len(chunks)} chunks; above "
+                                                          f"max_chunks_per_request={config.max_chunks_per_request}")
+
+
+def _chunks_from_texts(texts: Any, prompt_ids: Sequence[int], tokenize: Callable[[str], list[int]] | None,
+                       config: CacheFuseConfig) -> list[tuple[int, int]]:
+    """Every text checked and the byte budget enforced before the first is tokenized."""
     field = f"{PARAMS_KEY}.chunk_texts"
     if not isinstance(texts, list) or not texts:
         raise RequestError(field, "expected a non-empty list of strings")
+    _check_count(texts, "chunk_texts", config)
     if tokenize is None:
         raise RequestError(field, "this engine has no tokenizer for chunk_texts; send token offsets in 'chunks'")
-    chunk_ids = []
+    num_bytes = 0
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text:
-            raise RequestError(f"{field}[{i}]", "expected a non-empty string")
-        chunk_ids.append(tokenize(text))
+            raise RequestError(f"{field}[{i}]", f"{excerpt(text)}; expected a non-empty string")
+        try:
+            num_bytes += len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise RequestError(f"{field}[{i}]", "not valid Unicode text (it holds a lone surrogate)") from None
+        if num_bytes > config.max_chunk_text_bytes:
+            raise RequestLimitError(field, f"more than max_chunk_text_bytes={config.max_chunk_text_bytes} "
+                                           "bytes of UTF-8 text")
+    chunk_ids = []
+    for i, text in enumerate(texts):
+        try:
+            ids = tokenize(text)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is this field's, never the engine's
+            raise RequestError(f"{field}[{i}]", f"could not be tokenized ({type(exc).__name__})") from None
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise RequestError(f"{field}[{i}]", "the tokenizer returned something other than token ids")
+        chunk_ids.append(ids)
     return chunks_from_texts(prompt_ids, chunk_ids)
 
 
@@ -115,4 +173,8 @@ def _from_separators(prompt_ids: Sequence[int], config: CacheFuseConfig) -> Fusi
         return None
     bounds = [-1, *cuts]
     spans = tuple((a + 1, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a + 1)
-    return FusionRequest(spans, config.selector, config.recompute_ratio)
+    if len(spans) > config.max_chunks_per_request:
+        raise RequestLimitError(PARAMS_KEY, f"{len(spans)} chunks between separators; above "
+                                            f"max_chunks_per_request={config.max_chunks_per_request}")
+    spans = tuple((a, b) for a, b in spans if b - a >= config.min_chunk_tokens)  # short pieces: computed
+    return FusionRequest(spans, config.selector, config.recompute_ratio) if spans else None

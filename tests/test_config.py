@@ -51,6 +51,13 @@ INVALID = [
     ("redis_url", "http://localhost:6379"),
     ("redis_timeout_s", 0),
     ("index_refresh_interval_s", -1.0),
+    ("placement_half_life_s", float("nan")),
+    ("placement_half_life_s", float("inf")),
+    ("placement_hot", float("inf")),
+    ("max_chunks_per_request", 0),
+    ("min_chunk_tokens", 0),
+    ("max_chunk_text_bytes", True),
+    ("max_variant_prefix_chunks", -1),
 ]
 
 
@@ -94,6 +101,12 @@ def test_bad_yaml_file(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ConfigError, match="mapping"):
         CacheFuseConfig.from_yaml(tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("selector: epic\nrecompute_ratio: [0.1\n")  # a YAML syntax error
+    with pytest.raises(ConfigError, match=r"config_file=.*broken.yaml.*not valid YAML \(line \d+"):
+        CacheFuseConfig.from_yaml(tmp_path / "broken.yaml")
+    (tmp_path / "binary.yaml").write_bytes(b"selector: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        CacheFuseConfig.from_yaml(tmp_path / "binary.yaml")
 
 
 def test_hash_ignores_selection_fields():

@@ -1,8 +1,10 @@
-"""cachefuse.redis_client: URLs are masked before they reach a message, and a bad URL fails as config."""
+"""cachefuse.redis_client: URLs are masked before they reach a message, a bad URL fails as config, and the
+password can come from an environment variable or a file instead of the URL."""
 
 import pytest
 
-from cachefuse.errors import ConfigError
+from cachefuse.config import CacheFuseConfig
+from cachefuse.errors import ConfigError, StoreError
 from cachefuse.redis_client import redact_url, redis_client
 
 
@@ -29,3 +31,41 @@ def test_a_bad_url_is_a_config_error_that_keeps_the_password_out():
 def test_a_nonpositive_timeout_is_a_config_error():
     with pytest.raises(ConfigError, match="timeout_s"):
         redis_client("redis://localhost:6379/0", 0.0)
+
+
+def test_the_password_comes_from_an_environment_variable_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("CF_TEST_REDIS_PASSWORD", "s3cr/et")
+    config = CacheFuseConfig(redis_url="redis://host:6379/0", redis_password_env="CF_TEST_REDIS_PASSWORD")
+    assert config.redis_connection_url == "redis://:s3cr%2Fet@host:6379/0"
+    assert "s3cr" not in repr(config) and "s3cr" not in str(config.to_dict())
+    (tmp_path / "pw").write_text("from-file\n")
+    config = CacheFuseConfig(redis_url="redis://user:old@host/1", redis_password_file=str(tmp_path / "pw"))
+    assert config.redis_connection_url == "redis://user:from-file@host/1"  # overrides the URL's
+    assert CacheFuseConfig(redis_url="redis://h/0").redis_connection_url == "redis://h/0"
+
+
+@pytest.mark.parametrize(("fields", "name"), [
+    ({"redis_url": "redis://h/0", "redis_password_env": "CF_TEST_UNSET_VARIABLE"}, "redis_password_env"),
+    ({"redis_url": "redis://h/0", "redis_password_file": "/nonexistent/pw"}, "redis_password_file"),
+    ({"redis_password_env": "HOME"}, "redis_url"),
+    ({"redis_url": "redis://h/0", "redis_password_env": "HOME", "redis_password_file": "/x"}, "redis_password_file"),
+])
+def test_a_password_source_that_does_not_work_fails_at_start_up(fields, name):
+    with pytest.raises(ConfigError) as caught:
+        CacheFuseConfig(**fields)
+    assert str(caught.value).startswith(f"{name}=")
+
+
+def test_a_store_reaches_a_password_protected_redis_with_the_password_from_the_environment(monkeypatch):
+    from cachefuse.metadata import open_config_metastore
+    from tests.helpers.redis_server import RedisServer
+
+    with RedisServer(password="pw-from-env") as server:
+        bare_url = f"redis://127.0.0.1:{server.port}/0"
+        monkeypatch.setenv("CF_TEST_REDIS_PASSWORD", "pw-from-env")
+        config = CacheFuseConfig(redis_url=bare_url, redis_password_env="CF_TEST_REDIS_PASSWORD")
+        store = open_config_metastore(config)
+        assert store.count() == 0
+        store.close()
+        with pytest.raises(StoreError):  # negative control: the bare URL is refused by the server
+            open_config_metastore(CacheFuseConfig(redis_url=bare_url))

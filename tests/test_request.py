@@ -8,10 +8,13 @@ located through the tokenize callable, and that every malformed field raises Req
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cachefuse.config import CacheFuseConfig
-from cachefuse.errors import RequestError
+from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
+from tests.helpers.hostile import kv_transfer_params
 
 CFG = CacheFuseConfig()
 DEBUG_CFG = CacheFuseConfig(allow_debug_overrides=True)
@@ -42,8 +45,11 @@ def test_separator_fallback_splits_the_prompt_between_separators():
     config = CacheFuseConfig(separator_token_id=0, selector="epic", recompute_ratio=0.3)
     assert wants_fusion(None, config) is True
     got = parse_request(None, [5, 6, 0, 7, 8, 9, 0, 0, 3, 0, 4, 4], config)
-    # Separators and the question after the last one are computed; empty pieces are no chunks.
-    assert got == FusionRequest(((0, 2), (3, 6), (8, 9)), "epic", 0.3)
+    # Separators and the question after the last one are computed; empty pieces are no chunks, and
+    # neither are pieces shorter than min_chunk_tokens (2 by default): [3] is computed.
+    assert got == FusionRequest(((0, 2), (3, 6)), "epic", 0.3)
+    one = parse_request(None, [5, 6, 0, 7, 8, 9, 0, 0, 3, 0, 4, 4], config.replace(min_chunk_tokens=1))
+    assert one == FusionRequest(((0, 2), (3, 6), (8, 9)), "epic", 0.3)
 
 
 def test_separator_fallback_without_a_separator_in_the_prompt_is_plain_vllm():
@@ -151,3 +157,92 @@ def test_chunk_text_reaching_the_prompt_end_is_rejected():
         _parse({"chunk_texts": ["Where is Rome?"]}, prompt=char_ids(TEXT), tokenize=char_ids)
     # Today the error names the offsets form ("cachefuse.chunks[0]"), not the chunk_texts entry.
     assert excinfo.value.field in {"cachefuse.chunks[0]", "cachefuse.chunk_texts[0]"}
+
+
+# --------------------------------------------------------------------------- hostile input and bounds
+
+
+def _nested(depth: int):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    (None, "cachefuse"),  # {"cachefuse": null}: says why it runs plain, instead of silently
+    ({"chunks": []}, "cachefuse.chunks"),
+    ({"chunks": [[0, 4]], 7: 1}, "cachefuse.7"),  # a non-string key
+    ({"chunks": [[0, 4]], ("a",): 1}, "cachefuse.('a',)"),
+    ({"chunks": [[0, 4]], "x" * 1000: 1}, "cachefuse.'" + "x" * 17 + "..."),  # a long key, cut
+    ({"chunks": [[0, 4]], "selector": _nested(1000)}, "cachefuse.selector"),
+    ({"chunks": [[0, 4]], "recompute_ratio": _nested(1000)}, "cachefuse.recompute_ratio"),
+    ({"chunks": _nested(1000)}, "cachefuse.chunks[0]"),
+    ({"chunks": [[0, 4]], "selector": "s" * (4 << 20)}, "cachefuse.selector"),
+    ({"chunk_texts": ["Paris\ud800"]}, "cachefuse.chunk_texts[0]"),  # a lone surrogate
+    ({"chunk_texts": [_nested(1000)]}, "cachefuse.chunk_texts[0]"),
+])
+def test_hostile_input_is_a_request_error_with_a_bounded_excerpt(fields, field):
+    with pytest.raises(RequestError) as excinfo:
+        parse_request({"cachefuse": fields}, PROMPT, CFG, char_ids)
+    assert excinfo.value.field.startswith(field)
+    assert len(str(excinfo.value)) < 300  # never the client's value itself
+
+
+def test_a_tokenizer_that_fails_or_returns_garbage_is_the_fields_error():
+    def broken(text):
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad")
+
+    for tokenize in (broken, lambda text: ["a"], lambda text: [1.5], lambda text: None):
+        with pytest.raises(RequestError) as excinfo:
+            parse_request({"cachefuse": {"chunk_texts": ["Paris"]}}, [ord(c) for c in TEXT], CFG, tokenize)
+        assert excinfo.value.field == "cachefuse.chunk_texts[0]"
+
+
+@pytest.mark.parametrize(("fields", "config", "field"), [
+    ({"chunks": [[i, i + 2] for i in range(0, 258, 2)]}, CFG, "cachefuse.chunks"),  # 129 > 128
+    ({"chunks": [[0, 4], [5, 6]]}, CFG, "cachefuse.chunks[1]"),  # 1 token < min_chunk_tokens 2
+    ({"chunks": [[0, 4], [5, 8]]}, CFG.replace(min_chunk_tokens=4), "cachefuse.chunks[1]"),
+    ({"chunk_texts": ["Paris"] * 3}, CFG.replace(max_chunks_per_request=2), "cachefuse.chunk_texts"),
+    ({"chunk_texts": ["Paris is in France."]}, CFG.replace(max_chunk_text_bytes=10), "cachefuse.chunk_texts"),
+])
+def test_requests_beyond_the_bounds_raise_request_limit_error(fields, config, field):
+    prompt = list(range(300)) if "chunks" in fields else [ord(c) for c in TEXT]
+    with pytest.raises(RequestLimitError) as excinfo:
+        parse_request({"cachefuse": fields}, prompt, config, char_ids)
+    assert excinfo.value.field == field
+
+
+def test_the_text_budget_is_checked_before_anything_is_tokenized():
+    calls = []
+
+    def spy(text):
+        calls.append(text)
+        return char_ids(text)
+
+    texts = ["Paris is in France.", "x" * 100]
+    with pytest.raises(RequestLimitError):
+        parse_request({"cachefuse": {"chunk_texts": texts}}, [ord(c) for c in TEXT], CFG.replace(
+            max_chunk_text_bytes=50), spy)
+    assert calls == []
+
+
+def test_separator_pieces_beyond_the_chunk_bound_raise():
+    config = CacheFuseConfig(separator_token_id=0, max_chunks_per_request=3)
+    prompt = [5, 6, 0] * 4 + [9]
+    with pytest.raises(RequestLimitError):
+        parse_request(None, prompt, config)
+    assert parse_request(None, [5, 6, 0] * 3 + [9], config).chunks == ((0, 2), (3, 5), (6, 8))
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=kv_transfer_params, separator=st.none() | st.integers(0, 3))
+def test_generated_params_parse_or_raise_request_error_only(params, separator):
+    config = CacheFuseConfig(separator_token_id=separator, allow_debug_overrides=separator == 1)
+    prompt = [ord(c) for c in TEXT] + [0, 1, 2, 3] * 4
+    try:
+        got = parse_request(params, prompt, config, char_ids)
+    except RequestError as exc:
+        assert len(str(exc)) < 500 and exc.field.startswith("cachefuse")
+        return
+    assert got is None or (got.chunks and all(0 <= s < e < len(prompt) for s, e in got.chunks))

@@ -38,4 +38,4 @@ def open_config_metastore(config: Any) -> MetaStore:
     """`open_metastore` for a CacheFuseConfig: SQLite next to the disk tier, in memory without one, or Redis."""
     store_dir = str(config.store_path) if config.disk_capacity_bytes else None
     return open_metastore(store_dir, max_variants=config.max_variants, policy=config.eviction_policy,
-                          redis_url=config.redis_url, redis_timeout_s=config.redis_timeout_s)
+                          redis_url=config.redis_connection_url, redis_timeout_s=config.redis_timeout_s)

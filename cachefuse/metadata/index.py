@@ -8,7 +8,8 @@ it over its own metadata store.
 Rules (docs/variants.md):
 
 1. A declared chunk's new prefix is the ordered chunk keys of the declared non-system chunks before it
-   (the system prompt is shared by every prompt and is not context that distinguishes variants).
+   (the system prompt is shared by every prompt and is not context that distinguishes variants), the
+   nearest `max_variant_prefix_chunks` of them.
 2. Among the chunk's variants the lowest CFO wins (scores.choose_variant; ties to the closer prefix).
 3. A K/V entry stored under the plain chunk key without a metadata row (a store written before the
    metadata store, or by another tool) is a base variant without statistics: prefix (), CCI 0.5.
@@ -49,11 +50,13 @@ class VariantChoice:
     """False for rule 3's entries (no metadata row: no f_r to update)."""
 
 
-def new_prefixes(chunk_keys: Sequence[str], is_system: Sequence[bool]) -> list[tuple[str, ...]]:
-    """Rule 1: each declared chunk's prefix, the non-system declared chunks before it, in order."""
+def new_prefixes(chunk_keys: Sequence[str], is_system: Sequence[bool],
+                 max_chunks: int | None = None) -> list[tuple[str, ...]]:
+    """Rule 1: each declared chunk's prefix, the non-system declared chunks before it, in order; the
+    nearest `max_chunks` of them when given (None: all)."""
     prefixes, seen = [], []
     for key, system in zip(chunk_keys, is_system, strict=True):
-        prefixes.append(tuple(seen))
+        prefixes.append(tuple(seen if max_chunks is None else seen[max(0, len(seen) - max_chunks):]))
         if not system:
             seen.append(key)
     return prefixes
@@ -138,12 +141,17 @@ class VariantIndex:
 
 
 def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
-                  lengths: Sequence[int], alpha: float,
-                  admission_cfo: float | None = None) -> list[VariantChoice | None]:
-    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5)."""
+                  lengths: Sequence[int], alpha: float, admission_cfo: float | None = None,
+                  max_prefix_chunks: int | None = None) -> list[VariantChoice | None]:
+    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5).
+
+    Cost: for each chunk, every variant of it is scored against a prefix of at most `max_prefix_chunks`
+    keys (the order penalty is quadratic in that), so a prompt costs O(chunks x variants per chunk x
+    max_prefix_chunks^2) with no term growing with the index's size.
+    """
     choices: list[VariantChoice | None] = []
-    for key, system, prefix, length in zip(chunk_keys, is_system, new_prefixes(chunk_keys, is_system),
-                                           lengths, strict=True):
+    prefixes = new_prefixes(chunk_keys, is_system, max_prefix_chunks)
+    for key, system, prefix, length in zip(chunk_keys, is_system, prefixes, lengths, strict=True):
         choice = index.choose(key, () if system else prefix, alpha, length)
         if (choice is not None and not system and admission_cfo is not None and choice.cfo >= admission_cfo
                 and choice.store_key != variant_store_key(key, prefix)):

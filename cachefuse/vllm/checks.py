@@ -52,6 +52,13 @@ def check_engine(vllm_config: Any) -> None:
         raise UnsupportedModelError("LoRA is not supported with CacheFuseConnector: start vLLM without --enable-lora")
     if model_config.is_multimodal_model:
         raise UnsupportedModelError("multimodal models are not supported with CacheFuseConnector")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", str(model_config.dtype).removeprefix("torch.")):
+        # NOTE: the blend pass writes K/V in the model's dtype; a quantized cache (fp8) would take them
+        # through a blind cast, without the scales vLLM's own writes use.
+        raise ConfigError(
+            f"kv_cache_dtype={cache_dtype!r} is not supported with CacheFuseConnector yet: the fused K/V are "
+            f"written in the model's dtype ({model_config.dtype}); start vLLM with --kv-cache-dtype auto")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedModelError(
             "pipeline_parallel_size > 1 is not supported: the blend pass runs every layer in one worker")

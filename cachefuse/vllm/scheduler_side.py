@@ -31,7 +31,7 @@ import torch
 
 from cachefuse.chunks import KeyContext, chunk_key, dtype_name, model_fingerprint, tokenize_piece
 from cachefuse.config import CacheFuseConfig
-from cachefuse.errors import RequestError
+from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.loading.controller import RequestShape, decide
 from cachefuse.loading.figures import ComputeFigures, TierFigures
 from cachefuse.metadata import open_config_metastore
@@ -99,10 +99,9 @@ class SchedulerSide:
             vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
         self.index = VariantIndex()
         self._refresher = self._start_index(config)
-        self._tokenizer_source = model_config.tokenizer
         self._model_config = model_config
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._tokenizer = None
+        self._tokenizer = _load_tokenizer(model_config.tokenizer)  # now, not inside the first schedule()
         self._pending: dict[str, _Pending] = {}
         self._fallbacks: dict[str, dict[str, Any]] = {}  # req_id -> outcome of a request running as plain vLLM
         self._awaiting: dict[str, dict[str, Any]] = {}  # outcomes returned, awaiting this step's worker figures
@@ -154,8 +153,16 @@ class SchedulerSide:
         req_id, prompt = request.request_id, list(request.prompt_token_ids or [])
         try:
             fusion = parse_request(params, prompt, self.config, self._tokenize)
+        except RequestLimitError as exc:
+            self._fall_back(req_id, "over_limit", detail=exc.reason, field=exc.field)
+            return 0, False
         except RequestError as exc:
             self._fall_back(req_id, "malformed_request", detail=exc.reason, field=exc.field)
+            return 0, False
+        except Exception as exc:  # noqa: BLE001 - a parser bug must not stop vLLM's scheduler step
+            logger.exception("cachefuse: request %s: parsing its parameters failed unexpectedly", req_id)
+            self._fall_back(req_id, "malformed_request", detail=f"unexpected {type(exc).__name__} while parsing",
+                            field="cachefuse")
             return 0, False
         if fusion is None or not fusion.chunks:
             return 0, False
@@ -170,7 +177,7 @@ class SchedulerSide:
         keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
                                  [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
-                                 self.config.variant_admission_cfo)
+                                 self.config.variant_admission_cfo, self.config.max_variant_prefix_chunks)
         indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":
@@ -317,9 +324,22 @@ class SchedulerSide:
         stats, self._stats = self._stats, CacheFuseConnectorStats()
         return stats
 
-    def _tokenize(self, text: str) -> list[int]:
+    @property
+    def _tokenize(self) -> Any:
+        """`chunk_texts`' tokenizer (a chunk tokenized on its own), or None when none could be loaded."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            return None
+        return lambda text: tokenize_piece(self._tokenizer, text)
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_source)
-        return tokenize_piece(self._tokenizer, text)
+
+def _load_tokenizer(source: Any) -> Any:
+    """The model's tokenizer, for requests that declare `chunk_texts`; None (those requests then run plain,
+    saying why) when it cannot be loaded: token offsets need none."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # noqa: BLE001 - serving offsets must not depend on it
+        logger.warning("cachefuse scheduler: no tokenizer for chunk_texts (%s: %s); requests that send "
+                       "chunk_texts run as plain vLLM", type(exc).__name__, exc)
+        return None

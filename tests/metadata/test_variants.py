@@ -42,6 +42,28 @@ def test_new_prefix_excludes_the_system_chunk():
     assert new_prefixes(["A", "B"], [False, False]) == [(), ("A",)]
 
 
+def test_new_prefix_keeps_the_nearest_chunks_when_capped():
+    keys, system = ["S", "A", "B", "C", "D"], [True, False, False, False, False]
+    assert new_prefixes(keys, system, 2) == [(), (), ("A",), ("A", "B"), ("B", "C")]
+    assert new_prefixes(keys, system, 0) == [()] * 5
+    assert new_prefixes(keys, system, None) == new_prefixes(keys, system, 99)
+
+
+def test_a_hole_after_more_chunks_than_the_cap_records_the_nearest_ones(adapter):
+    engine = make_engine(adapter, CacheFuseConfig(max_variant_prefix_chunks=1))
+    case = make_case(adapter.shape.vocab_size, seed=22)
+    precompute_case(engine, case)  # B is the hole, after A
+    engine.precompute([case.pieces[1]], prefix_ids=case.system)  # now C is the hole, after A and B
+    engine.store.remove(engine.key(case.pieces[2]))
+    for record in engine.metastore.variants(engine.key(case.pieces[2])):
+        engine.metastore.remove(record.variant_id)
+    _, stats = engine.prefill(*prompt(case, [0, 1, 2]), selector="cacheblend", ratio=0.15)
+    (c_variant,) = engine.metastore.variants(engine.key(case.pieces[2]))
+    assert c_variant.prefix == (engine.key(case.pieces[1]),)  # B only: the nearest chunk before C
+    _, again = engine.prefill(*prompt(case, [0, 1, 2]), selector="cacheblend", ratio=0.15)
+    assert again.chunk_cfo[3] == 0.0  # planned with the same cap: an exact match
+
+
 def test_index_picks_lowest_cfo_and_plain_keys_are_base_variants():
     after_ab = VariantRecord(chunk_key="C", prefix=("A", "B"), inter={"A": 1.0, "B": 3.0}, intra=2.0,
                              num_tokens=4, prefix_num_tokens={"A": 2, "B": 2}, ranked_tokens=(2, 0, 1, 3))

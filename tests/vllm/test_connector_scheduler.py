@@ -6,10 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from cachefuse.config import CacheFuseConfig
 from cachefuse.vllm.messages import CacheFuseWorkerMeta
 from cachefuse.vllm.scheduler_side import SchedulerSide
+from tests.helpers.hostile import kv_transfer_params
 
 
 @pytest.fixture
@@ -185,7 +187,8 @@ def test_worker_reports_drive_the_variant_index_and_the_plans(make_side):
     side = make_side()
     req = request("r1")
     prompt = req.prompt_token_ids
-    key_sys, key_a = (chunk_key(prompt[s:e], side.key_context) for s, e in ((0, 10), (10, 60)))
+    key_sys = chunk_key(prompt[0:10], side.key_context, at_prompt_start=True)  # the system chunk
+    key_a = chunk_key(prompt[10:60], side.key_context)
     base = VariantRecord.without_stats(key_a, (), 50)
     after_x = VariantRecord(chunk_key=key_a, prefix=("x",), inter={"x": 9.0}, intra=1.0, num_tokens=50,
                             prefix_num_tokens={"x": 5}, ranked_tokens=(4, 2))
@@ -215,3 +218,36 @@ def make_id(chunk_key: str) -> str:
     from cachefuse.metadata.base import make_variant_id
 
     return make_variant_id(chunk_key, ())
+
+
+@pytest.fixture(scope="module")
+def fuzz_side(tiny_model_dir, tmp_path_factory):
+    path = tiny_model_dir("llama")
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None),
+        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    config = CacheFuseConfig(store_dir=str(tmp_path_factory.mktemp("fuzz-store")), allow_debug_overrides=True)
+    return SchedulerSide(vllm_config, config)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=kv_transfer_params)
+def test_generated_params_never_escape_planning_and_leave_no_state(fuzz_side, params):
+    """Planning runs inside vLLM's scheduler step: no input may raise out of it, every response says a
+    documented status, and nothing is left behind once the request finishes."""
+    side = fuzz_side
+    req = SimpleNamespace(request_id="fuzz", prompt_token_ids=list(range(3, 103)), kv_transfer_params=params)
+    matched, asynchronous = side.get_num_new_matched_tokens(req, 0)
+    assert asynchronous is False and matched in (0, 99, None)
+    if matched:
+        side.update_state_after_alloc(req, blocks(100), matched)
+        side.build_connector_meta(step_output(req))
+    side.build_connector_meta(step_output())  # the step ends: the budget resets
+    _, outcome = side.request_finished(req, [])
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        {"fuzz": {"status": "fused", "fallback_reason": None}} if matched else {})))
+    if outcome is not None:
+        stats = outcome["cachefuse"]
+        assert stats["status"] in ("fused", "fallback", "not_run"), stats
+        assert len(str(stats)) < 2000
+    assert_no_state(side)

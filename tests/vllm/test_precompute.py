@@ -33,7 +33,8 @@ def expected_keys(model_dir, tokenizer, system: str, chunks: list[str]) -> set[s
     """The keys a client computes: standalone tokenization, the scheduler's KeyContext (rank 0)."""
     ctx = KeyContext(model_fingerprint(model_dir), "float32", 1, 0, CacheFuseConfig().compute_hash())
     system_ids = build_rag_prompt(tokenizer, system, [], "").token_ids
-    return {chunk_key(system_ids, ctx)} | {chunk_key(tokenize_piece(tokenizer, c), ctx) for c in chunks}
+    return ({chunk_key(system_ids, ctx, at_prompt_start=True)}  # the system chunk: computed at the start
+            | {chunk_key(tokenize_piece(tokenizer, c), ctx) for c in chunks})
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,13 @@ from tests.helpers.vllm_engines import ENGINE_ARGS, start_engine, stop_engine
 def engine_config(**changes):
     """A stand-in VllmConfig with every field check_engine reads, valid unless changed."""
     values = dict(prefix_caching=False, policy="recompute", role="kv_both", architectures=["LlamaForCausalLM"],
-                  window=None, layer_types=None, lora=None, multimodal=False, pp=1)
+                  window=None, layer_types=None, lora=None, multimodal=False, pp=1, cache_dtype="auto")
     values.update(changes)
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy=values["policy"], kv_role=values["role"]),
-        cache_config=SimpleNamespace(enable_prefix_caching=values["prefix_caching"]),
+        cache_config=SimpleNamespace(enable_prefix_caching=values["prefix_caching"], cache_dtype=values["cache_dtype"]),
         model_config=SimpleNamespace(architectures=values["architectures"], get_sliding_window=lambda: values["window"],
+                                     dtype="float32",
                                      hf_text_config=SimpleNamespace(layer_types=values["layer_types"]),
                                      is_multimodal_model=values["multimodal"]),
         lora_config=values["lora"], parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]))
@@ -37,9 +38,12 @@ def engine_config(**changes):
     ({"lora": object()}, UnsupportedModelError, "--enable-lora"),
     ({"multimodal": True}, UnsupportedModelError, "multimodal"),
     ({"pp": 2}, UnsupportedModelError, "pipeline_parallel_size"),
+    ({"cache_dtype": "fp8"}, ConfigError, "--kv-cache-dtype auto"),
+    ({"cache_dtype": "fp8_e5m2"}, ConfigError, "kv_cache_dtype='fp8_e5m2'"),
 ])
 def test_check_engine_names_the_fix(changes, error, words):
     check_engine(engine_config())  # the valid baseline passes
+    check_engine(engine_config(cache_dtype="float32"))  # the model's own dtype, named: fine
     with pytest.raises(error, match=None) as info:
         check_engine(engine_config(**changes))
     assert words in str(info.value)
