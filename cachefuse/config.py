@@ -209,7 +209,10 @@ class CacheFuseConfig:
             _fail("max_variants", self.max_variants, "an integer >= 1 (N x M variants over all chunks)")
         if self.redis_url is not None and (not isinstance(self.redis_url, str)
                                            or not self.redis_url.startswith(("redis://", "rediss://"))):
-            _fail("redis_url", self.redis_url, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')
+            from cachefuse.redis_client import redact_url  # the rejected value may carry a password
+
+            shown = redact_url(self.redis_url) if isinstance(self.redis_url, str) else self.redis_url
+            _fail("redis_url", shown, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')
         self._resolve_redis_password()
         for name in ("redis_timeout_s", "index_refresh_interval_s"):
             value = getattr(self, name)

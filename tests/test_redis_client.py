@@ -69,3 +69,18 @@ def test_a_store_reaches_a_password_protected_redis_with_the_password_from_the_e
         store.close()
         with pytest.raises(StoreError):  # negative control: the bare URL is refused by the server
             open_config_metastore(CacheFuseConfig(redis_url=bare_url))
+
+
+def test_a_rejected_url_is_shown_without_its_password():
+    with pytest.raises(ConfigError) as caught:
+        CacheFuseConfig(redis_url="http://:hunter2@cache:6379/0")
+    assert "hunter2" not in str(caught.value) and "http://:***@cache:6379/0" in str(caught.value)
+
+
+def test_inspect_prints_an_unreachable_store_without_its_password(capsys):
+    from cachefuse.cli import main
+    from tests.helpers.redis_server import free_port
+
+    assert main(["inspect", "--store", f"redis://:hunter2@127.0.0.1:{free_port()}/0"]) == 1
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and ":***@127.0.0.1" in err

@@ -32,7 +32,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     except StoreError as exc:
-        print(f"cachefuse inspect: {args.store}: {exc}", file=sys.stderr)
+        from cachefuse.redis_client import redact_url
+
+        print(f"cachefuse inspect: {redact_url(args.store)}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
     return 0

@@ -28,6 +28,9 @@ Choices every backend follows (tests/metadata/test_contract.py runs one suite ov
    changes nothing: the caller drops the K/V it computed (the chunk stays a miss). A refusal is the
    only way `count()` stays at the budget without admitting; it never exceeds it.
 6. Misses are return values: `get`, `choose` and `record_use` return None for an unknown id/chunk.
+   A stored variant that does not parse (a damaged row or hash, or one written by something else) is a
+   miss too: skipped by the list reads, None from `get`, logged, and counted in `unreadable_rows`; a
+   `put` of the same variant replaces it, and an eviction that needs room removes it first.
 7. K/V location. A variant's K/V entry lives in the K/V tiers under `store_key`: the plain chunk key
    for the empty prefix (the base variant precompute stores, also what stores without metadata hold),
    `<chunk key>-<variant id>` otherwise. `generation()` changes whenever the set of variants changes
@@ -169,6 +172,7 @@ class MetaStore(Protocol):
 
     max_variants: int
     policy: str
+    unreadable_rows: int
 
     def put(self, record: VariantRecord) -> list[VariantRecord]: ...
 

@@ -25,9 +25,9 @@ Errors: unlike the K/V tier, every method that talks to Redis raises `StoreError
 timeout (a Redis error of any kind), reads included (get, variants, choose, all_records, count,
 generation, size_by_tier, pin): the callers (the worker, the scheduler's background index refresher)
 catch it. The constructor talks to Redis once, to check the layout version, and raises likewise. A
-variant hash that does not parse (damaged, or written by something else) is skipped with a warning by
-the list reads (variants, all_records, a put's victims) so one bad hash cannot hide the rest; `get`
-raises StoreError for it.
+variant hash that does not parse (damaged, or written by something else) is a miss, as in the SQLite
+backend: skipped with a warning by the list reads (variants, all_records, a put's victims) so one bad
+hash cannot hide the rest, None from `get`, `record_use` and `remove`, and counted in `unreadable_rows`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ if not exists then
       local rows = {}
       for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. primary, first[2], first[2])) do
         local f = redis.call('HMGET', p .. 'v:' .. other, secondary, 'seq')
-        rows[#rows + 1] = {other, tonumber(f[1]), tonumber(f[2])}
+        rows[#rows + 1] = {other, tonumber(f[1]) or 0, tonumber(f[2]) or 0}  -- damaged fields sort first
       end
       table.sort(rows, function(a, b) if a[2] ~= b[2] then return a[2] < b[2] end return a[3] < b[3] end)
       for _, row in ipairs(rows) do
@@ -184,18 +184,6 @@ def _record(h: dict[str, str] | list[str]) -> VariantRecord:
     return record
 
 
-def _readable(replies: list[list[str]]) -> list[VariantRecord]:
-    """The records of a list read; an unreadable one is logged and skipped, so one bad hash cannot
-    hide every other variant from the index."""
-    records = []
-    for flat in replies:
-        try:
-            records.append(_record(flat))
-        except StoreError as exc:
-            logger.warning("%s: skipped", exc)
-    return records
-
-
 class RedisMetaStore:
     """Variant metadata in Redis, budgeted to `max_variants` (see the module docstring).
 
@@ -230,6 +218,8 @@ class RedisMetaStore:
         self._prefix = f"{namespace}:meta:"
         self._client = redis_client(url, timeout_s, decode_responses=True)
         self._lock = threading.Lock()
+        self.unreadable_rows = 0
+        """Variant hashes skipped because they did not parse (damaged, or written by something else)."""
         self._pins = PinCounts()
         self._put_script = self._client.register_script(_LUA_PUT)
         self._use_script = self._client.register_script(_LUA_RECORD_USE)
@@ -247,7 +237,7 @@ class RedisMetaStore:
         """Turn any Redis failure (network, timeout, server error) into StoreError."""
         try:
             yield
-        except redis.RedisError as exc:
+        except (redis.RedisError, ValueError, TypeError) as exc:  # also a counter holding garbage
             raise StoreError(f"redis metastore {op}: {exc!r}") from exc
 
     def put(self, record: VariantRecord) -> list[VariantRecord]:
@@ -272,19 +262,19 @@ class RedisMetaStore:
             raise StoreError(f"metastore full: {count} variants (max {self.max_variants}), {unpinned} "
                              f"unpinned, {count + 1 - self.max_variants} must be evicted to admit a new one; "
                              "not admitted")
-        return _readable(reply[1:])
+        return self._readable(reply[1:])
 
     def get(self, variant_id: str) -> VariantRecord | None:
         """The variant with this id, or None."""
         with self._redis("get"):
             fields = self._client.hgetall(self._prefix + "v:" + variant_id)
-        return _record(fields) if fields else None
+        return self._parse(fields) if fields else None
 
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         """The chunk's variants in insertion order (empty: a miss)."""
         with self._redis("variants"):
             replies = self._records_script(args=[self._prefix, "chunk:" + chunk_key])
-        return _readable(replies)
+        return self._readable(replies)
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str],
                alpha: float) -> tuple[VariantRecord, float] | None:
@@ -315,7 +305,7 @@ class RedisMetaStore:
         with self._redis("record_use"):
             args = [self._prefix, variant_id, repr(increment), repr(float(self._clock()))]
             flat = self._use_script(args=args)
-        return _record(flat) if flat else None
+        return self._parse(flat) if flat else None
 
     def remove(self, variant_id: str) -> VariantRecord | None:
         """Delete a variant; returns it, or None when absent (or unreadable). StoreError when pinned here."""
@@ -323,8 +313,21 @@ class RedisMetaStore:
             self._pins.check_unpinned(variant_id)
             with self._redis("remove"):
                 flat = self._remove_script(args=[self._prefix, variant_id])
-        removed = _readable([flat]) if flat else []  # a damaged hash is removed all the same
-        return removed[0] if removed else None
+        return self._parse(flat) if flat else None  # a damaged hash is removed all the same
+
+    def _parse(self, fields: dict[str, str] | list[str]) -> VariantRecord | None:
+        """The record of one variant hash, or None (logged and counted) when it does not parse."""
+        try:
+            return _record(fields)
+        except StoreError as exc:
+            self.unreadable_rows += 1
+            logger.warning("%s: skipped", exc)
+            return None
+
+    def _readable(self, replies: list[list[str]]) -> list[VariantRecord]:
+        """The records of a list read; an unreadable one is skipped, so one bad hash cannot hide every other
+        variant from the index."""
+        return [record for record in map(self._parse, replies) if record is not None]
 
     def generation(self) -> int:
         """A counter that changes whenever the set of variants changes (choice 7), in any instance."""
@@ -363,7 +366,7 @@ class RedisMetaStore:
         """Every variant, in insertion order (one consistent snapshot)."""
         with self._redis("all_records"):
             replies = self._records_script(args=[self._prefix, "seq"])
-        return _readable(replies)
+        return self._readable(replies)
 
     def size_by_tier(self) -> dict[str, int]:
         """tier -> total size_bytes of its variants."""

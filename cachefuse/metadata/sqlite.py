@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -26,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
+
+logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.sqlite"
@@ -69,13 +72,16 @@ def _row_values(record: VariantRecord) -> tuple:
 
 
 def _from_row(row: sqlite3.Row) -> VariantRecord:
+    """The row's record; ValueError/TypeError/KeyError when it does not parse (damaged, or written by
+    something else): callers go through SqliteMetaStore._parse, which turns that into a miss."""
     record = VariantRecord(
         chunk_key=row["chunk_key"], prefix=tuple(json.loads(row["prefix"])), inter=json.loads(row["inter"]),
         intra=row["intra"], num_tokens=row["num_tokens"], prefix_num_tokens=json.loads(row["prefix_num_tokens"]),
         ranked_tokens=tuple(json.loads(row["ranked_tokens"])), access_count=row["access_count"],
         f_r=row["f_r"], size_bytes=row["size_bytes"], tier=row["tier"], last_access=row["last_access"],
         recompute_ratio=row["recompute_ratio"], has_stats=bool(row["has_stats"]))
-    assert record.variant_id == row["variant_id"], (record.variant_id, row["variant_id"])
+    if record.variant_id != row["variant_id"]:
+        raise ValueError(f"the row holds the fields of variant {record.variant_id!r}")
     return record
 
 
@@ -105,6 +111,8 @@ class SqliteMetaStore:
         self.max_variants, self.policy, self._clock = max_variants, policy, clock
         self._lock = threading.Lock()
         self._pins = PinCounts()
+        self.unreadable_rows = 0
+        """Rows skipped because they did not parse (damaged, or written by something else)."""
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, uri=uri)
         self._conn.row_factory = sqlite3.Row
         if uri and "mode=ro" in path:
@@ -183,10 +191,15 @@ class SqliteMetaStore:
         victims: list[VariantRecord] = []
         if need <= 0:
             return victims
-        for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}"):
+        for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}").fetchall():
             if self._pins.count(row["variant_id"]) == 0:
-                victims.append(_from_row(row))
-                if len(victims) == need:
+                record = self._parse(row)
+                if record is None:  # unreadable: deleted here (its K/V, if any, is an orphan for inspect)
+                    cur.execute("DELETE FROM variants WHERE variant_id = ?", (row["variant_id"],))
+                    need -= 1
+                else:
+                    victims.append(record)
+                if len(victims) >= need:
                     return victims
         raise StoreError(f"metastore full: {self.max_variants} variants, {len(victims)} unpinned, "
                          f"{need} must be evicted to admit a new one; not admitted")
@@ -195,14 +208,14 @@ class SqliteMetaStore:
         """The variant with this id, or None."""
         with self._locked():
             row = self._conn.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-        return None if row is None else _from_row(row)
+        return None if row is None else self._parse(row)
 
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         """The chunk's variants in insertion order (empty: a miss)."""
         with self._locked():
             rows = self._conn.execute("SELECT * FROM variants WHERE chunk_key = ? ORDER BY seq",
                                       (chunk_key,)).fetchall()
-        return [_from_row(row) for row in rows]
+        return [record for record in map(self._parse, rows) if record is not None]
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str],
                alpha: float) -> tuple[VariantRecord, float] | None:
@@ -221,9 +234,9 @@ class SqliteMetaStore:
         """
         with self._txn() as cur:
             row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-            if row is None:
+            record = None if row is None else self._parse(row)
+            if record is None:
                 return None
-            record = _from_row(row)
             variant = record.to_variant()
             scores.record_use(variant, cfo, eps)
             record = dataclasses.replace(record, access_count=variant.access_count, f_r=variant.f_r,
@@ -244,9 +257,10 @@ class SqliteMetaStore:
         with self._txn() as cur:
             for variant_id, cfo in uses:
                 row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-                if row is None:
+                record = None if row is None else self._parse(row)
+                if record is None:
                     continue
-                variant = _from_row(row).to_variant()
+                variant = record.to_variant()
                 scores.record_use(variant, cfo, eps)
                 cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
                             (variant.access_count, variant.f_r, now, variant_id))
@@ -261,7 +275,7 @@ class SqliteMetaStore:
             if row is not None:
                 cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
                 cur.execute("UPDATE generation SET value = value + 1")
-        return None if row is None else _from_row(row)
+        return None if row is None else self._parse(row)  # a damaged row is removed all the same
 
     def generation(self) -> int:
         """A counter that changes whenever the set of variants changes (choice 7), in any process."""
@@ -294,7 +308,18 @@ class SqliteMetaStore:
         """Every variant, in insertion order."""
         with self._locked():
             rows = self._conn.execute("SELECT * FROM variants ORDER BY seq").fetchall()
-        return [_from_row(row) for row in rows]
+        return [record for record in map(self._parse, rows) if record is not None]
+
+    def _parse(self, row: sqlite3.Row) -> VariantRecord | None:
+        """The row's record, or None (logged and counted in `unreadable_rows`) when it does not parse:
+        one damaged row is a miss for its variant, never an error for every other one."""
+        try:
+            return _from_row(row)
+        except (ValueError, TypeError, KeyError) as exc:  # json.JSONDecodeError is a ValueError
+            self.unreadable_rows += 1
+            logger.warning("metadata store: unreadable variant row %r skipped (%s: %s)", row["variant_id"],
+                           type(exc).__name__, exc)
+            return None
 
     def size_by_tier(self) -> dict[str, int]:
         """tier -> total size_bytes of its variants (what a per-tier byte budget checks against)."""

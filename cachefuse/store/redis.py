@@ -249,7 +249,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Stored bytes over the namespace (0 when Redis does not answer)."""
         try:
             return int(self._client.get(self._total) or 0)
-        except redis.RedisError as exc:
+        except (redis.RedisError, ValueError) as exc:  # ValueError: the counter holds something else
             self._io_error("nbytes", exc)
             return 0
 
@@ -316,10 +316,18 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     def keys(self) -> list[str]:
         """Indexed keys, least recently used first ([] when Redis does not answer)."""
         try:
-            return [key.decode() for key in self._client.zrange(self._lru, 0, -1)]
+            members = self._client.zrange(self._lru, 0, -1)
         except redis.RedisError as exc:
             self._io_error("keys", exc)
             return []
+        keys = []
+        for member in members:  # a member another client wrote (not one of our keys) is skipped
+            key = member.decode("utf-8", "replace") if isinstance(member, bytes) else ""
+            if base.is_valid_key(key):
+                keys.append(key)
+            else:
+                logger.debug("redis keys: skipped a member that is not a key: %r", member[:40])
+        return keys
 
     def close(self) -> None:
         """Close the connections (a later call reconnects)."""
@@ -389,7 +397,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             logger.warning("redis put %s failed: %s", key, reason)
         return False
 
-    def _io_error(self, op: str, exc: redis.RedisError) -> None:
+    def _io_error(self, op: str, exc: Exception) -> None:
         """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news)."""
         with self._lock:
             first, self._unreachable = not self._unreachable, True

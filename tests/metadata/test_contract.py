@@ -347,3 +347,38 @@ def test_budget_and_eviction_order_hold_under_random_ops(open_store, policy, max
     store = open_store(name=uuid.uuid4().hex, max_variants=max_variants, policy=policy)
     check_random_ops(store, max_variants, ops)
     store.close()
+
+
+def corrupt_row(store: MetaStore, variant_id: str, field: str = "inter", value: str = "{not json") -> None:
+    """What a damaged disk block or another writer leaves: one field of one stored variant unreadable."""
+    if isinstance(store, SqliteMetaStore):
+        store._conn.execute(f"UPDATE variants SET {field} = ? WHERE variant_id = ?", (value, variant_id))
+    else:
+        store._client.hset(store._prefix + "v:" + variant_id, field, value)
+
+
+@pytest.mark.parametrize(("field", "value"), [("inter", "{not json"), ("prefix", "[1, 2"),
+                                               ("num_tokens", "many"), ("ranked_tokens", "[99]")])
+def test_an_unreadable_row_is_a_counted_miss_that_hides_nothing_else(open_store, field, value):
+    store = open_store(max_variants=3)
+    good, bad = alone("C1"), c3_after_c1_c2()
+    store.put(good)
+    store.put(bad)
+    corrupt_row(store, bad.variant_id, field, value)
+    assert store.get(bad.variant_id) is None and store.unreadable_rows == 1
+    assert [r.variant_id for r in store.all_records()] == [good.variant_id]  # the rest stays visible
+    assert store.variants("C3") == [] and store.choose("C3", ("C1",), 1.0) is None
+    assert store.record_use(bad.variant_id, 0.5) is None and store.record_uses([(bad.variant_id, 0.5)]) == 0
+    store.put(bad)  # a save of the same variant replaces the damaged row
+    assert store.get(bad.variant_id) == dataclasses.replace(bad, last_access=store.get(bad.variant_id).last_access)
+
+
+def test_eviction_removes_an_unreadable_row_and_admits_the_new_variant(open_store):
+    store = open_store(max_variants=2)
+    store.put(alone("C1"))
+    store.put(alone("C2"))
+    corrupt_row(store, alone("C1").variant_id)
+    evicted = store.put(alone("C4"))
+    assert store.count() == 2 and store.get(alone("C4").variant_id) is not None
+    assert [r.variant_id for r in evicted] in ([], [alone("C2").variant_id])
+    assert alone("C1").variant_id not in {r.variant_id for r in store.all_records()}

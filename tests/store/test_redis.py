@@ -358,3 +358,27 @@ def test_password_in_url():
         wrong = RedisKVStore(server.url.replace("s3cret", "nope"), IDENTITY, namespace="t")
         assert wrong.get(KEY) is None and wrong.stats.misses == {"io_error": 1}  # refused, not retried
         assert time.monotonic() - start < HANG_GUARD_S
+
+
+@pytest.mark.parametrize("damage", [
+    lambda raw, ns: raw.set(f"{ns}:kv:nbytes", b"not a number"),
+    lambda raw, ns: raw.set(f"{ns}:kv:lru", b"a string, not a sorted set"),
+    lambda raw, ns: raw.zadd(f"{ns}:kv:lru", {b"\xff\xfe not utf-8": 1.0}),
+    lambda raw, ns: raw.delete(f"{ns}:kv:sizes") + raw.rpush(f"{ns}:kv:sizes", b"a list, not a hash"),
+    lambda raw, ns: raw.set(f"{ns}:kv:clock", b"xyz"),
+    lambda raw, ns: raw.set(f"{ns}:kv:e:{KEY}", b"a string where a hash belongs"),
+])
+def test_bookkeeping_keys_of_the_wrong_type_are_misses_not_exceptions(make_store, raw, redis_namespace, damage):
+    """Another client (or a bug) wrote garbage into our namespace: every call still answers, as a miss
+    or a failed put, and never raises into the worker."""
+    store = make_store()
+    assert store.put("other1", make_entry(seed=3))
+    damage(raw, redis_namespace)
+    store.put(KEY, make_entry(seed=4))
+    store.get(KEY)
+    store.get_layer(KEY, 0)
+    store.contains(KEY)
+    assert isinstance(store.keys(), list)
+    assert isinstance(store.nbytes, int)
+    store.remove(KEY)
+    store.remove("other1")
