@@ -24,7 +24,9 @@ loading, whose K/V read then misses and the request falls back to recompute).
 Errors: unlike the K/V tier, every method that talks to Redis raises `StoreError` on a network error or
 timeout (a Redis error of any kind), reads included (get, variants, choose, all_records, count,
 generation, size_by_tier, pin): the callers (the worker, the scheduler's background index refresher)
-catch it. The constructor talks to Redis once, to check the layout version, and raises likewise. A
+catch it. The constructor talks to Redis once, to check the layout version: another version raises
+StoreError; an unreachable Redis is logged and the check is made again by the first call that gets
+through, so an engine starts while Redis is down and uses it once it answers. A
 variant hash that does not parse (damaged, or written by something else) is a miss, as in the SQLite
 backend: skipped with a warning by the list reads (variants, all_records, a put's victims) so one bad
 hash cannot hide the rest, None from `get`, `record_use` and `remove`, and counted in `unreadable_rows`.
@@ -184,6 +186,10 @@ def _record(h: dict[str, str] | list[str]) -> VariantRecord:
     return record
 
 
+class _LayoutMismatch(StoreError):
+    """The namespace holds another metadata layout version: a configuration error, raised at once."""
+
+
 class RedisMetaStore:
     """Variant metadata in Redis, budgeted to `max_variants` (see the module docstring).
 
@@ -225,17 +231,31 @@ class RedisMetaStore:
         self._use_script = self._client.register_script(_LUA_RECORD_USE)
         self._remove_script = self._client.register_script(_LUA_REMOVE)
         self._records_script = self._client.register_script(_LUA_RECORDS)
+        self._layout_checked = False
+        try:
+            self._check_layout()
+        except _LayoutMismatch:
+            raise
+        except StoreError as exc:  # unreachable: start serving; every call is a StoreError until it answers
+            logger.warning("redis metastore %r unreachable at start-up (%s); variant metadata calls fail, as "
+                           "misses and unsaved variants, until it answers", namespace, exc)
+
+    def _check_layout(self) -> None:
+        """Checks (once) that the namespace holds this layout version; creates it when empty."""
         with self._redis("open"):
             self._client.set(self._prefix + "schema_version", SCHEMA_VERSION, nx=True)
             found = self._client.get(self._prefix + "schema_version")
         if found != SCHEMA_VERSION:
-            raise StoreError(f"redis namespace {namespace!r}: metadata layout version {found!r}, "
-                             f"expected {SCHEMA_VERSION!r}")
+            raise _LayoutMismatch(f"redis namespace {self.namespace!r}: metadata layout version {found!r}, "
+                                  f"expected {SCHEMA_VERSION!r}")
+        self._layout_checked = True
 
     @contextlib.contextmanager
     def _redis(self, op: str) -> Iterator[None]:
         """Turn any Redis failure (network, timeout, server error) into StoreError."""
         try:
+            if not self._layout_checked and op != "open":  # Redis was down when this store was opened
+                self._check_layout()
             yield
         except (redis.RedisError, ValueError, TypeError) as exc:  # also a counter holding garbage
             raise StoreError(f"redis metastore {op}: {exc!r}") from exc

@@ -103,6 +103,10 @@ class SqliteMetaStore:
             clock: seconds, stamped into `last_access`; injectable for tests.
             uri: `path` is a SQLite URI (e.g. "file:...?mode=ro" to read without writing, as
                 `cachefuse inspect` does; the schema must then exist already).
+
+        Raises:
+            StoreError: the file cannot be opened as this store (corrupt, truncated, locked past the busy
+                timeout, unwritable, or of another schema version).
         """
         if max_variants < 1:
             raise ConfigError(f"max_variants={max_variants!r}, expected >= 1")
@@ -113,7 +117,15 @@ class SqliteMetaStore:
         self._pins = PinCounts()
         self.unreadable_rows = 0
         """Rows skipped because they did not parse (damaged, or written by something else)."""
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, uri=uri)
+        try:
+            self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, uri=uri)
+            self._open(path, uri)
+        except sqlite3.Error as exc:  # corrupt, truncated, locked, unwritable: the caller decides, not SQLite
+            if hasattr(self, "_conn"):
+                self._conn.close()
+            raise StoreError(f"{path}: cannot open the metadata store ({type(exc).__name__}: {exc})") from exc
+
+    def _open(self, path: str, uri: bool) -> None:
         self._conn.row_factory = sqlite3.Row
         if uri and "mode=ro" in path:
             self._check_schema(path)

@@ -20,10 +20,10 @@ import torch
 from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
-from cachefuse.errors import CacheFuseError
+from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.loading.figures import FigureRecorder
 from cachefuse.loading.placement import FrequencyPlacement
-from cachefuse.metadata import open_config_metastore
+from cachefuse.metadata import open_config_metastore, open_metastore
 from cachefuse.metadata.base import record_to_dict
 from cachefuse.select import make_selector
 from cachefuse.select.fixed import FixedSelector
@@ -65,7 +65,7 @@ class WorkerSide:
         # rank keeps its own K/V under its own keys.
         meta_key_context = dataclasses.replace(key_context, tp_rank=0)
         self.engine = FusionEngine(self.adapter, store, key_context, config,
-                                   metastore=open_config_metastore(config), meta_key_context=meta_key_context,
+                                   metastore=_open_metastore(config), meta_key_context=meta_key_context,
                                    writes_metadata=tp_rank == 0)
         self.placement = None
         if config.placement == "frequency" and len(store.tiers) > 1:
@@ -182,3 +182,16 @@ class WorkerSide:
             return None
         stats, self._stats = self._stats, CacheFuseConnectorStats()
         return stats
+
+
+def _open_metastore(config: CacheFuseConfig) -> Any:
+    """The configured metadata store, or, when it cannot be opened (a corrupt, truncated, locked or
+    unwritable meta.sqlite), one in memory for this run: the engine starts and serves, variants saved now
+    are tracked until restart, and the K/V files stay readable (base variants need no metadata row).
+    Redis down is not such a case: its store opens anyway and answers once Redis does."""
+    try:
+        return open_config_metastore(config)
+    except StoreError as exc:
+        logger.warning("cachefuse worker: variant metadata store unavailable (%s); tracking variants in memory "
+                       "until restart. Fix or move the file away to keep them across restarts", exc)
+        return open_metastore(None, max_variants=config.max_variants, policy=config.eviction_policy)

@@ -53,11 +53,19 @@ def test_stopped_server_raises_store_error_then_recovers(private_redis):
     store.put(alone("A"))
     private_redis.stop()
     _assert_every_call_raises_fast(store)
-    with pytest.raises(StoreError):
-        RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.2)  # the constructor checks too
+    opened_while_down = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.2)  # starts all the same
+    _assert_every_call_raises_fast(opened_while_down)
     private_redis.start()  # empty: no persistence
     assert store.all_records() == []
     _assert_works(store)
+    assert opened_while_down.count() == 1  # the layout check happened at the first call that got through
+
+
+def test_another_layout_version_fails_at_once(private_redis):
+    with private_redis.client() as raw:
+        raw.set("cachefuse:meta:schema_version", "999")
+    with pytest.raises(StoreError, match="layout version"):
+        RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.2)
 
 
 def test_paused_server_raises_store_error_then_recovers(private_redis):

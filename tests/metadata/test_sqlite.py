@@ -68,3 +68,39 @@ def test_rejects_other_schema_version_and_bad_config(tmp_path):
         open_store(tmp_path / "b.sqlite", max_variants=0)
     with pytest.raises(ConfigError, match="policy"):
         open_store(tmp_path / "c.sqlite", policy="lfu")
+
+
+def _garbage(path):
+    path.write_bytes(b"this is not a database\n" * 100)
+
+
+def _truncated(path):
+    with open_store(path) as store:
+        store.put(c3_alone())
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def _a_directory(path):
+    path.mkdir()
+
+
+def _locked(path):
+    with open_store(path):
+        pass
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process mid-write, for longer than the busy timeout
+    return holder
+
+
+@pytest.mark.parametrize("damage", [_garbage, _truncated, _a_directory, _locked])
+def test_a_file_that_cannot_be_opened_is_a_store_error(tmp_path, damage):
+    """Never a raw sqlite3 error: the worker turns a StoreError into metadata in memory and starts."""
+    path = tmp_path / "meta.sqlite"
+    holder = damage(path)
+    try:
+        with pytest.raises(StoreError, match="meta.sqlite"):
+            open_store(path).put(c3_alone())
+    finally:
+        if holder is not None:
+            holder.close()
