@@ -8,7 +8,14 @@ import logging
 
 import pytest
 
-from tests.helpers.vllm_engines import generate, named_prompt, precompute, random_pieces, start_engine, stop_engine
+from tests.helpers.vllm_engines import (
+    generate,
+    named_prompt,
+    precompute,
+    random_pieces,
+    start_engine,
+    stop_engine,
+)
 
 
 @pytest.fixture(scope="module")
