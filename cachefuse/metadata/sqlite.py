@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -133,6 +134,8 @@ class SqliteMetaStore:
         self._conn.execute("PRAGMA busy_timeout=2000")  # another process's write lasts milliseconds
         if path != ":memory:":
             self._conn.execute("PRAGMA journal_mode=TRUNCATE")  # choice 8: no mmap'd -shm file
+            with contextlib.suppress(OSError):  # owner only, like the K/V files (a file we do not own stays)
+                os.chmod(path, 0o600)  # SQLite gives its journal the database file's mode
         self._conn.executescript(_SCHEMA)  # autocommit mode: each CREATE ... IF NOT EXISTS commits alone
         with self._txn() as cur:
             rows = cur.execute("SELECT version FROM schema_version").fetchall()

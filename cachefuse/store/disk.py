@@ -8,6 +8,9 @@ Imports torch, safetensors and `cachefuse.store.base`. Layout (one file per key)
                   num_tokens, checksum.k.{i} / checksum.v.{i} (zlib.crc32 of the raw bytes, 8 hex
                   digits), meta.<name> (ChunkKV.meta)
 
+Files are owner-only (0600, directories 0700), and symbolic links inside the root are never followed:
+an entry file or shard directory that is a link is not indexed, read, stamped, replaced or deleted.
+
 A put writes `.tmp-*` next to the target, fsyncs it, then `os.replace`s it, so a reader or a restart
 sees the whole old file or the whole new one, never a prefix; a crashed writer leaves only a temp
 file, which the next scan deletes. The index (key -> file bytes, LRU order) is built by one directory
@@ -15,7 +18,8 @@ scan at construction, so `contains` does no I/O. LRU order survives a restart: e
 hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it.
 
 Misses: a header for another format version, model fingerprint or dtype is "foreign_model"; another
-layer count or tensor shape is "shape_mismatch"; a bad checksum, a missing tensor or an unparsable
+layer count or tensor shape is "shape_mismatch" (checked, with the tensors' total size against the
+bytes the file holds on disk, before any tensor byte is read); a bad checksum, a missing tensor or an unparsable
 file is "corrupt"; a file shorter than its header says is "truncated". Each of these drops the entry
 from the index and deletes its file. "io_error" keeps both (the medium may recover); a file that
 vanished is "absent" and leaves the index.
@@ -52,6 +56,8 @@ FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+MAX_NUM_TOKENS = 1 << 20
+"""More tokens than any chunk has: a header claiming more is not one of ours."""
 _Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]  # k_nope per layer, v per layer, meta
 
 
@@ -124,6 +130,31 @@ def _read_tensor(f, name: str, metadata: dict[str, str], num_tokens: int, dtype:
     return t
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _check_sizes(f, path: Path, names: list[str], num_tokens: int, dtype: torch.dtype) -> None:
+    """Before any tensor byte is read: every tensor is there, of the header's token count and the store's
+    dtype, and all of them fit in the bytes the file really holds on disk. A crafted header claiming
+    gigabytes in a small (or sparse) file would otherwise be allocated in full before its checksum fails.
+    """
+    if not 0 < num_tokens <= MAX_NUM_TOKENS:
+        raise _Miss(base.MISS_CORRUPT, f"num_tokens {num_tokens} outside 1..{MAX_NUM_TOKENS}")
+    st = path.stat()
+    on_disk = min(st.st_size, st.st_blocks * 512) if st.st_blocks else st.st_size  # sparse files count less
+    present, planned = set(f.keys()), 0
+    for name in names:
+        if name not in present:
+            raise _Miss(base.MISS_CORRUPT, f"{name} missing")
+        view = f.get_slice(name)
+        shape, found = view.get_shape(), view.get_dtype()
+        if len(shape) != 3 or shape[0] != num_tokens or found != _SAFETENSORS_DTYPES.get(dtype, found):
+            raise _Miss(base.MISS_SHAPE_MISMATCH, f"{name}: {shape} {found}, num_tokens {num_tokens}")
+        planned += shape[0] * shape[1] * shape[2] * torch.empty(0, dtype=dtype).element_size()
+    if planned > on_disk:
+        raise _Miss(base.MISS_CORRUPT, f"tensors claim {planned} bytes; the file holds {on_disk} on disk")
+
+
 def classify_unreadable(path: Path) -> str:
     """Why safetensors refused `path`: "truncated" if shorter than its header says, else "corrupt"."""
     try:
@@ -187,7 +218,7 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         self._lock = threading.RLock()
         self._last_stamp_ns = 0
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             logger.warning("disk store root %s is unusable (%s): every put will fail", self.root, exc)
         self._scan()
@@ -254,6 +285,12 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
                 return self._miss(key, base.MISS_ABSENT, "not indexed", inode=None)
             self._sizes.move_to_end(key)
         path = self._path(key)
+        if _escapes_root(path):  # placed by someone else after the scan: never followed, never deleted
+            with self._lock:
+                self._sizes.pop(key, None)
+            self.stats.record_miss(base.MISS_CORRUPT)
+            logger.warning("disk miss %s: %s is a symbolic link (or in one): not followed", key, path)
+            return None
         inode = None
         try:
             inode = path.stat().st_ino
@@ -279,6 +316,7 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
             num_tokens = _check_header(metadata, self.identity)
+            _check_sizes(f, path, [f"{kv}.{layer}" for layer in layers for kv in "kv"], num_tokens, dtype)
             for layer in layers:
                 k_nope.append(_read_tensor(f, f"k.{layer}", metadata, num_tokens, dtype))
                 v.append(_read_tensor(f, f"v.{layer}", metadata, num_tokens, dtype))
@@ -315,8 +353,10 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         return False
 
     def _write_atomic(self, path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.path.islink(path.parent):
+            raise PermissionError(f"{path.parent} is a symbolic link: not followed out of the store's root")
+        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)  # mode 0600: owner only
         tmp = Path(tmp_name)
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -344,7 +384,7 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     def _stamp(self, path: Path) -> None:
         stamp = self._next_stamp_ns()
         try:
-            os.utime(path, ns=(stamp, stamp))
+            os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
         except OSError as exc:  # the hit stands; only the LRU order after a restart suffers
             logger.debug("disk store could not stamp %s: %r", path, exc)
 
@@ -352,6 +392,8 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Drop `key` from the index and delete its file (caller holds the lock)."""
         if self._sizes.pop(key, None) is None:
             return
+        if os.path.islink(self._path(key).parent):
+            return  # unlinking through it would delete a file outside the root
         try:
             self._path(key).unlink(missing_ok=True)
         except OSError as exc:
@@ -362,12 +404,15 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         found: list[tuple[int, str, int]] = []  # (mtime_ns, key, file bytes)
         for path in self.root.glob("??/*"):  # unreadable or missing directories yield nothing
             key = path.name.removesuffix(SUFFIX)
+            if _escapes_root(path):
+                logger.warning("disk store skips %s: a symbolic link (or in one), not followed", path)
+                continue
             try:
                 if path.name.startswith(TMP_PREFIX):  # a writer died before its rename: never an entry
                     logger.info("disk store deleting leftover temp file %s", path)
                     path.unlink()
                 elif key != path.name and key[:2] == path.parent.name and base.is_valid_key(key):
-                    st = path.stat()
+                    st = path.lstat()
                     if stat.S_ISREG(st.st_mode):
                         found.append((st.st_mtime_ns, key, st.st_size))
             except OSError as exc:
@@ -395,6 +440,12 @@ def list_keys(root: str | Path) -> set[str]:
     keys = set()
     for path in root.glob(f"*/*{SUFFIX}"):
         key = path.name.removesuffix(SUFFIX)
-        if not path.name.startswith(TMP_PREFIX) and base.is_valid_key(key):
+        if not path.name.startswith(TMP_PREFIX) and base.is_valid_key(key) and not _escapes_root(path):
             keys.add(key)
     return keys
+
+
+def _escapes_root(path: Path) -> bool:
+    """The entry file or its shard directory is a symbolic link: following it would read, stamp, replace
+    or delete a file outside the store's root. (The root itself may be a link: the operator chose it.)"""
+    return os.path.islink(path) or os.path.islink(path.parent)

@@ -321,3 +321,69 @@ def test_aliased_tensors_are_stored(tmp_path):
     assert store.put(KEY, one_for_all) and store.put("ab99", views)
     assert_same_entry(store.get(KEY), one_for_all)
     assert_same_entry(store.get("ab99"), views)
+
+
+def test_a_header_claiming_gigabytes_in_a_sparse_file_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
+    """A crafted entry: a valid header whose tensors claim 1 GiB per layer, in a sparse file of that
+    apparent size that holds a few blocks. It must be a miss before a single tensor is allocated."""
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    store.put(KEY, make_entry(5))
+    path = store._path(KEY)
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    num_tokens, heads, dim = 1 << 20, 16, 16  # 1 GiB of float32 per tensor
+    metadata["num_tokens"] = str(num_tokens)
+    header, offset = {"__metadata__": metadata}, 0
+    for layer in range(IDENTITY.num_layers):
+        for kv in "kv":
+            size = num_tokens * heads * dim * 4
+            header[f"{kv}.{layer}"] = {"dtype": "F32", "shape": [num_tokens, heads, dim],
+                                       "data_offsets": [offset, offset + size]}
+            offset += size
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        fh.truncate(8 + len(blob) + offset)  # sparse: the apparent size, almost no blocks
+    read = []
+    monkeypatch.setattr(disk, "_read_tensor", lambda *args: read.append(args) or None)
+    assert store.get(KEY) is None and read == []
+    assert store.stats.misses == {"corrupt": 1} and not path.exists()
+
+
+def test_symbolic_links_inside_the_root_are_never_followed(tmp_path):
+    """A shard directory or an entry file that is a link (planted by another user, or a mistake) would
+    make the tier index, stamp, overwrite and evict files outside its root."""
+    outside = tmp_path / "outside"
+    victim_dir = outside / "ab"
+    victim_dir.mkdir(parents=True)
+    DiskStore(outside, IDENTITY, BIG).put(KEY, make_entry(5, seed=1))  # a valid entry, outside the root
+    victim = victim_dir / f"{KEY}{disk.SUFFIX}"
+    before = (victim.read_bytes(), victim.stat().st_mtime_ns)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "ab").symlink_to(victim_dir, target_is_directory=True)  # a linked shard directory
+    (root / "cd").mkdir()
+    linked_file = root / "cd" / f"cd{KEY[2:]}{disk.SUFFIX}"
+    linked_file.symlink_to(victim)  # a linked entry file
+
+    store = DiskStore(root, IDENTITY, BIG)
+    assert store.keys() == [] and disk.list_keys(root) == set()  # neither is indexed
+    assert store.get(KEY) is None and store.get(f"cd{KEY[2:]}") is None
+    assert not store.put(KEY, make_entry(5, seed=2))  # writing through the linked shard directory fails
+    assert store.put("ef0123", make_entry(3, seed=3))
+    store.remove(KEY)
+    store.remove(f"cd{KEY[2:]}")
+    assert (victim.read_bytes(), victim.stat().st_mtime_ns) == before  # untouched
+    assert linked_file.is_symlink()
+
+
+def test_files_are_owner_only(tmp_path):
+    from cachefuse.metadata.sqlite import SqliteMetaStore
+
+    store = DiskStore(tmp_path / "store", IDENTITY, BIG)
+    store.put(KEY, make_entry(5))
+    assert (tmp_path / "store").stat().st_mode & 0o777 == 0o700
+    assert store._path(KEY).parent.stat().st_mode & 0o777 == 0o700
+    assert store._path(KEY).stat().st_mode & 0o777 == 0o600
+    SqliteMetaStore(str(tmp_path / "store" / "meta.sqlite"), max_variants=10).close()
+    assert (tmp_path / "store" / "meta.sqlite").stat().st_mode & 0o777 == 0o600
