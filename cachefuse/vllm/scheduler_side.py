@@ -282,6 +282,7 @@ class SchedulerSide:
                     outcome = self._pending[req_id].outcome
                 if outcome is not None:
                     outcome.update(figures)
+                    _log_outcome(req_id, outcome)
                 reason = figures.get("fallback_reason")
                 self.counters["requests_fallback" if reason else "requests_fused"] += 1
                 if reason:
@@ -305,6 +306,8 @@ class SchedulerSide:
                 self._awaiting[req_id] = outcome  # this step's worker figures will fill it in place
             else:  # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
                 outcome.update(status="not_run", detail="the request finished before its blend ran")
+        if outcome.get("status") != "planned":
+            _log_outcome(req_id, outcome)
         return False, {"cachefuse": outcome}
 
     def _fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
@@ -330,6 +333,16 @@ class SchedulerSide:
         if self._tokenizer is None:
             return None
         return lambda text: tokenize_piece(self._tokenizer, text)
+
+
+def _log_outcome(req_id: str, outcome: dict[str, Any]) -> None:
+    """Every request's outcome, once, at DEBUG: also for responses that cannot carry it (a stop string ends
+    a request in vLLM's front end before the engine's request_finished; streamed chunks are sent before)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        fields = ("status", "fallback_reason", "chunks_hit", "chunks_missed", "tokens_reused", "tokens_recomputed",
+                  "blend_time_s", "preemptions")
+        logger.debug("cachefuse: request %s outcome %s", req_id,
+                     {name: outcome[name] for name in fields if outcome.get(name) is not None})
 
 
 def _load_tokenizer(source: Any) -> Any:

@@ -3,6 +3,7 @@ blend budget, outcomes filled in place, and no state left behind (leak check).""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -251,3 +252,22 @@ def test_generated_params_never_escape_planning_and_leave_no_state(fuzz_side, pa
         assert stats["status"] in ("fused", "fallback", "not_run"), stats
         assert len(str(stats)) < 2000
     assert_no_state(side)
+
+
+def test_every_outcome_is_logged_once_at_debug(make_side, caplog):
+    """Responses that cannot carry kv_transfer_params (stop strings, streaming) still leave a trace."""
+    side = make_side()
+    fused, malformed = request("r1"), request("r2", params={"cachefuse": {"chunks": "bad"}})
+    with caplog.at_level(logging.DEBUG, logger="cachefuse.vllm.scheduler_side"):
+        side.get_num_new_matched_tokens(fused, 0)
+        side.update_state_after_alloc(fused, blocks(100), 99)
+        side.build_connector_meta(step_output(fused))
+        side.request_finished(fused, [])
+        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+            {"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}})))
+        side.get_num_new_matched_tokens(malformed, 0)
+        side.request_finished(malformed, [])
+    lines = [r.getMessage() for r in caplog.records if "outcome" in r.getMessage()]
+    assert len(lines) == 2
+    assert "request r1 outcome {'status': 'fused', 'chunks_hit': 2}" in lines[0]
+    assert "request r2 outcome {'status': 'fallback', 'fallback_reason': 'malformed_request'}" in lines[1]
