@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -62,6 +63,39 @@ def make_variant_id(chunk_key: str, prefix: Sequence[str]) -> str:
 def variant_store_key(chunk_key: str, prefix: Sequence[str]) -> str:
     """Where the variant's K/V live in the K/V tiers (choice 7): the chunk key for the empty prefix."""
     return chunk_key if not prefix else f"{chunk_key}-{make_variant_id(chunk_key, prefix)}"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_types(record: VariantRecord) -> None:
+    """Every field of the type the math expects: a row read back from a store may hold anything (a damaged
+    block, another writer), and a record is the one place both backends build from what they read."""
+    bad = [name for name, ok in (
+        ("chunk_key", isinstance(record.chunk_key, str)),
+        ("prefix", isinstance(record.prefix, list | tuple) and all(isinstance(k, str) for k in record.prefix)),
+        ("inter", isinstance(record.inter, dict) and all(isinstance(k, str) and _is_real(v)
+                                                         for k, v in record.inter.items())),
+        ("intra", _is_real(record.intra)),
+        ("num_tokens", _is_int(record.num_tokens) and record.num_tokens > 0),
+        ("prefix_num_tokens", isinstance(record.prefix_num_tokens, dict) and all(
+            isinstance(k, str) and _is_int(v) for k, v in record.prefix_num_tokens.items())),
+        ("ranked_tokens", isinstance(record.ranked_tokens, list | tuple) and all(map(_is_int, record.ranked_tokens))),
+        ("access_count", _is_int(record.access_count)),
+        ("f_r", _is_real(record.f_r)),
+        ("size_bytes", _is_int(record.size_bytes)),
+        ("tier", isinstance(record.tier, str)),
+        ("last_access", _is_real(record.last_access)),
+        ("recompute_ratio", record.recompute_ratio is None or _is_real(record.recompute_ratio)),
+        ("has_stats", isinstance(record.has_stats, bool)),
+    ) if not ok]
+    if bad:
+        raise TypeError(f"VariantRecord fields of the wrong type: {', '.join(bad)}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +129,7 @@ class VariantRecord:
     cci: float = field(init=False)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         object.__setattr__(self, "prefix", tuple(self.prefix))
         object.__setattr__(self, "ranked_tokens", tuple(int(t) for t in self.ranked_tokens))
         bad = [t for t in self.ranked_tokens if not 0 <= t < self.num_tokens]
