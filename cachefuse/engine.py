@@ -28,7 +28,7 @@ import torch
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.errors import StoreError
+from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
 from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
 from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id, record_to_dict
@@ -90,6 +90,10 @@ class FusionStats:
         return data
 
 
+class RankDisagreement(CacheFuseError):
+    """Another tensor-parallel rank failed before the blend pass: every rank falls back together."""
+
+
 class FusionEngine:
     """Looks up declared chunks, fuses, and saves holes as new entries.
 
@@ -118,6 +122,11 @@ class FusionEngine:
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
         self.clock = clock
+        self.rank_agreement: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None
+        """Under tensor parallelism: (this rank's hits, whether it failed) -> (hits every rank has, whether
+        any rank failed); a collective, so every rank calls it once per pass, before the pass. Set, it
+        makes loading serial (every miss is known before the first layer): ranks that disagree on a hit
+        would recompute different rows and the model's collectives would deadlock."""
 
     def fusor_full_layers(self, selector: str) -> int:
         """How many leading layers `selector` computes in full on this model."""
@@ -291,6 +300,11 @@ class FusionEngine:
         stats = self.config.gathers_attention_stats  # read per pass: callers may swap `config`
         depth = self.config.preload_depth if depth is None else depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
+        if self.rank_agreement is not None:
+            loaded, miss_reasons = self._load_agreed(segments, keys, load_seconds, load_bytes)
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
+                                                 collect_attention_stats=stats), selector)
+            return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         if depth == 0:
             loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
             result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
@@ -321,6 +335,27 @@ class FusionEngine:
         result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
                                              collect_attention_stats=stats), selector)
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
+
+    def _load_agreed(self, segments: list[Segment], keys: dict[int, str], load_seconds: Counter,
+                     load_bytes: Counter) -> tuple[dict[int, ChunkKV], Counter]:
+        """`_load`, then the ranks agree: a chunk is loaded only where every rank loaded it (the others
+        compute it as a hole, reason "other_rank_missed"), and if any rank failed, every rank raises."""
+        failure: BaseException | None = None
+        try:
+            loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+            failure, loaded, miss_reasons = exc, {}, Counter()
+        indices = sorted(keys)
+        agreed, any_failed = self.rank_agreement([i in loaded for i in indices], failure is not None)
+        if failure is not None:
+            raise failure
+        if any_failed:
+            raise RankDisagreement("another tensor-parallel rank failed before the blend pass")
+        for index, hit in zip(indices, agreed, strict=True):
+            if not hit and index in loaded:
+                del loaded[index]
+                miss_reasons["other_rank_missed"] += 1
+        return loaded, miss_reasons
 
     def _timed(self, fetch: FetchLayer, load_seconds: Counter, load_bytes: Counter) -> FetchLayer:
         """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass)."""

@@ -23,7 +23,7 @@ from cachefuse import ops
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.engine import FusionEngine, RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.disk import DiskStore, encode_entry
@@ -257,3 +257,28 @@ def test_a_chunk_saved_after_other_tokens_is_never_served_as_an_exact_system_chu
     stored = engine.store.get(saved).k_nope[-1]
     exact_k_nope = ops.strip_rope(exact.k[-1][:len(doc)], positions, adapter.rope_spec)
     assert (stored - exact_k_nope).abs().max() > 1e-3
+
+
+def test_tensor_parallel_ranks_agree_on_hits_before_the_pass(adapter, case):
+    """Under tensor parallelism a chunk is loaded only where every rank loaded it: a rank that sees a hit
+    another rank missed computes it as a hole too (else the ranks recompute different rows and the model's
+    collectives deadlock), and a failure on any rank makes every rank raise before the pass."""
+    engine = _full(adapter, case, CacheFuseConfig(preload_depth=2))  # agreement forces serial loading
+    seen = []
+
+    def other_rank_missed_b(hits, failed):
+        seen.append((list(hits), failed))
+        return [hit and i != 2 for i, hit in enumerate(hits)], False  # chunk B (index 2) missed elsewhere
+
+    engine.rank_agreement = other_rank_missed_b
+    result, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
+    assert seen == [([True, True, True, True], False)]
+    assert stats.chunks_hit == 3 and stats.miss_reasons == {"other_rank_missed": 1}
+    hole = make_engine(adapter)  # the same prompt where B was never stored, on one rank
+    precompute_case(hole, case, with_hole=True)
+    expected, _ = hole.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
+    torch.testing.assert_close(result.logits, expected.logits, **LOGIT_TOL)
+
+    engine.rank_agreement = lambda hits, failed: (hits, True)  # another rank failed while loading
+    with pytest.raises(RankDisagreement):
+        engine.prefill(case.token_ids, case.chunks, save_holes=False)

@@ -4,7 +4,7 @@ password can come from an environment variable or a file instead of the URL."""
 import pytest
 
 from cachefuse.config import CacheFuseConfig
-from cachefuse.errors import ConfigError, StoreError
+from cachefuse.errors import ConfigError
 from cachefuse.redis_client import redact_url, redis_client
 
 
@@ -67,8 +67,8 @@ def test_a_store_reaches_a_password_protected_redis_with_the_password_from_the_e
         store = open_config_metastore(config)
         assert store.count() == 0
         store.close()
-        with pytest.raises(StoreError):  # negative control: the bare URL is refused by the server
-            open_config_metastore(CacheFuseConfig(redis_url=bare_url))
+        with pytest.raises(ConfigError, match="refused the credentials"):  # negative control: no password
+            open_config_metastore(CacheFuseConfig(redis_url=bare_url))  # a wrong password fails at start-up
 
 
 def test_a_rejected_url_is_shown_without_its_password():

@@ -237,6 +237,9 @@ class RedisMetaStore:
         except _LayoutMismatch:
             raise
         except StoreError as exc:  # unreachable: start serving; every call is a StoreError until it answers
+            if isinstance(exc.__cause__, redis.AuthenticationError | redis.exceptions.AuthorizationError):
+                raise ConfigError(f"redis_url: Redis refused the credentials ({exc.__cause__}); check the "
+                                  "password (in the URL, redis_password_env or redis_password_file)") from None
             logger.warning("redis metastore %r unreachable at start-up (%s); variant metadata calls fail, as "
                            "misses and unsaved variants, until it answers", namespace, exc)
 

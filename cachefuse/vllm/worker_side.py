@@ -77,6 +77,8 @@ class WorkerSide:
 
             # Every rank scores only its own heads; summing makes all ranks pick the same rows.
             self.engine.fusor.reduce_scores = tensor_model_parallel_all_reduce
+            # Every rank loads its own heads: they agree on the hits (and on any failure) before the pass.
+            self.engine.rank_agreement = _rank_agreement(tp_size, next(model.parameters()).device)
         self.layer_names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
         # Full causal layers run on the engine's own paged kernel where it is vLLM's CPU backend;
         # decided at the first blend, once vLLM's attention backends are set up.
@@ -195,3 +197,16 @@ def _open_metastore(config: CacheFuseConfig) -> Any:
         logger.warning("cachefuse worker: variant metadata store unavailable (%s); tracking variants in memory "
                        "until restart. Fix or move the file away to keep them across restarts", exc)
         return open_metastore(None, max_variants=config.max_variants, policy=config.eviction_policy)
+
+
+def _rank_agreement(tp_size: int, device: Any) -> Any:
+    """FusionEngine.rank_agreement over vLLM's tensor-parallel group: one all-reduce (sum) of
+    [failed, hit per chunk]; a chunk is a hit where every rank hit, and a failure anywhere is everyone's."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    def agree(hits: list[bool], failed: bool) -> tuple[list[bool], bool]:
+        flags = torch.tensor([float(failed), *map(float, hits)], dtype=torch.float32, device=device)
+        total = tensor_model_parallel_all_reduce(flags).tolist()  # exact: small integers in float32
+        return [count == tp_size for count in total[1:]], total[0] > 0
+
+    return agree

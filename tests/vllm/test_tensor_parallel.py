@@ -12,10 +12,10 @@ from pathlib import Path
 PROBE = Path(__file__).with_name("tp_probe.py")
 
 
-def run_probe(model_dir: Path, store_dir: Path, tp_size: int) -> dict:
+def run_probe(model_dir: Path, store_dir: Path, tp_size: int, mode: str = "all") -> dict:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1" if tp_size == 2 else "0-1",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    out = subprocess.run([sys.executable, str(PROBE), str(model_dir), str(store_dir), str(tp_size)],
+    out = subprocess.run([sys.executable, str(PROBE), str(model_dir), str(store_dir), str(tp_size), mode],
                          capture_output=True, text=True, timeout=400, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
@@ -37,3 +37,17 @@ def test_tp2_selects_the_same_rows_as_tp1(tiny_model_dir, tmp_path):
     assert max_diff(tp1["ratio_15"], tp1["ratio_1"]) > 1e-3  # and the ratio does change the result
     # per-rank entries: each rank stores its own heads under its own keys
     assert len(list((tmp_path / "tp2").rglob("*.safetensors"))) == 2 * len(list((tmp_path / "tp1").rglob("*.safetensors")))
+
+
+def test_a_fault_on_one_rank_only_makes_both_ranks_compute_the_chunk(tiny_model_dir, tmp_path):
+    """Rank 1's entry of chunk a is corrupt, rank 0's is whole. The ranks agree before the pass: a is a
+    hole on both (else each would recompute other rows and the model's all-reduces would deadlock), and
+    the answer is TP=1's with a never stored."""
+    model_dir = tiny_model_dir("llama")
+    fault = run_probe(model_dir, tmp_path / "fault", 2, "fault_rank1")
+    alone = run_probe(model_dir, tmp_path / "alone", 1, "skip_a")
+    stats = fault["ratio_15"]["stats"]
+    assert stats["status"] == "fused" and stats["chunks_hit"] == 2, stats
+    assert set(stats["miss_reasons"]) <= {"other_rank_missed", "corrupt"} and stats["chunks_missed"] == 1
+    assert alone["ratio_15"]["stats"]["chunks_hit"] == 2
+    assert max_diff(alone["ratio_15"], fault["ratio_15"]) < 1e-4

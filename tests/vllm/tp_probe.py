@@ -1,7 +1,10 @@
 """Runs one fused workload on an engine of a given tensor-parallel size; prints JSON results.
 
 A script (not a test module) because TP > 1 spawns worker processes, which re-import __main__.
-    python tests/vllm/tp_probe.py MODEL_DIR STORE_DIR TP_SIZE
+    python tests/vllm/tp_probe.py MODEL_DIR STORE_DIR TP_SIZE [MODE]
+
+MODE "all" (default) stores chunks a and c and runs the prompt at ratio 1.0 and 0.15; "skip_a" never
+stores a (a hole on every rank); "fault_rank1" stores both, then corrupts rank 1's entry of a only.
 """
 
 import json
@@ -11,13 +14,15 @@ import sys
 
 def main() -> None:
     model_dir, store_dir, tp_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode = sys.argv[4] if len(sys.argv) > 4 else "all"  # a damaged file is then read, not a memory copy
     import torch
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kv = KVTransferConfig(kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                          kv_connector_extra_config={"store_dir": store_dir})
+                          kv_connector_extra_config={"store_dir": store_dir,  # disk only in the fault modes:
+                                                     **({} if mode == "all" else {"memory_capacity_bytes": 0})})
     llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, enforce_eager=True,
               enable_prefix_caching=False, kv_transfer_config=kv, tensor_parallel_size=tp_size,
               distributed_executor_backend="mp" if tp_size > 1 else None, kv_cache_memory_bytes=64 << 20,
@@ -29,7 +34,12 @@ def main() -> None:
             ("precompute_c", system + c + [5], [[0, 12], [12, 42]], 1.0),
             ("ratio_1", system + c + a + question, [[0, 12], [12, 42], [42, 82]], 1.0),
             ("ratio_15", system + c + a + question, [[0, 12], [12, 42], [42, 82]], 0.15)]
+    if mode == "skip_a":
+        runs = [runs[1], runs[3]]
     for name, ids, chunks, ratio in runs:
+        if name == "ratio_1" and mode == "fault_rank1":
+            corrupt_rank_entry(model_dir, store_dir, a, tp_size, rank=1)
+            continue
         params = {"cachefuse": {"chunks": chunks, "recompute_ratio": ratio}}
         sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20,
                                   extra_args={"kv_transfer_params": params})
@@ -37,6 +47,21 @@ def main() -> None:
         results[name] = {"logprobs": {str(t): lp.logprob for t, lp in out.outputs[0].logprobs[0].items()},
                          "stats": out.kv_transfer_params["cachefuse"]}
     print("RESULT " + json.dumps(results), flush=True)
+
+
+def corrupt_rank_entry(model_dir: str, store_dir: str, ids: list[int], tp_size: int, rank: int) -> None:
+    """Flips a data byte of one rank's stored entry of the chunk `ids` (the other ranks' stay whole)."""
+    from pathlib import Path
+
+    from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint
+    from cachefuse.config import CacheFuseConfig
+
+    ctx = KeyContext(model_fingerprint(model_dir), "float32", tp_size, rank, CacheFuseConfig().compute_hash())
+    key = chunk_key(ids, ctx)
+    path = Path(store_dir) / key[:2] / f"{key}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 if __name__ == "__main__":
