@@ -52,6 +52,22 @@ def step_output(*reqs, resumed=(), resumed_first_block: int = 40):
     return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached)
 
 
+def schedule(side: SchedulerSide, req, **resumed) -> list:
+    """What vLLM does to schedule `req` in one step (hook, allocation, metadata): the plans sent. With
+    `resumed_first_block`, the request is a preempted one resumed into new blocks from there."""
+    matched, _ = side.get_num_new_matched_tokens(req, 0)
+    first = resumed.get("resumed_first_block", 7)
+    side.update_state_after_alloc(req, blocks(len(req.prompt_token_ids), first=first), matched)
+    output = step_output(resumed=[req], **resumed) if resumed else step_output(req)
+    return side.build_connector_meta(output).plans
+
+
+def worker_reports(side: SchedulerSide, req_id: str | None, **figures) -> None:
+    """The step's worker metadata: the request's blend figures (None: nothing to report)."""
+    stats = {} if req_id is None else {req_id: {"status": "fused", "fallback_reason": None, **figures}}
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(stats)))
+
+
 def assert_no_state(side: SchedulerSide) -> None:
     assert not side._pending and not side._fallbacks and not side._awaiting
 
@@ -104,21 +120,15 @@ def test_aborted_before_scheduling_leaves_nothing_and_says_it_never_ran(make_sid
 def test_a_preempted_request_is_planned_again_with_its_new_blocks_when_resumed(make_side):
     side = make_side()
     req = request("r1")
-    side.get_num_new_matched_tokens(req, 0)
-    side.update_state_after_alloc(req, blocks(100), 99)
-    (first,) = side.build_connector_meta(step_output(req)).plans
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r1": {"status": "fused", "fallback_reason": None}})))
+    (first,) = schedule(side, req)
+    worker_reports(side, "r1")
     # vLLM preempts r1 (its blocks are freed), later resumes it and asks the connector again.
-    assert side.get_num_new_matched_tokens(req, 0) == (99, False)
-    side.update_state_after_alloc(req, blocks(100, first=40), 99)
-    (again,) = side.build_connector_meta(step_output(resumed=[req], resumed_first_block=40)).plans
+    (again,) = schedule(side, req, resumed_first_block=40)
     assert first.block_ids == [7, 8, 9, 10, 11, 12, 13] and again.block_ids == [40, 41, 42, 43, 44, 45, 46]
     assert again.slot_mapping[0] == 40 * 16 and again.token_ids == first.token_ids
     assert side.build_connector_meta(step_output()).plans == []  # sent once per resumption
     _, params = side.request_finished(req, [])
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r1": {"status": "fused", "fallback_reason": None}})))
+    worker_reports(side, "r1")
     assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["preemptions"] == 1
     assert side.counters["requests_replanned_after_preemption"] == 1
     assert_no_state(side)
@@ -127,9 +137,7 @@ def test_a_preempted_request_is_planned_again_with_its_new_blocks_when_resumed(m
 def test_a_running_request_listed_among_cached_ones_is_not_planned_again(make_side):
     side = make_side()
     req = request("r1")
-    side.get_num_new_matched_tokens(req, 0)
-    side.update_state_after_alloc(req, blocks(100), 99)
-    assert len(side.build_connector_meta(step_output(req)).plans) == 1
+    assert len(schedule(side, req)) == 1
     running = step_output()
     running.scheduled_cached_reqs = SimpleNamespace(req_ids=["r1"], resumed_req_ids=set(), new_block_ids=[None])
     assert side.build_connector_meta(running).plans == []  # decoding: only resumed requests are re-blended
@@ -241,12 +249,10 @@ def test_generated_params_never_escape_planning_and_leave_no_state(fuzz_side, pa
     matched, asynchronous = side.get_num_new_matched_tokens(req, 0)
     assert asynchronous is False and matched in (0, 99, None)
     if matched:
-        side.update_state_after_alloc(req, blocks(100), matched)
-        side.build_connector_meta(step_output(req))
+        schedule(side, req)
     side.build_connector_meta(step_output())  # the step ends: the budget resets
     _, outcome = side.request_finished(req, [])
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"fuzz": {"status": "fused", "fallback_reason": None}} if matched else {})))
+    worker_reports(side, "fuzz" if matched else None)
     if outcome is not None:
         stats = outcome["cachefuse"]
         assert stats["status"] in ("fused", "fallback", "not_run"), stats
@@ -259,12 +265,9 @@ def test_every_outcome_is_logged_once_at_debug(make_side, caplog):
     side = make_side()
     fused, malformed = request("r1"), request("r2", params={"cachefuse": {"chunks": "bad"}})
     with caplog.at_level(logging.DEBUG, logger="cachefuse.vllm.scheduler_side"):
-        side.get_num_new_matched_tokens(fused, 0)
-        side.update_state_after_alloc(fused, blocks(100), 99)
-        side.build_connector_meta(step_output(fused))
+        schedule(side, fused)
         side.request_finished(fused, [])
-        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-            {"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}})))
+        worker_reports(side, "r1", chunks_hit=2)
         side.get_num_new_matched_tokens(malformed, 0)
         side.request_finished(malformed, [])
     lines = [r.getMessage() for r in caplog.records if "outcome" in r.getMessage()]

@@ -11,15 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.vllm_engines import (
-    generate,
-    named_prompt,
-    precompute,
-    random_pieces,
-    scheduler_connector,
-    start_engine,
-    stop_engine,
-)
+from tests.helpers import vllm_engines as engines
 
 SMALL_KV_CACHE = dict(kv_cache_memory_bytes=2 << 20, max_model_len=512)  # 1,024 tokens of the tiny llama
 MAX_TOKENS = 150
@@ -37,15 +29,16 @@ def family():  # the scheduling path is model-independent
 def setup(tiny_model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it overrides kv_cache_memory_bytes (whole GiB)
-        llm = start_engine(tiny_model_dir("llama"), tmp_path_factory.mktemp("preempt-store"), SMALL_KV_CACHE)
-    pieces = random_pieces(5, {"system": 20, "a": 60, "b": 50, "c": 40, "d": 45, "question": 10})
-    precompute(llm, pieces["system"], [pieces[name] for name in "abcd"])
+        store = tmp_path_factory.mktemp("preempt-store")
+        llm = engines.start_engine(tiny_model_dir("llama"), store, SMALL_KV_CACHE)
+    pieces = engines.random_pieces(5, {"system": 20, "a": 60, "b": 50, "c": 40, "d": 45, "question": 10})
+    engines.precompute(llm, pieces["system"], [pieces[name] for name in "abcd"])
     yield llm, pieces
-    stop_engine(llm)
+    engines.stop_engine(llm)
 
 
 def one_at_a_time(llm, prompts, params):
-    return [generate(llm, [ids], [p], MAX_TOKENS)[0] for ids, p in zip(prompts, params, strict=True)]
+    return [engines.generate(llm, [ids], [p], MAX_TOKENS)[0] for ids, p in zip(prompts, params, strict=True)]
 
 
 @pytest.mark.parametrize(("selector", "ratio", "reference"), [
@@ -56,12 +49,12 @@ def test_preempted_fused_requests_give_the_unpreempted_output(setup, selector, r
     llm, pieces = setup
     prompts, params = [], []
     for order in ORDERS:
-        ids, p = named_prompt(pieces, order, selector=selector, recompute_ratio=ratio)
+        ids, p = engines.named_prompt(pieces, order, selector=selector, recompute_ratio=ratio)
         prompts.append(ids)
         params.append(p)
-    counters = scheduler_connector(llm).counters
+    counters = engines.scheduler_connector(llm).counters
     before = counters["requests_replanned_after_preemption"]
-    batch = generate(llm, prompts, params, MAX_TOKENS)  # preempts: the cache holds two of these
+    batch = engines.generate(llm, prompts, params, MAX_TOKENS)  # preempts: the cache holds two of these
     resumed = counters["requests_replanned_after_preemption"] - before
     expected = one_at_a_time(llm, prompts, [None] * len(prompts) if reference == "plain" else params)
     assert resumed > 0, "no request was preempted: the KV cache is too large for this test"

@@ -12,17 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import vllm_engines as engines
 from tests.helpers.tolerances import LOGPROB_TOL
-from tests.helpers.vllm_engines import (
-    first_logprobs,
-    generate,
-    max_logprob_diff,
-    random_pieces,
-    scheduler_connector,
-    start_engine,
-    stop_engine,
-    worker_side,
-)
 
 
 @pytest.fixture(scope="module")
@@ -32,30 +23,37 @@ def family():  # the keying is model-independent
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir, tmp_path_factory):
-    engine = start_engine(tiny_model_dir("llama"), tmp_path_factory.mktemp("tenant-store"), selector="full_reuse")
+    store = tmp_path_factory.mktemp("tenant-store")
+    engine = engines.start_engine(tiny_model_dir("llama"), store, selector="full_reuse")
     yield engine
-    stop_engine(engine)
+    engines.stop_engine(engine)
+
+
+def diff(expected, actual) -> float:
+    return engines.max_logprob_diff(engines.first_logprobs(expected), engines.first_logprobs(actual))
 
 
 def test_a_document_saved_by_one_tenant_is_not_another_tenants_exact_system_chunk(llm):
-    pieces = random_pieces(11, {"glue": 7, "doc": 40, "tail": 25, "question": 9})
+    pieces = engines.random_pieces(11, {"glue": 7, "doc": 40, "tail": 25, "question": 9})
     glue, doc = pieces["glue"], pieces["doc"]
     first_ids = glue + doc + pieces["question"]
-    (first,) = generate(llm, [first_ids], [{"cachefuse": {"chunks": [[len(glue), len(glue) + len(doc)]]}}])
+    declared = {"cachefuse": {"chunks": [[len(glue), len(glue) + len(doc)]]}}
+    (first,) = engines.generate(llm, [first_ids], [declared])
     assert first.kv_transfer_params["cachefuse"]["holes_saved"] == 1  # the document, computed after the glue
 
     second_ids = doc + pieces["tail"] + pieces["question"]
     params = {"cachefuse": {"chunks": [[0, len(doc)]]}}  # the same text, now the system chunk
-    (fused,) = generate(llm, [second_ids], [params])
-    (plain,) = generate(llm, [second_ids], [None])
-    assert max_logprob_diff(first_logprobs(plain), first_logprobs(fused)) < LOGPROB_TOL
+    (fused,) = engines.generate(llm, [second_ids], [params])
+    (plain,) = engines.generate(llm, [second_ids], [None])
+    assert diff(plain, fused) < LOGPROB_TOL
     stats = fused.kv_transfer_params["cachefuse"]
-    assert stats["status"] == "fused" and stats["chunks_hit"] == 0 and stats["miss_reasons"] == {"not_stored": 1}
-    engine = worker_side().engine
+    assert stats["status"] == "fused" and stats["chunks_hit"] == 0
+    assert stats["miss_reasons"] == {"not_stored": 1}
+    engine = engines.worker_side().engine
     assert engine.store.contains(engine.key(doc))  # tenant 1's entry is there, under another key
 
     # The system chunk is now stored as computed at the start: the next request reuses it, still exact.
-    (again,) = generate(llm, [second_ids], [params])
+    (again,) = engines.generate(llm, [second_ids], [params])
     assert again.kv_transfer_params["cachefuse"]["chunks_hit"] == 1
-    assert max_logprob_diff(first_logprobs(plain), first_logprobs(again)) < LOGPROB_TOL
-    assert scheduler_connector(llm).counters["fallback:blend_error"] == 0
+    assert diff(plain, again) < LOGPROB_TOL
+    assert engines.scheduler_connector(llm).counters["fallback:blend_error"] == 0
