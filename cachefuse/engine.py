@@ -327,6 +327,8 @@ class FusionEngine:
             logger.warning("chunk %s missed at layer %d mid-pass (%s): re-running the pass with it as a hole",
                            exc.key, exc.layer, exc.reason)
             missed = exc
+            if exc.reason == "length_mismatch":
+                self.store.remove(exc.key)  # as in _load: the hole computed now replaces it
         load_seconds.clear()
         load_bytes.clear()
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
@@ -397,6 +399,7 @@ class FusionEngine:
                                "computing it as a hole", key, entry.num_tokens, entry.num_layers,
                                seg.length, self.adapter.shape.num_layers)
                 miss_reasons["length_mismatch"] += 1
+                self.store.remove(key)  # never right for this content-hashed key: the hole replaces it
                 continue
             loaded[index] = entry
         return loaded, miss_reasons

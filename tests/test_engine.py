@@ -193,11 +193,14 @@ def test_wrong_length_entry_is_a_hole_with_the_output_of_a_missing_one(adapter, 
     without_a = _copy(engine, make_engine(adapter), skip=key_a)
     engine.store.put(key_a, engine.compute_chunk(case.pieces[1], case.system))  # B's 19 tokens under A's key
     expected, _ = without_a.prefill(case.token_ids, case.chunks, save_holes=False)
-    # save_holes=False: such a hole is not re-saved today (the bad entry stays: contains() is true)
     for depth in (0, 2):  # serial: checked on load; pipelined: a mid-pass miss, the pass re-run
-        result, stats = engine.prefill(case.token_ids, case.chunks, preload_depth=depth, save_holes=False)
+        engine.store.put(key_a, engine.compute_chunk(case.pieces[1], case.system))  # B's 19 tokens under A's key
+        result, stats = engine.prefill(case.token_ids, case.chunks, preload_depth=depth)
         assert stats.miss_reasons == {"length_mismatch": 1} and result.hole_segments == [1]
         assert stats.chunks_hit == 3 and torch.equal(result.logits, expected.logits)
+        assert stats.holes_saved == 1 and engine.store.get(key_a).num_tokens == len(case.pieces[0])  # replaced
+        _, again = engine.prefill(case.token_ids, case.chunks, preload_depth=depth, save_holes=False)
+        assert again.chunks_hit == 4 and again.miss_reasons == {}  # the next request hits it
 
 
 @pytest.mark.parametrize("depth", [0, 2])
