@@ -290,9 +290,10 @@ class SchedulerSide:
                 for miss, count in (figures.get("miss_reasons") or {}).items():
                     self.counters[f"miss:{miss}"] += count
                 self.counters["save_failures"] += figures.get("save_failures", 0)
-        for outcome in self._awaiting.values():  # figures of a blend arrive in the step that ran it, or never
+        for req_id, outcome in self._awaiting.items():  # figures of a blend arrive in the step that ran it, or never
             if outcome.get("status") == "planned":
                 outcome.update(status="not_run", detail="no figures came back from the worker for its blend")
+                _log_outcome(req_id, outcome)
         self._awaiting.clear()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -301,13 +302,14 @@ class SchedulerSide:
         outcome = pending.outcome if pending is not None else self._fallbacks.pop(req_id, None)
         if outcome is None:
             return False, None
-        if outcome.get("status") == "planned":
-            if pending is not None and pending.sent:
-                self._awaiting[req_id] = outcome  # this step's worker figures will fill it in place
+        if pending is None:  # a fallback decided here: no worker figures will come for it
+            _log_outcome(req_id, outcome)
+        elif outcome.get("status") == "planned":
+            if pending.sent:
+                self._awaiting[req_id] = outcome  # this step's worker figures will fill (and log) it in place
             else:  # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
                 outcome.update(status="not_run", detail="the request finished before its blend ran")
-        if outcome.get("status") != "planned":
-            _log_outcome(req_id, outcome)
+                _log_outcome(req_id, outcome)
         return False, {"cachefuse": outcome}
 
     def _fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:

@@ -263,14 +263,18 @@ def test_generated_params_never_escape_planning_and_leave_no_state(fuzz_side, pa
 def test_every_outcome_is_logged_once_at_debug(make_side, caplog):
     """Responses that cannot carry kv_transfer_params (stop strings, streaming) still leave a trace."""
     side = make_side()
-    fused, malformed = request("r1"), request("r2", params={"cachefuse": {"chunks": "bad"}})
+    fused, malformed, decoding = request("r1"), request("r2", params={"cachefuse": {"chunks": "bad"}}), request("r3")
     with caplog.at_level(logging.DEBUG, logger="cachefuse.vllm.scheduler_side"):
         schedule(side, fused)
-        side.request_finished(fused, [])
+        side.request_finished(fused, [])  # one token: it finishes in the step of its blend, figures after
         worker_reports(side, "r1", chunks_hit=2)
         side.get_num_new_matched_tokens(malformed, 0)
         side.request_finished(malformed, [])
+        schedule(side, decoding)
+        worker_reports(side, "r3", chunks_hit=1)  # several tokens: the figures come first
+        side.request_finished(decoding, [])
     lines = [r.getMessage() for r in caplog.records if "outcome" in r.getMessage()]
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert "request r1 outcome {'status': 'fused', 'chunks_hit': 2}" in lines[0]
     assert "request r2 outcome {'status': 'fallback', 'fallback_reason': 'malformed_request'}" in lines[1]
+    assert "request r3 outcome {'status': 'fused', 'chunks_hit': 1}" in lines[2]
