@@ -34,7 +34,6 @@ import platform
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
+from tests.helpers.redis_server import free_port  # noqa: E402
 
 KINDS = {"hit": 0.45, "miss": 0.1, "plain": 0.1, "exact": 0.15, "hostile": 0.1, "abort": 0.1}
 MAX_TOKENS = 8
@@ -89,12 +89,6 @@ class Workload:
             chunks.append([len(ids), len(ids) + len(doc)])
             ids += doc
         return ids + question, chunks
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(model_dir: Path, store: Path | None, log: Path, kv_cache_bytes: int) -> tuple[subprocess.Popen, int]:

@@ -301,12 +301,10 @@ class FusionEngine:
         depth = self.config.preload_depth if depth is None else depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if self.rank_agreement is not None:
-            loaded, miss_reasons = self._load_agreed(segments, keys, load_seconds, load_bytes)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
-                                                 collect_attention_stats=stats), selector)
-            return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
+            depth = 0  # serial: every miss is known before the first layer (see rank_agreement)
         if depth == 0:
-            loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
+            load = self._load if self.rank_agreement is None else self._load_agreed
+            loaded, miss_reasons = load(segments, keys, load_seconds, load_bytes)
             result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
                                                  collect_attention_stats=stats), selector)
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())

@@ -202,22 +202,29 @@ class SqliteMetaStore:
         return evicted
 
     def _victims(self, cur: sqlite3.Cursor, need: int) -> list[VariantRecord]:
-        """The first `need` unpinned variants in eviction order; StoreError when there are fewer."""
+        """The first `need` unpinned variants in eviction order; StoreError when there are fewer.
+
+        An unreadable row in that order counts toward `need` and is deleted here (its K/V, if any, becomes
+        an orphan that `cachefuse inspect` lists): it is garbage, and no record can be returned for it.
+        """
         victims: list[VariantRecord] = []
+        unreadable: list[str] = []
         if need <= 0:
             return victims
-        for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}").fetchall():
+        for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}"):
             if self._pins.count(row["variant_id"]) == 0:
                 record = self._parse(row)
-                if record is None:  # unreadable: deleted here (its K/V, if any, is an orphan for inspect)
-                    cur.execute("DELETE FROM variants WHERE variant_id = ?", (row["variant_id"],))
-                    need -= 1
+                if record is None:
+                    unreadable.append(row["variant_id"])
                 else:
                     victims.append(record)
-                if len(victims) >= need:
-                    return victims
-        raise StoreError(f"metastore full: {self.max_variants} variants, {len(victims)} unpinned, "
-                         f"{need} must be evicted to admit a new one; not admitted")
+                if len(victims) + len(unreadable) == need:
+                    break
+        else:
+            raise StoreError(f"metastore full: {self.max_variants} variants, {len(victims) + len(unreadable)} "
+                             f"unpinned, {need} must be evicted to admit a new one; not admitted")
+        cur.executemany("DELETE FROM variants WHERE variant_id = ?", [(v,) for v in unreadable])
+        return victims
 
     def get(self, variant_id: str) -> VariantRecord | None:
         """The variant with this id, or None."""

@@ -142,7 +142,7 @@ def _check_sizes(f, path: Path, names: list[str], num_tokens: int, dtype: torch.
         raise _Miss(base.MISS_CORRUPT, f"num_tokens {num_tokens} outside 1..{MAX_NUM_TOKENS}")
     st = path.stat()
     on_disk = min(st.st_size, st.st_blocks * 512) if st.st_blocks else st.st_size  # sparse files count less
-    present, planned = set(f.keys()), 0
+    present, planned, itemsize = set(f.keys()), 0, torch.empty(0, dtype=dtype).element_size()
     for name in names:
         if name not in present:
             raise _Miss(base.MISS_CORRUPT, f"{name} missing")
@@ -150,7 +150,7 @@ def _check_sizes(f, path: Path, names: list[str], num_tokens: int, dtype: torch.
         shape, found = view.get_shape(), view.get_dtype()
         if len(shape) != 3 or shape[0] != num_tokens or found != _SAFETENSORS_DTYPES.get(dtype, found):
             raise _Miss(base.MISS_SHAPE_MISMATCH, f"{name}: {shape} {found}, num_tokens {num_tokens}")
-        planned += shape[0] * shape[1] * shape[2] * torch.empty(0, dtype=dtype).element_size()
+        planned += shape[0] * shape[1] * shape[2] * itemsize
     if planned > on_disk:
         raise _Miss(base.MISS_CORRUPT, f"tensors claim {planned} bytes; the file holds {on_disk} on disk")
 
