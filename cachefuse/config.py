@@ -83,6 +83,12 @@ class CacheFuseConfig:
     """Half-life of the access counts, in seconds."""
     save_holes: bool = True
     """Store chunks the blend pass computed in full (holes) as new variants."""
+    save_queue_bytes: int = 256 << 20
+    """The vLLM worker writes holes on a background thread whose queue holds at most this many bytes of
+    K/V; a hole that does not fit is skipped and counted (`saves_skipped`), never waited for. 0 writes
+    them on the request's path, before its response (the reference engine always does)."""
+    save_flush_timeout_s: float = 30.0
+    """At shutdown, how long the worker waits for queued hole saves to be written."""
     collect_attention_stats: bool | None = None
     """Gather each hole's attention mass per segment in the blend pass and store it with the variant
     (Cache-Craft's inter/intra attention, for CCI, and its recompute-token ranking); costs one extra
@@ -183,6 +189,10 @@ class CacheFuseConfig:
         self._validate_variants()
         if not isinstance(self.save_holes, bool):
             _fail("save_holes", self.save_holes, "true or false")
+        if not _is_int(self.save_queue_bytes) or self.save_queue_bytes < 0:
+            _fail("save_queue_bytes", self.save_queue_bytes, "an integer >= 0 (0 saves on the request's path)")
+        if not _is_number(self.save_flush_timeout_s) or not 0.0 <= self.save_flush_timeout_s <= 3600.0:
+            _fail("save_flush_timeout_s", self.save_flush_timeout_s, "a number of seconds in 0..3600")
         if not _is_int(self.max_blend_tokens_per_step) or self.max_blend_tokens_per_step < 1:
             _fail("max_blend_tokens_per_step", self.max_blend_tokens_per_step, "an integer >= 1")
         if self.separator_token_id is not None and (not _is_int(self.separator_token_id)

@@ -1,6 +1,6 @@
 """FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
 
-Imports cachefuse.{chunks, config, fusor, loading.loader, metadata, select, store}; never vllm. The
+Imports cachefuse.{chunks, config, fusor, loading.loader, metadata, saving, select, store}; never vllm. The
 reference engine (demo, benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
 same steps over its own adapter. Each declared chunk reuses the variant the metadata store scores
 best for its prefix (cachefuse.metadata.index); holes are saved as the variant for their prefix.
@@ -16,7 +16,6 @@ chunk as a hole.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -31,9 +30,10 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
 from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
-from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id, record_to_dict
+from cachefuse.metadata.base import MetaStore, VariantRecord, record_to_dict
 from cachefuse.metadata.index import VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
+from cachefuse.saving import BackgroundSaver, HoleWriter, PendingReadsStore, SaveReport, hole_saves
 from cachefuse.select import ChunkReuse, Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
@@ -61,10 +61,14 @@ class FusionStats:
     bytes_loaded: int
     blend_time_s: float
     holes_saved: int
+    """Holes stored as variants by this request (queued for writing, when saved in the background)."""
     saved_keys: tuple[str, ...] = ()
     """Chunk keys stored by this request (holes)."""
     save_failures: int = 0
-    """Holes the store refused (full of pinned entries, unwritable directory, ...)."""
+    """Holes the store refused (full of pinned entries, unwritable directory, ...); saved in the
+    background, a refusal comes later, in `FusionEngine.take_save_report`."""
+    saves_skipped: int = 0
+    """Holes not saved because the background saver's queue was full."""
     load_seconds_by_tier: dict[str, float] = field(default_factory=dict)
     """Time spent reading chunk entries, by the tier that served them (measured figures)."""
     load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
@@ -119,6 +123,7 @@ class FusionEngine:
         self.writes_metadata = writes_metadata
         self.metastore: MetaStore = metastore if metastore is not None else SqliteMetaStore(
             ":memory:", max_variants=config.max_variants, policy=config.eviction_policy)
+        self.saver: BackgroundSaver | None = None
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
         self.clock = clock
@@ -199,13 +204,15 @@ class FusionEngine:
     def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]], *,
                 selector: str | Selector | None = None, ratio: float | None = None,
                 save_holes: bool = True, preload_depth: int | None = None,
-                choices: Sequence[VariantChoice | None] | None = None) -> tuple[FuseResult, FusionStats]:
+                choices: Sequence[VariantChoice | None] | None = None,
+                save_inline: bool = False) -> tuple[FuseResult, FusionStats]:
         """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets).
 
         `selector` is a registry name (built from the config) or a ready Selector instance;
         `preload_depth` overrides the config's (the loading controller's L_p for this request);
         `choices` are the variants to reuse per declared chunk (the scheduler's plan; None: chosen
-        here by `plan_variants`).
+        here by `plan_variants`); `save_inline` writes the holes before returning even when the engine
+        saves in the background.
         """
         selector = selector or self.config.selector
         selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
@@ -235,8 +242,7 @@ class FusionEngine:
         miss_reasons += more_misses
         blend_time = self.clock() - start
         self._record_uses(chosen, loaded)
-        saved_keys, saved_records, evicted, save_failures = (
-            self._save_holes(result, segments, keys, meta_keys, ratio) if save_holes else ((), (), [], 0))
+        saved = self._save_holes(result, segments, keys, meta_keys, ratio, save_inline) if save_holes else SaveReport()
         last = result.rows_per_layer[-1]
         num_recomputed = len(ids) if last is None else last.numel()
         num_loaded = sum(segments[i].length for i in loaded)
@@ -246,12 +252,13 @@ class FusionEngine:
             tokens_reused=num_loaded - (num_loaded if last is None else int(_loaded_rows_in(last, segments, loaded))),
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
             bytes_loaded=bytes_loaded, blend_time_s=blend_time,
-            holes_saved=len(saved_keys), saved_keys=saved_keys, save_failures=save_failures,
+            holes_saved=len(saved.saved_keys), saved_keys=tuple(saved.saved_keys), save_failures=saved.failures,
+            saves_skipped=saved.skipped,
             miss_reasons=dict(+miss_reasons), load_seconds_by_tier=dict(load_seconds),
             load_bytes_by_tier=dict(load_bytes), layer_seconds=list(result.layer_seconds),
             layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer],
             chunk_cfo=[None if c is None else c.cfo for c in choices],
-            saved_variants=saved_records, evicted_variants=tuple(evicted))
+            saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted))
         return result, stats
 
     @contextlib.contextmanager
@@ -403,54 +410,37 @@ class FusionEngine:
         return loaded, miss_reasons
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
-                    meta_keys: dict[int, str], ratio: float
-                    ) -> tuple[tuple[str, ...], tuple[VariantRecord, ...], list[str], int]:
-        """Stores every hole as the variant for its prefix: K/V first, then the metadata row (a reader
-        never sees metadata whose K/V are not there yet). A full metadata store evicts on demand; the
-        victims' K/V are deleted here (the worker owns both).
+                    meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:
+        """Stores every hole as the variant for its prefix (cachefuse.saving): written now, or queued for
+        the background saver (`save_in_background`), the request's path then only copying them out."""
+        saves = hole_saves(result, segments, keys, meta_keys, ratio, self.adapter.rope_spec,
+                           self.config.max_variant_prefix_chunks)
+        if self.saver is not None and not inline:
+            return self.saver.submit(saves)
+        report = SaveReport()
+        for save in saves:
+            report.add(self.hole_writer().write(save))
+        return report
 
-        Returns:
-            (store keys saved, their records, variant ids evicted, failures).
-        """
-        saved, records, evicted, failures = [], [], [], 0
-        for index in result.hole_segments:
-            # metadata.index rule 1: the declared non-system chunks before it, in prompt order, the nearest few
-            prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
-            prefix_ids = prefix_ids[max(0, len(prefix_ids) - self.config.max_variant_prefix_chunks):]
-            key, prefix, seg = meta_keys[index], tuple(meta_keys[i] for i in prefix_ids), segments[index]
-            variant_id = make_variant_id(key, prefix)
-            store_key = keys[index] if not prefix else f"{keys[index]}-{variant_id}"
-            try:
-                if self.store.contains(store_key) and (not self.writes_metadata
-                                                       or self.metastore.get(variant_id) is not None):
-                    continue
-                record = _variant_record(result, index, prefix_ids, segments, meta_keys, ratio)
-            except StoreError as exc:
-                logger.warning("cachefuse: variant metadata unavailable (%s): hole %s not saved", exc, key)
-                failures += 1
-                continue
-            entry = extract_chunk_kv(result, seg, self.adapter.rope_spec,
-                                     meta={"variant": "fused" if prefix else "base", "prefix": ",".join(prefix)})
-            if not self.store.put(store_key, entry):
-                failures += 1
-                continue
-            record = dataclasses.replace(record, size_bytes=entry.nbytes, tier=self._home_tier())
-            if not self.writes_metadata:
-                saved.append(store_key)
-                continue
-            try:
-                victims = self.metastore.put(record)
-            except StoreError as exc:  # full of pinned variants, or the metadata store is unreachable
-                logger.warning("cachefuse: hole %s not admitted as a variant (%s)", key, exc)
-                self.store.remove(store_key)
-                failures += 1
-                continue
-            for victim in victims:
-                self.store.remove(victim.store_key)
-                evicted.append(victim.variant_id)
-            saved.append(store_key)
-            records.append(record)
-        return tuple(saved), tuple(records), evicted, failures
+    def hole_writer(self) -> HoleWriter:
+        store = self.store.inner if isinstance(self.store, PendingReadsStore) else self.store
+        return HoleWriter(store, self.metastore, self.writes_metadata, self._home_tier())
+
+    def save_in_background(self, max_bytes: int, flush_timeout_s: float = 30.0) -> None:
+        """From now on holes are written by a BackgroundSaver whose queue holds at most `max_bytes`;
+        queued holes read as stored meanwhile; `close` waits at most `flush_timeout_s` for the queue."""
+        if self.saver is not None:
+            raise RuntimeError("this engine already saves in the background")
+        self.saver = BackgroundSaver(self.hole_writer(), max_bytes, flush_timeout_s)
+        self.store = PendingReadsStore(self.store, self.saver)
+
+    def take_save_report(self) -> SaveReport:
+        """What the background saver did since the last call (empty when saving inline)."""
+        return SaveReport() if self.saver is None else self.saver.take_report()
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Flushes queued saves (within `timeout_s`, default the saver's); returns how many were left unwritten."""
+        return 0 if self.saver is None else self.saver.close(timeout_s)
 
     def _home_tier(self) -> str:
         """The slowest tier's name (where a saved variant persists), for the metadata's `tier`."""
@@ -458,35 +448,6 @@ class FusionEngine:
         if tiers:
             return getattr(tiers[-1], "name", type(tiers[-1]).__name__)
         return getattr(self.store, "name", "store")
-
-
-def _variant_record(result: FuseResult, index: int, prefix_ids: list[int], segments: list[Segment],
-                    keys: dict[int, str], ratio: float) -> VariantRecord:
-    """The hole's metadata, in cachefuse.metadata.scores.Variant's terms. With the pass's attention statistics:
-    inter-attention to each prefix chunk, intra-attention, and the chunk's token offsets ranked by the
-    inter-attention each pays to the prefix (recompute candidates, most contextualised first; ties by
-    offset). Without them, a record without statistics."""
-    key, seg = keys[index], segments[index]
-    prefix = tuple(keys[i] for i in prefix_ids)
-    lengths = {keys[i]: segments[i].length for i in prefix_ids}
-    fused_ratio = float(ratio) if prefix else None
-    token_mass = result.hole_token_mass.get(index)
-    if token_mass is None:
-        return VariantRecord.without_stats(key, prefix, seg.length, lengths, recompute_ratio=fused_ratio)
-    mass = [sum(column) for column in zip(*token_mass, strict=True)]  # [segment], summed over tokens
-    from_prefix = [sum(row[i] for i in prefix_ids) for row in token_mass]
-    ranked = sorted(range(len(from_prefix)), key=lambda t: (-from_prefix[t], t))
-    return VariantRecord(chunk_key=key, prefix=prefix, inter=_sum_by_key((keys[i], mass[i]) for i in prefix_ids),
-                         intra=mass[index], num_tokens=seg.length, prefix_num_tokens=lengths,
-                         ranked_tokens=tuple(ranked), recompute_ratio=fused_ratio)
-
-
-def _sum_by_key(pairs) -> dict[str, float]:
-    """A chunk repeated in the prefix pays its attention into one entry."""
-    out: dict[str, float] = {}
-    for key, value in pairs:
-        out[key] = out.get(key, 0.0) + value
-    return out
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],

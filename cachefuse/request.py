@@ -10,7 +10,8 @@ Accepted shape (docs/architecture.md, Definitions):
 
     {"cachefuse": {"chunks": [[start, end], ...]}}          token offsets, sorted, non-overlapping
     {"cachefuse": {"chunk_texts": ["...", ...]}}            matched as standalone-tokenized subsequences
-    optional: "selector", "recompute_ratio", "selected_rows" (debug, when allowed)
+    optional: "selector", "recompute_ratio", "selected_rows" (debug, when allowed),
+              "sync_save" (true: the response waits until this request's holes are written; precompute)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from cachefuse.config import SELECTORS, CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 
 PARAMS_KEY = "cachefuse"
-KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows")
+KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows", "sync_save")
 
 _EXCERPT = reprlib.Repr()
 _EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother = 3, 40, 40
@@ -40,6 +41,9 @@ class FusionRequest:
     selector: str
     recompute_ratio: float
     selected_rows: tuple[int, ...] | None = None
+    sync_save: bool = False
+    """Write this request's holes before its response (not behind it): offline precompute, which reports
+    each chunk stored or failed. Costs the write on the engine's step, as `save_queue_bytes: 0` does."""
 
 
 def wants_fusion(params: dict[str, Any] | None, config: CacheFuseConfig) -> bool:
@@ -100,7 +104,10 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
     ratio = raw.get("recompute_ratio", config.recompute_ratio)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
         raise RequestError(f"{PARAMS_KEY}.recompute_ratio", f"{excerpt(ratio)}; expected a number in 0.0..1.0")
-    return FusionRequest(spans, selector, float(ratio), _selected_rows(raw, len(prompt_ids), config))
+    sync_save = raw.get("sync_save", False)
+    if not isinstance(sync_save, bool):
+        raise RequestError(f"{PARAMS_KEY}.sync_save", f"{excerpt(sync_save)}; expected true or false")
+    return FusionRequest(spans, selector, float(ratio), _selected_rows(raw, len(prompt_ids), config), sync_save)
 
 
 def excerpt(value: Any) -> str:

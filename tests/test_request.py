@@ -246,3 +246,12 @@ def test_generated_params_parse_or_raise_request_error_only(params, separator):
         assert len(str(exc)) < 500 and exc.field.startswith("cachefuse")
         return
     assert got is None or (got.chunks and all(0 <= s < e < len(prompt) for s, e in got.chunks))
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, [True]])
+def test_sync_save_must_be_a_boolean(value):
+    with pytest.raises(RequestError, match=r"cachefuse\.sync_save"):
+        parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": value}}, list(range(8)), CacheFuseConfig())
+    request = parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": True}}, list(range(8)), CacheFuseConfig())
+    assert request.sync_save and not parse_request({"cachefuse": {"chunks": [[0, 4]]}}, list(range(8)),
+                                                   CacheFuseConfig()).sync_save

@@ -237,7 +237,8 @@ def _plan(tokenizer: Any, system: str, texts: list[str], key_context: KeyContext
 def _sampling_params(item: _Item) -> Any:
     from cachefuse.vllm.engines import sampling_params
 
-    return sampling_params(max_tokens=1, temperature=0.0, cachefuse={"chunks": item.chunks, "selector": SELECTOR})
+    return sampling_params(max_tokens=1, temperature=0.0, cachefuse={"chunks": item.chunks, "selector": SELECTOR,
+                                                                        "sync_save": True})
 
 
 def _record(report: PrecomputeReport, item: _Item, output: Any, stored: set[str]) -> None:

@@ -243,14 +243,24 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             data = encode_entry(entry, self.identity)
         except Exception as exc:  # whatever safetensors refuses must fail this put, not the caller
             return self._fail(key, f"cannot serialize: {exc!r}")
+        path = self._path(key)
+        try:  # written and fsynced outside the lock: readers of other keys never wait on this disk write
+            tmp = self._write_temp(path, data)
+        except OSError as exc:
+            return self._fail(key, f"write failed: {exc!r}")
         with self._lock:
             victims = base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, len(data))
-            if victims is None:
-                return self._fail(key, f"{len(data)} bytes do not fit in {self.capacity_bytes} (rest pinned)")
             try:
-                self._write_atomic(self._path(key), data)
+                if victims is None:
+                    return self._fail(key, f"{len(data)} bytes do not fit in {self.capacity_bytes} (rest pinned)")
+                if self._before_rename is not None:
+                    self._before_rename(tmp)
+                os.replace(tmp, path)
             except OSError as exc:
                 return self._fail(key, f"write failed: {exc!r}")
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()  # gone after the rename; else never left behind
             for victim in victims:
                 self._unlink(victim)
                 self.stats.evictions += 1
@@ -259,6 +269,7 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             self._sizes.move_to_end(key)
             self.stats.puts += 1
             self.stats.bytes_written += len(data)
+        _fsync_dir(path.parent)
         return True
 
     def contains(self, key: str) -> bool:
@@ -352,7 +363,8 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         logger.warning("disk put %s failed: %s", key, reason)
         return False
 
-    def _write_atomic(self, path: Path, data: bytes) -> None:
+    def _write_temp(self, path: Path, data: bytes) -> Path:
+        """`data` in a new owner-only temp file beside `path`, fsynced and stamped; the caller renames it."""
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.path.islink(path.parent):
             raise PermissionError(f"{path.parent} is a symbolic link: not followed out of the store's root")
@@ -365,14 +377,11 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
                 os.fsync(fh.fileno())
             stamp = self._next_stamp_ns()
             os.utime(tmp, ns=(stamp, stamp))
-            if self._before_rename is not None:
-                self._before_rename(tmp)
-            os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        _fsync_dir(path.parent)
+        return tmp
 
     def _next_stamp_ns(self) -> int:
         # Explicit, strictly increasing stamps: the kernel's own mtimes are tick-grained, so files

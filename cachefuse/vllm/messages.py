@@ -44,6 +44,8 @@ class BlendPlan:
     variants: list[VariantChoice | None] | None = None
     """Per declared chunk, the variant to reuse (chosen by CFO from the scheduler's index; None in the
     list: computed in full). None: the worker plans from its own metadata store."""
+    sync_save: bool = False
+    """Write the holes before the response (the request asked, `cachefuse.sync_save`)."""
 
 
 @dataclass
@@ -65,7 +67,10 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
     saved_variants: list[dict[str, Any]] = field(default_factory=list)
     """Metadata of variants stored this step (metastore.record_to_dict), for the scheduler's index."""
     evicted_variants: list[str] = field(default_factory=list)
-    """Variant ids whose metadata the worker removed this step (N x M eviction, or K/V found gone)."""
+    """Variant ids whose metadata the worker removed this step (N x M eviction, K/V found gone, or a
+    background save announced earlier that then failed)."""
+    save_failures: int = 0
+    """Background hole saves that failed since the last step (counted apart from any request)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> CacheFuseWorkerMeta:
         """Merge across ranks: a fallback on any rank is the request's outcome (all ranks fall back)."""
@@ -76,4 +81,5 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
                 merged[req_id] = stats
         return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)),
                                    self.figures or other.figures, self.saved_variants + other.saved_variants,
-                                   sorted(set(self.evicted_variants) | set(other.evicted_variants)))
+                                   sorted(set(self.evicted_variants) | set(other.evicted_variants)),
+                                   self.save_failures + other.save_failures)

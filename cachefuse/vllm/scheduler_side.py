@@ -262,7 +262,7 @@ class SchedulerSide:
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
                          slots, block_ids[: (num_tokens + bs - 1) // bs], block_ids[:num_hit_blocks],
-                         fusion.selected_rows, depth, pending.variants)
+                         fusion.selected_rows, depth, pending.variants, fusion.sync_save)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -274,6 +274,7 @@ class SchedulerSide:
                 self.index.add(record_from_dict(data))
             for variant_id in meta.evicted_variants:
                 self.index.remove(variant_id)
+            self.counters["save_failures"] += meta.save_failures
             if meta.figures is not None:
                 self.figures = meta.figures
             for req_id, figures in meta.request_stats.items():
@@ -290,6 +291,7 @@ class SchedulerSide:
                 for miss, count in (figures.get("miss_reasons") or {}).items():
                     self.counters[f"miss:{miss}"] += count
                 self.counters["save_failures"] += figures.get("save_failures", 0)
+                self.counters["saves_skipped"] += figures.get("saves_skipped", 0)
         for req_id, outcome in self._awaiting.items():  # figures of a blend arrive in the step that ran it, or never
             if outcome.get("status") == "planned":
                 outcome.update(status="not_run", detail="no figures came back from the worker for its blend")

@@ -67,6 +67,8 @@ class WorkerSide:
         self.engine = FusionEngine(self.adapter, store, key_context, config,
                                    metastore=_open_metastore(config), meta_key_context=meta_key_context,
                                    writes_metadata=tp_rank == 0)
+        if config.save_holes and config.save_queue_bytes > 0:  # fsyncs and metadata writes leave the request's path
+            self.engine.save_in_background(config.save_queue_bytes, config.save_flush_timeout_s)
         self.placement = None
         if config.placement == "frequency" and len(store.tiers) > 1:
             store.promote_on_hit = False
@@ -104,7 +106,9 @@ class WorkerSide:
                 self._stats.record(requests_fused=1, tokens_reused=figures["tokens_reused"],
                                    tokens_recomputed=figures["tokens_recomputed"],
                                    bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
-                                   chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"])
+                                   chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],
+                                   holes_saved=figures["holes_saved"], saves_skipped=figures["saves_skipped"],
+                                   save_failures=figures["save_failures"])
             self._meta.request_stats[plan.req_id] = figures
 
     def _blend(self, plan: BlendPlan, layers: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +126,8 @@ class WorkerSide:
         try:
             result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
                                                 ratio=plan.recompute_ratio, save_holes=self.config.save_holes,
-                                                preload_depth=plan.preload_depth, choices=plan.variants)
+                                                preload_depth=plan.preload_depth, choices=plan.variants,
+                                                save_inline=plan.sync_save)
         finally:
             self.engine.fusor.attention_backend = None
         if not self.paged_attention:
@@ -169,14 +174,21 @@ class WorkerSide:
         if self.figures.changed:
             self._meta.figures = self.figures.snapshot()
             self.figures.changed = False
+        written = self.engine.take_save_report()  # background saves finished since the last step
+        self._meta.evicted_variants.extend(written.evicted)
+        self._meta.save_failures += written.failures
+        if written.failures:
+            self._stats.record(save_failures=written.failures)
         if (not self._meta.request_stats and not self._meta.saved_keys and self._meta.figures is None
-                and not self._meta.evicted_variants):
+                and not self._meta.evicted_variants and not self._meta.save_failures):
             return None
         meta, self._meta = self._meta, CacheFuseWorkerMeta()
         return meta
 
     def close(self) -> None:
-        """Closes the metadata store's connection (idempotent)."""
+        """Writes the queued hole saves (within `save_flush_timeout_s`), then closes the metadata store's
+        connection (idempotent)."""
+        self.engine.close()
         self.engine.metastore.close()
 
     def get_kv_connector_stats(self) -> CacheFuseConnectorStats | None:

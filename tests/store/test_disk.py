@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -387,3 +388,31 @@ def test_files_are_owner_only(tmp_path):
     assert store._path(KEY).stat().st_mode & 0o777 == 0o600
     SqliteMetaStore(str(tmp_path / "store" / "meta.sqlite"), max_variants=10).close()
     assert (tmp_path / "store" / "meta.sqlite").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_slow_write_never_blocks_reads_of_other_keys(tmp_path, monkeypatch):
+    """The temp file is written and fsynced outside the store's lock: while one put waits on the disk,
+    another thread reads (and writes) other keys. Inside the lock, the read would wait for the gate."""
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    other = "0" * 32
+    assert store.put(other, make_entry(5, seed=1))
+    gate, in_fsync = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        if threading.current_thread().name == "slow-put":
+            in_fsync.set()
+            assert gate.wait(60)
+        real_fsync(fd)
+
+    monkeypatch.setattr("cachefuse.store.disk.os.fsync", slow_fsync)
+    writer = threading.Thread(target=store.put, args=(KEY, make_entry(5, seed=2)), name="slow-put", daemon=True)
+    writer.start()
+    assert in_fsync.wait(60)
+    try:
+        assert_same_entry(store.get(other), make_entry(5, seed=1))  # would wait for the gate under the lock
+        assert store.put("1" * 32, make_entry(5, seed=3)) and not store.contains(KEY)
+    finally:
+        gate.set()
+    writer.join(60)
+    assert_same_entry(store.get(KEY), make_entry(5, seed=2))

@@ -4,8 +4,9 @@ response, and leaves the engine serving.
 - a missing, corrupt, truncated or foreign store entry is a hole: the output equals the same
   request with that chunk computed in full (and differs from the chunk loaded);
 - malformed kv_transfer_params and an exception in the blend pass give plain vLLM output;
-- an unwritable store directory: saves fail and are counted, the answer equals the same request
-  with saving working, and later requests are fine.
+- an unwritable store directory: saves fail and are counted (in the response of a `sync_save` request;
+  at the next step when saved in the background, the scheduler's index then forgetting the variant),
+  the answer equals the same request with saving working, and later requests are fine.
 """
 
 from __future__ import annotations
@@ -195,8 +196,10 @@ def unwritable(directory: Path, monkeypatch):
 
 
 def test_unwritable_store_counts_failed_saves(setup, references, monkeypatch):
+    """A request asking for `sync_save` learns of the failure in its response."""
     llm, store_dir, pieces = setup
     ids, params = prompt(pieces, ("system", "a", "d", "c", "question"))  # d was never stored: a hole
+    params["cachefuse"]["sync_save"] = True
     counters = scheduler_connector(llm).counters
     before = counters["save_failures"]
     with unwritable(store_dir, monkeypatch):
@@ -208,3 +211,47 @@ def test_unwritable_store_counts_failed_saves(setup, references, monkeypatch):
     assert max_logprob_diff(saved, failed_save) < 1e-6
     _, stats = run(llm, ids, params)  # later requests are fine and hit the saved hole
     assert stats["chunks_hit"] == 4 and stats["chunks_missed"] == 0, stats
+
+
+def test_a_background_save_that_fails_is_counted_and_forgotten(setup, references, monkeypatch):
+    """Saved behind the response (the default), a failure reaches the counters at the next step and the
+    scheduler's index forgets the variant, so the next request computes the chunk again (never a
+    plan on K/V that are not there)."""
+    llm, store_dir, pieces = setup
+    pieces = {**pieces, **random_pieces(17, {"e": 23})}  # e: stored nowhere, so a hole
+    ids, params = prompt(pieces, ("system", "a", "e", "c", "question"))
+    engine = worker_side().engine
+    counters = scheduler_connector(llm).counters
+    before = counters["save_failures"]
+    with unwritable(store_dir, monkeypatch):
+        failed_save, stats = run(llm, ids, params)
+        assert stats["status"] == "fused" and stats["holes_saved"] == 1 and stats["saves_skipped"] == 0, stats
+        assert engine.saver.flush(60.0)  # written (and refused) while the store is unwritable
+    _, stats = run(llm, ids, params)  # the next step carries the failure to the scheduler
+    assert counters["save_failures"] == before + 1
+    assert stats["chunks_missed"] == 1 and stats["holes_saved"] == 1, stats  # computed again, saved now
+    assert engine.saver.flush(60.0)
+    again, stats = run(llm, ids, params)
+    assert stats["chunks_hit"] == 4 and stats["chunks_missed"] == 0, stats
+    assert max_logprob_diff(again, failed_save) < 1e-6
+
+
+def test_a_full_save_queue_skips_the_save_and_says_so(setup, references):
+    """A hole that does not fit in the writer's queue is skipped and counted, in the response and the
+    counters; the request's answer is unchanged and the chunk is simply not stored."""
+    llm, _, pieces = setup
+    pieces = {**pieces, **random_pieces(19, {"f": 17})}  # f: stored nowhere, so a hole
+    ids, params = prompt(pieces, ("system", "a", "f", "c", "question"))
+    saver = worker_side().engine.saver
+    counters = scheduler_connector(llm).counters
+    before = counters["saves_skipped"]
+    saver.max_bytes, bound = 1, saver.max_bytes
+    try:
+        skipped, stats = run(llm, ids, params)
+    finally:
+        saver.max_bytes = bound
+    assert stats["holes_saved"] == 0 and stats["saves_skipped"] == 1, stats
+    assert counters["saves_skipped"] == before + 1
+    saved, stats = run(llm, ids, params)  # not stored: a hole again, saved this time
+    assert stats["chunks_missed"] == 1 and stats["holes_saved"] == 1, stats
+    assert max_logprob_diff(saved, skipped) < 1e-6

@@ -50,8 +50,8 @@ def pieces():
     return random_pieces(17, {"system": 11, "a": 29, "b": 24, "c": 22, "question": 7})
 
 
-def prompt(pieces, names):
-    return named_prompt(pieces, names, selector="cacheblend", recompute_ratio=0.15)
+def prompt(pieces, names, **overrides):
+    return named_prompt(pieces, names, selector="cacheblend", recompute_ratio=0.15, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,8 @@ def test_what_another_engine_saves_hits_after_the_refresh(shared, pieces):
     assert max_logprob_diff(plain, fused) < 0.5  # the same model: a near answer (0.15 blend, not exact)
 
 
-def assert_plain_output(shared, pieces, label: str):
-    ids, params = prompt(pieces, ["system", "a", "c", "question"])
+def assert_plain_output(shared, pieces, label: str, **overrides):
+    ids, params = prompt(pieces, ["system", "a", "c", "question"], **overrides)
     fused, stats = run(shared.llm, ids, params)
     plain, _ = run(shared.llm, ids, None)
     assert stats["status"] == "fused" and stats["chunks_hit"] == 0 and stats["chunks_missed"] == 3, (label, stats)
@@ -122,7 +122,7 @@ def test_failing_redis_gives_plain_output_and_recovers(shared, pieces):
     assert stats["chunks_hit"] == 3, stats
 
     shared.proxy.set_mode("reset")  # every connection through the proxy is reset
-    stats = assert_plain_output(shared, pieces, "connections reset")
+    stats = assert_plain_output(shared, pieces, "connections reset", sync_save=True)
     assert stats["save_failures"] == 3  # nothing could be saved either, and nothing escaped
     shared.proxy.set_mode("forward")
     _, stats = run(shared.llm, ids, params)

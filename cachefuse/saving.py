@@ -1,0 +1,363 @@
+"""Hole saves: the chunks a fused pass computed (its holes) stored as variants, inline or behind the request.
+
+Imports torch, cachefuse.{chunks, fusor, metadata.base, store.base}; never vllm. The engine turns a pass's
+holes into `HoleSave`s (RoPE-stripped K/V copied out of the pass, and the variant's metadata row);
+`HoleWriter` writes one: K/V first, then the row, so a reader never sees a row whose K/V are not there
+yet, evicting the metadata store's victims (N x M budget) with their K/V.
+
+A write costs a device-to-host copy, a serialisation, an fsync and a metadata transaction (a Redis round
+trip when shared). `BackgroundSaver` takes all of it off the request's path: a daemon thread drains a
+queue bounded in bytes; a hole that does not fit is skipped and counted, never waited for. Until written,
+a queued hole reads as stored through `PendingReadsStore` (so the next request reuses it at once),
+and a save that then fails is reported like an eviction, for the scheduler's index to forget. A crash
+mid-write leaves no readable partial entry (the disk tier renames complete files only); `close()`
+flushes what is queued, within a bound.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cachefuse.chunks import Segment
+from cachefuse.errors import StoreError
+from cachefuse.fusor import FuseResult, extract_chunk_kv
+from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id
+from cachefuse.rope import RopeSpec
+from cachefuse.store.base import ChunkKV, KVStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HoleSave:
+    """One hole, ready to be written: its K/V entry and its variant's metadata row."""
+
+    store_key: str
+    record: VariantRecord
+    entry: ChunkKV
+    ready: Any = None
+    """A CUDA event recorded after `entry` was copied out of the pass: the writer thread waits on it
+    before reading the tensors (None on CPU)."""
+
+
+@dataclass
+class SaveReport:
+    """What saving did, for the request's figures and the scheduler's index."""
+
+    saved_keys: list[str] = field(default_factory=list)
+    """Store keys written (queued, for a background saver)."""
+    records: list[VariantRecord] = field(default_factory=list)
+    """Metadata rows written (queued), for the scheduler's index."""
+    evicted: list[str] = field(default_factory=list)
+    """Variant ids gone: evicted to admit a hole, or announced queued and then not saved."""
+    failures: int = 0
+    """Holes the store or the metadata store refused (full of pinned entries, unwritable, unreachable)."""
+    skipped: int = 0
+    """Holes not saved because the background writer's queue was full."""
+
+    def add(self, other: SaveReport) -> None:
+        self.saved_keys += other.saved_keys
+        self.records += other.records
+        self.evicted += other.evicted
+        self.failures += other.failures
+        self.skipped += other.skipped
+
+    def is_empty(self) -> bool:
+        return not (self.saved_keys or self.records or self.evicted or self.failures or self.skipped)
+
+
+def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str], meta_keys: dict[int, str],
+               ratio: float, rope_spec: RopeSpec, max_prefix_chunks: int) -> list[HoleSave]:
+    """Every hole of `result` as the variant for its prefix (metadata.index rule 1: the declared non-system
+    chunks before it, in prompt order, the nearest `max_prefix_chunks`); a hole with no such prefix is
+    the chunk's base variant, stored under the plain chunk key."""
+    saves = []
+    for index in result.hole_segments:
+        prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
+        prefix_ids = prefix_ids[max(0, len(prefix_ids) - max_prefix_chunks):]
+        prefix = tuple(meta_keys[i] for i in prefix_ids)
+        store_key = keys[index] if not prefix else f"{keys[index]}-{make_variant_id(meta_keys[index], prefix)}"
+        entry = extract_chunk_kv(result, segments[index], rope_spec,
+                                 meta={"variant": "fused" if prefix else "base", "prefix": ",".join(prefix)})
+        record = variant_record(result, index, prefix_ids, segments, meta_keys, ratio)
+        saves.append(HoleSave(store_key, record, entry, _copy_done_event(entry)))
+    return saves
+
+
+def variant_record(result: FuseResult, index: int, prefix_ids: list[int], segments: list[Segment],
+                   keys: dict[int, str], ratio: float) -> VariantRecord:
+    """The hole's metadata, in cachefuse.metadata.scores.Variant's terms. With the pass's attention statistics:
+    inter-attention to each prefix chunk, intra-attention, and the chunk's token offsets ranked by the
+    inter-attention each pays to the prefix (recompute candidates, most contextualised first; ties by
+    offset). Without them, a record without statistics."""
+    key, seg = keys[index], segments[index]
+    prefix = tuple(keys[i] for i in prefix_ids)
+    lengths = {keys[i]: segments[i].length for i in prefix_ids}
+    fused_ratio = float(ratio) if prefix else None
+    token_mass = result.hole_token_mass.get(index)
+    if token_mass is None:
+        return VariantRecord.without_stats(key, prefix, seg.length, lengths, recompute_ratio=fused_ratio)
+    mass = [sum(column) for column in zip(*token_mass, strict=True)]  # [segment], summed over tokens
+    from_prefix = [sum(row[i] for i in prefix_ids) for row in token_mass]
+    ranked = sorted(range(len(from_prefix)), key=lambda t: (-from_prefix[t], t))
+    return VariantRecord(chunk_key=key, prefix=prefix, inter=_sum_by_key((keys[i], mass[i]) for i in prefix_ids),
+                         intra=mass[index], num_tokens=seg.length, prefix_num_tokens=lengths,
+                         ranked_tokens=tuple(ranked), recompute_ratio=fused_ratio)
+
+
+def _sum_by_key(pairs) -> dict[str, float]:
+    """A chunk repeated in the prefix pays its attention into one entry."""
+    out: dict[str, float] = {}
+    for key, value in pairs:
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _copy_done_event(entry: ChunkKV) -> Any:
+    if not entry.k_nope or entry.k_nope[0].device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+class HoleWriter:
+    """Writes hole saves into a store and a metadata store (the worker owns both).
+
+    Args:
+        writes_metadata: False on tensor-parallel ranks other than 0 (rank 0 owns the rows; the others
+            store their own K/V only).
+        home_tier: the tier a saved variant persists in, for the row's `tier`.
+    """
+
+    def __init__(self, store: KVStore, metastore: MetaStore, writes_metadata: bool, home_tier: str) -> None:
+        self.store, self.metastore = store, metastore
+        self.writes_metadata, self.home_tier = writes_metadata, home_tier
+
+    def write(self, save: HoleSave) -> SaveReport:
+        """K/V first, then the row; an existing pair is left alone. Never raises for a refusal: it is
+        counted in the report's `failures` (and logged)."""
+        key, store_key, variant_id = save.record.chunk_key, save.store_key, save.record.variant_id
+        try:
+            if self.store.contains(store_key) and (not self.writes_metadata
+                                                   or self.metastore.get(variant_id) is not None):
+                return SaveReport()
+        except StoreError as exc:
+            logger.warning("cachefuse: variant metadata unavailable (%s): hole %s not saved", exc, key)
+            return SaveReport(failures=1)
+        if save.ready is not None:
+            save.ready.synchronize()
+        if not self.store.put(store_key, save.entry):
+            return SaveReport(failures=1)
+        record = dataclasses.replace(save.record, size_bytes=save.entry.nbytes, tier=self.home_tier)
+        if not self.writes_metadata:
+            return SaveReport(saved_keys=[store_key])
+        try:
+            victims = self.metastore.put(record)
+        except StoreError as exc:  # full of pinned variants, or the metadata store is unreachable
+            logger.warning("cachefuse: hole %s not admitted as a variant (%s)", key, exc)
+            self.store.remove(store_key)
+            return SaveReport(failures=1)
+        for victim in victims:
+            self.store.remove(victim.store_key)
+        return SaveReport(saved_keys=[store_key], records=[record], evicted=[v.variant_id for v in victims])
+
+
+class BackgroundSaver:
+    """Writes hole saves on one daemon thread, behind the requests that computed them.
+
+    The queue holds at most `max_bytes` of K/V: a save that does not fit is skipped and counted, never
+    waited for (the request's path only copies the hole out of the pass). A queued save reads as stored
+    (`entry`) until written; one queued twice is written once.
+
+    Args:
+        writer: does each write, on the thread.
+        max_bytes: the queue's bound (>= 1).
+        flush_timeout_s: how long `close()` (also run at interpreter exit, for an engine nobody shut
+            down) waits for the queue to be written.
+        clock: time source for `flush`'s deadline (injectable: tests never wait on wall time).
+    """
+
+    def __init__(self, writer: HoleWriter, max_bytes: int, flush_timeout_s: float = 30.0,
+                 clock=time.monotonic) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.writer, self.max_bytes, self.flush_timeout_s, self.clock = writer, max_bytes, flush_timeout_s, clock
+        self._cond = threading.Condition()
+        self._queue: deque[HoleSave] = deque()
+        self._pending: dict[str, HoleSave] = {}  # queued or being written, by store key
+        self._pending_bytes = 0
+        self._report = SaveReport()  # what the thread did since the last take_report
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="cachefuse-hole-writer", daemon=True)
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._pending_bytes
+
+    def submit(self, saves: Sequence[HoleSave]) -> SaveReport:
+        """Queues what fits; returns what the request's figures and the scheduler's index learn now
+        (queued keys and rows as saved, the rest as skipped)."""
+        report = SaveReport()
+        with self._cond:
+            for save in saves:
+                if save.store_key in self._pending:
+                    continue  # queued by an earlier request: one write suffices
+                nbytes = save.entry.nbytes
+                if self._closed or self._pending_bytes + nbytes > self.max_bytes:
+                    report.skipped += 1
+                    continue
+                self._queue.append(save)
+                self._pending[save.store_key] = save
+                self._pending_bytes += nbytes
+                report.saved_keys.append(save.store_key)
+                if self.writer.writes_metadata:
+                    report.records.append(dataclasses.replace(save.record, size_bytes=nbytes,
+                                                              tier=self.writer.home_tier))
+            self._cond.notify_all()
+        if report.skipped:
+            logger.warning("cachefuse: %d hole save(s) skipped: the writer's queue holds %d of %d bytes",
+                           report.skipped, self.pending_bytes, self.max_bytes)
+        return report
+
+    def entry(self, store_key: str) -> ChunkKV | None:
+        """The queued entry of `store_key` (not yet written), else None."""
+        with self._cond:
+            save = self._pending.get(store_key)
+        return None if save is None else save.entry
+
+    def discard(self, store_key: str) -> None:
+        """Forgets a queued save not yet taken by the thread (its key is being removed)."""
+        with self._cond:
+            save = self._pending.get(store_key)
+            if save is not None and save in self._queue:
+                self._queue.remove(save)
+                self._forget(save)
+
+    def pending_keys(self) -> list[str]:
+        with self._cond:
+            return list(self._pending)
+
+    def take_report(self) -> SaveReport:
+        """What the thread did since the last call: evictions, failures (with the failed rows' ids
+        under `evicted`, as they were announced saved at submit)."""
+        with self._cond:
+            report, self._report = self._report, SaveReport()
+        return report
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits until everything queued is written, at most `timeout_s`; True if it was."""
+        deadline = self.clock() + timeout_s
+        with self._cond:
+            while self._pending:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Flushes (within `timeout_s`, default `flush_timeout_s`) and stops the thread; returns how many
+        saves were left unwritten. Later submits are skipped. Idempotent."""
+        timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
+        flushed = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            left = len(self._pending)
+            self._cond.notify_all()
+        self._thread.join(timeout=0 if not flushed else max(timeout_s, 0.0))
+        if left:
+            logger.warning("cachefuse: %d queued hole save(s) not written at shutdown", left)
+        return left
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                save = self._queue.popleft()
+            try:
+                done = self.writer.write(save)
+            except Exception:  # noqa: BLE001 - the writer must outlive any one save
+                logger.exception("cachefuse: saving hole %s failed", save.store_key)
+                done = SaveReport(failures=1)
+            if not done.saved_keys and done.failures:
+                done.evicted.append(save.record.variant_id)  # announced at submit: the index forgets it
+            with self._cond:
+                self._forget(save)
+                self._report.add(dataclasses.replace(done, saved_keys=[], records=[]))
+                self._cond.notify_all()
+
+    def _forget(self, save: HoleSave) -> None:
+        if self._pending.get(save.store_key) is save:
+            del self._pending[save.store_key]
+            self._pending_bytes -= save.entry.nbytes
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    saver = ref()
+    if saver is not None:
+        saver.close()
+
+
+class PendingReadsStore:
+    """The engine's view of its store while a BackgroundSaver has saves queued: a queued hole reads as
+    stored, served from the queue (host memory, named as the fastest tier in load figures); everything
+    else is the store's own."""
+
+    def __init__(self, store: KVStore, saver: BackgroundSaver) -> None:
+        self.inner, self.saver = store, saver
+        self.last_hit_tier: str | None = None
+        if hasattr(store, "get_layer"):  # else readers take whole entries (store_layer_fetcher's fallback)
+            self.get_layer = self._get_layer
+
+    def __getattr__(self, name: str) -> Any:  # tiers, stats, put, pins, capacities: the store's
+        return getattr(self.inner, name)
+
+    def _queue_tier(self) -> str:
+        tiers = getattr(self.inner, "tiers", None)
+        return getattr(tiers[0], "name", "memory") if tiers else getattr(self.inner, "name", "store")
+
+    def contains(self, key: str) -> bool:
+        return self.saver.entry(key) is not None or self.inner.contains(key)
+
+    def get(self, key: str) -> ChunkKV | None:
+        entry = self.saver.entry(key)
+        if entry is not None:
+            self.last_hit_tier = self._queue_tier()
+            return entry
+        entry = self.inner.get(key)
+        self.last_hit_tier = getattr(self.inner, "last_hit_tier", None)
+        return entry
+
+    def _get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        entry = self.saver.entry(key)
+        if entry is not None:
+            self.last_hit_tier = self._queue_tier()
+            return entry.k_nope[layer], entry.v[layer]
+        kv = self.inner.get_layer(key, layer)
+        self.last_hit_tier = getattr(self.inner, "last_hit_tier", None)
+        return kv
+
+    def remove(self, key: str) -> None:
+        self.saver.discard(key)
+        self.inner.remove(key)
+
+    def keys(self) -> list[str]:
+        return list(dict.fromkeys([*self.inner.keys(), *self.saver.pending_keys()]))

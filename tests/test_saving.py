@@ -1,0 +1,207 @@
+"""Hole saves behind the request (cachefuse/saving.py):
+
+- a store whose writes block never blocks a prefill saving in the background (inline, the same prefill
+  would wait: the negative control); the queued hole reads as stored at once, and the next prefill
+  reuses it with the output of an engine that saved inline;
+- a full queue skips the save and counts it, without waiting; the same hole queued twice is written once;
+- a save that fails after it was announced comes back as a failure and an eviction of its variant id;
+  a writer that raises keeps writing the next save;
+- close() writes what is queued (flush), reports what it could not within its bound, refuses later saves;
+- metadata evictions made by the writer reach take_report, with their K/V deleted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cachefuse.adapters.hf import HFAdapter
+from cachefuse.config import CacheFuseConfig
+from cachefuse.engine import FusionEngine
+from cachefuse.metadata.base import VariantRecord
+from cachefuse.metadata.sqlite import SqliteMetaStore
+from cachefuse.saving import BackgroundSaver, HoleSave, HoleWriter, PendingReadsStore
+from cachefuse.store.base import ChunkKV, StoreIdentity
+from cachefuse.store.memory import MemoryStore
+from tests.helpers.fusion import make_case, make_engine
+
+SEED = 5
+WAIT_S = 60.0  # a bound on waits for the writer thread; never reached when the code is right
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose puts wait for `gate` (a slow disk, a stalled network), and can be told to fail."""
+
+    def __init__(self, identity: StoreIdentity) -> None:
+        super().__init__(identity, capacity_bytes=1 << 30)
+        self.gate = threading.Event()
+        self.refuse = False
+        self.raise_once = False
+
+    def put(self, key: str, entry: ChunkKV) -> bool:
+        assert self.gate.wait(WAIT_S), "the test never opened the gate"
+        if self.raise_once:
+            self.raise_once = False
+            raise OSError("disk vanished")
+        return False if self.refuse else super().put(key, entry)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir) -> HFAdapter:
+    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
+
+
+@pytest.fixture(scope="module")
+def case(adapter):
+    return make_case(adapter.shape.vocab_size, seed=SEED)
+
+
+def _gated_engine(adapter: HFAdapter, max_bytes: int = 1 << 30) -> tuple[FusionEngine, GatedStore]:
+    engine = make_engine(adapter)
+    store = GatedStore(engine.store.identity)
+    engine.store = store
+    engine.save_in_background(max_bytes, flush_timeout_s=WAIT_S)
+    return engine, store
+
+
+def _entry(num_tokens: int = 4, num_layers: int = 2, fill: float = 1.0) -> ChunkKV:
+    return ChunkKV([torch.full((num_tokens, 1, 4), fill) for _ in range(num_layers)],
+                   [torch.full((num_tokens, 1, 4), fill) for _ in range(num_layers)])
+
+
+def _save(key: str, nbytes_tokens: int = 4) -> HoleSave:
+    return HoleSave(key, VariantRecord.without_stats(key, (), nbytes_tokens), _entry(nbytes_tokens))
+
+
+def _saver(store, max_bytes: int, metastore=None, clock=None) -> BackgroundSaver:
+    metastore = metastore or SqliteMetaStore(":memory:", max_variants=100)
+    kwargs = {} if clock is None else {"clock": clock}
+    return BackgroundSaver(HoleWriter(store, metastore, True, "memory"), max_bytes, WAIT_S, **kwargs)
+
+
+def _identity() -> StoreIdentity:
+    return StoreIdentity("test", 2, torch.float32)
+
+
+def test_prefill_never_waits_for_the_store_and_the_queued_hole_is_reused_at_once(adapter, case):
+    engine, store = _gated_engine(adapter)
+    store.gate.set()
+    engine.precompute([case.system])
+    engine.precompute(case.pieces[1:], prefix_ids=case.system)  # chunk A is missing: a hole
+    store.gate.clear()
+    _, stats = engine.prefill(case.token_ids, case.chunks)  # the gate is shut: an inline save would hang
+    saved = stats.saved_keys[0]
+    assert stats.holes_saved == 1 and stats.saves_skipped == 0 and not store.contains(saved)
+    assert engine.store.contains(saved) and engine.saver.pending_bytes > 0
+
+    again, hits = engine.prefill(case.token_ids, case.chunks, selector="full_reuse")  # served from the queue
+    assert (hits.chunks_hit, hits.chunks_missed, hits.holes_saved) == (4, 0, 0)
+    inline = make_engine(adapter)
+    inline.precompute([case.system])
+    inline.precompute(case.pieces[1:], prefix_ids=case.system)
+    inline.prefill(case.token_ids, case.chunks)
+    want, _ = inline.prefill(case.token_ids, case.chunks, selector="full_reuse")
+    torch.testing.assert_close(again.logits, want.logits, atol=0, rtol=0)
+
+    store.gate.set()
+    assert engine.saver.flush(WAIT_S) and store.contains(saved) and engine.metastore.count() >= 1
+    assert engine.take_save_report().is_empty()  # announced at submit; nothing new to say
+
+
+def test_inline_saving_waits_for_the_store(adapter, case):
+    """Negative control: without the background saver, the same prefill does not return while the put waits."""
+    engine = make_engine(adapter)
+    store = GatedStore(engine.store.identity)
+    engine.store = store  # empty: every chunk is a hole
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (engine.prefill(case.token_ids, case.chunks), done.set()), daemon=True)
+    thread.start()
+    assert not done.wait(0.5)  # still inside the first put
+    store.gate.set()
+    thread.join(WAIT_S)
+    assert done.is_set()
+
+
+def test_full_queue_skips_and_counts_without_waiting():
+    store = GatedStore(_identity())
+    saver = _saver(store, max_bytes=_entry().nbytes * 2)
+    first = saver.submit([_save("a" * 16), _save("b" * 16), _save("c" * 16)])  # room for two
+    assert first.saved_keys == ["a" * 16, "b" * 16] and first.skipped == 1
+    assert saver.submit([_save("a" * 16)]).is_empty()  # queued already: written once
+    store.gate.set()
+    assert saver.flush(WAIT_S)
+    assert sorted(store.keys()) == ["a" * 16, "b" * 16] and store.stats.puts == 2
+    assert saver.submit([_save("c" * 16)]).saved_keys == ["c" * 16]  # room again
+    assert saver.close() == 0 and store.contains("c" * 16)
+
+
+def test_a_save_that_fails_later_is_reported_and_the_writer_survives_an_exception():
+    store = GatedStore(_identity())
+    saver = _saver(store, max_bytes=1 << 20)
+    store.raise_once = True
+    announced = saver.submit([_save("a" * 16), _save("b" * 16)])
+    assert announced.saved_keys == ["a" * 16, "b" * 16]
+    store.gate.set()
+    assert saver.flush(WAIT_S)
+    report = saver.take_report()
+    record_a = announced.records[0]
+    assert report.failures == 1 and report.evicted == [record_a.variant_id]  # the index forgets "a"
+    assert store.keys() == ["b" * 16]  # written after the failure
+    store.refuse = True
+    saver.submit([_save("c" * 16)])
+    assert saver.flush(WAIT_S) and saver.take_report().failures == 1 and not store.contains("c" * 16)
+
+
+def test_close_writes_the_queue_and_reports_what_it_could_not():
+    store = GatedStore(_identity())
+    saver = _saver(store, max_bytes=1 << 20)
+    saver.submit([_save("a" * 16)])
+    store.gate.set()
+    assert saver.close() == 0 and store.contains("a" * 16)
+    assert saver.submit([_save("b" * 16)]).skipped == 1  # closed: nothing queued behind shutdown
+
+    stuck = GatedStore(_identity())
+    ticks = iter(range(10**6))
+    stalled = _saver(stuck, max_bytes=1 << 20, clock=lambda: float(next(ticks)))
+    stalled.submit([_save("a" * 16), _save("b" * 16)])
+    assert stalled.close(timeout_s=3.0) == 2  # the put never returns within the bound
+    stuck.gate.set()
+
+
+def test_pending_reads_serve_queued_entries_and_removal_drops_them():
+    store = GatedStore(_identity())
+    saver = _saver(store, max_bytes=1 << 20)
+    view = PendingReadsStore(store, saver)
+    saver.submit([_save("a" * 16), _save("b" * 16)])
+    assert view.contains("a" * 16) and view.get("a" * 16) is not None and not store.contains("a" * 16)
+    assert set(view.keys()) == {"a" * 16, "b" * 16}
+    view.remove("b" * 16)  # still queued (the gate holds "a" in the writer): never written
+    store.gate.set()
+    assert saver.flush(WAIT_S) and store.keys() == ["a" * 16]
+    assert view.get("a" * 16) is not None and view.last_hit_tier is None  # now the store's own
+
+
+def test_metadata_evictions_made_by_the_writer_reach_the_report():
+    store = MemoryStore(_identity(), capacity_bytes=1 << 20)
+    metastore = SqliteMetaStore(":memory:", max_variants=1)
+    saver = _saver(store, max_bytes=1 << 20, metastore=metastore)
+    first = saver.submit([_save("a" * 16)])
+    assert saver.flush(WAIT_S)
+    saver.submit([_save("b" * 16)])  # the budget holds one variant: "a" goes
+    assert saver.flush(WAIT_S)
+    report = saver.take_report()
+    assert report.evicted == [first.records[0].variant_id] and store.keys() == ["b" * 16]
+    assert saver.close() == 0
+
+
+def test_background_engine_config_and_close(adapter, case):
+    engine = FusionEngine(adapter, MemoryStore(StoreIdentity("m", adapter.shape.num_layers, torch.float32), 1 << 30),
+                          make_engine(adapter).key_context, CacheFuseConfig())
+    engine.save_in_background(1 << 20)
+    with pytest.raises(RuntimeError, match="already"):
+        engine.save_in_background(1 << 20)
+    _, stats = engine.prefill(case.token_ids, case.chunks)
+    assert stats.holes_saved == len(case.chunks)
+    assert engine.close() == 0 and set(engine.store.inner.keys()) == set(stats.saved_keys)
