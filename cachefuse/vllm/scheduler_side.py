@@ -40,7 +40,7 @@ from cachefuse.metadata.index import IndexRefresher, VariantChoice, VariantIndex
 from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import make_selector
-from cachefuse.store.disk import list_keys
+from cachefuse.store.disk import DiskStore, list_keys
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
@@ -124,7 +124,7 @@ class SchedulerSide:
         root = config.store_path
         plain_keys = (lambda: list_keys(root)) if config.disk_capacity_bytes else None
         refresher = IndexRefresher(self.index, lambda: open_config_metastore(config),
-                                   config.index_refresh_interval_s, plain_keys=plain_keys)
+                                   config.index_refresh_interval_s, plain_keys=plain_keys, plain_tier=DiskStore.name)
         try:
             store = open_config_metastore(config)
             try:
@@ -135,7 +135,7 @@ class SchedulerSide:
             logger.warning("cachefuse scheduler: variant metadata unavailable at start-up (%s: %s); "
                            "chunks are misses until it answers", type(exc).__name__, exc)
             if plain_keys is not None:
-                self.index.add_plain_keys(plain_keys())
+                self.index.add_plain_keys(plain_keys(), tier=DiskStore.name)
         return refresher.start()
 
     def close(self) -> None:
