@@ -18,6 +18,10 @@ Rules (docs/variants.md):
 5. A system chunk always reuses its base variant (it never moves, so its K/V are exact). Its key is
    `chunk_key(..., at_prompt_start=True)`: only an entry computed at the prompt's start, after nothing,
    is ever found under it, never the same text computed after other tokens.
+6. Where a chosen variant's K/V are (`VariantChoice.tiers`, what the loading controller prices): its
+   record's `tier` (the home tier, where a saved variant persists), and the tier a listing found its
+   store key in (the scheduler lists the local disk tier). Residency in the worker's memory tier is not
+   known here (an LRU cache the worker fills and empties without telling), so it is never claimed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class VariantChoice:
     """Offsets within the chunk, most contextualised first; empty: no ranking."""
     has_metadata: bool = True
     """False for rule 3's entries (no metadata row: no f_r to update)."""
+    tiers: tuple[str, ...] = ()
+    """Tiers known to hold its K/V (rule 6); empty: unknown."""
 
 
 def new_prefixes(chunk_keys: Sequence[str], is_system: Sequence[bool],
@@ -67,11 +73,16 @@ class VariantIndex:
 
     Thread-safe for one writer and many readers: every change replaces whole per-chunk lists, and
     `replace_all` swaps the dicts in one assignment.
+
+    Args:
+        records: variant metadata.
+        plain_keys: K/V keys known to exist (rule 3), found in `plain_tier` (None: a tier not known).
     """
 
-    def __init__(self, records: Iterable[VariantRecord] = (), plain_keys: Iterable[str] = ()) -> None:
+    def __init__(self, records: Iterable[VariantRecord] = (), plain_keys: Iterable[str] = (),
+                 plain_tier: str | None = None) -> None:
         self._by_chunk: dict[str, list[VariantRecord]] = {}
-        self._plain: set[str] = set(plain_keys)
+        self._plain: dict[str, str | None] = dict.fromkeys(plain_keys, plain_tier)  # key -> tier listed in
         for record in records:
             self.add(record)
 
@@ -102,25 +113,31 @@ class VariantIndex:
             records.append(record)
         self._by_chunk[record.chunk_key] = records
 
-    def add_plain_keys(self, keys: Iterable[str]) -> None:
-        self._plain |= set(keys)
+    def add_plain_keys(self, keys: Iterable[str], tier: str | None = None) -> None:
+        """K/V keys known to exist, in `tier` (None: not known; a tier already known for a key stays)."""
+        for key in keys:
+            if tier is not None or key not in self._plain:
+                self._plain[key] = tier
 
     def remove(self, variant_id: str) -> None:
         """Forget a variant (evicted, or found stale by the worker); also its plain K/V key."""
         for chunk, records in list(self._by_chunk.items()):
             kept = [r for r in records if r.variant_id != variant_id]
             if len(kept) != len(records):
-                gone = [r for r in records if r.variant_id == variant_id]
-                self._plain -= {r.store_key for r in gone}
+                for gone in records:
+                    if gone.variant_id == variant_id:
+                        self._plain.pop(gone.store_key, None)
                 if kept:
                     self._by_chunk[chunk] = kept
                 else:
                     del self._by_chunk[chunk]
                 return
 
-    def replace_all(self, records: Iterable[VariantRecord], plain_keys: Iterable[str] | None = None) -> None:
-        """Swap in a fresh snapshot (the refresher's reload)."""
-        fresh = VariantIndex(records, self._plain if plain_keys is None else plain_keys)
+    def replace_all(self, records: Iterable[VariantRecord], plain_keys: Iterable[str] | None = None,
+                    plain_tier: str | None = None) -> None:
+        """Swap in a fresh snapshot (the refresher's reload); `plain_keys` None keeps the known ones."""
+        fresh = VariantIndex(records)
+        fresh._plain = dict(self._plain) if plain_keys is None else dict.fromkeys(plain_keys, plain_tier)
         self._by_chunk, self._plain = fresh._by_chunk, fresh._plain
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float,
@@ -137,7 +154,15 @@ class VariantIndex:
         index, cfo = scores.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
         record = records[index]
         return VariantChoice(chunk_key, record.store_key, record.variant_id, cfo,
-                             record.ranked_tokens, has_metadata)
+                             record.ranked_tokens, has_metadata, self._tiers_of(record, has_metadata))
+
+    def _tiers_of(self, record: VariantRecord, has_metadata: bool) -> tuple[str, ...]:
+        """Rule 6: the record's home tier (a real record only) and the tier its key was listed in."""
+        tiers = [record.tier] if has_metadata else []
+        listed = self._plain.get(record.store_key)
+        if listed is not None and listed not in tiers:
+            tiers.append(listed)
+        return tuple(tiers)
 
 
 def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
@@ -172,14 +197,16 @@ class IndexRefresher:
         open_store: builds the metastore connection (called on the thread, again after an error).
         interval_s: seconds between polls.
         plain_keys: called on each reload for rule 3's plain K/V keys (None: keep the index's).
+        plain_tier: the tier `plain_keys` lists (rule 6), e.g. "disk"; None: not known.
     """
 
     def __init__(self, index: VariantIndex, open_store: Callable[[], MetaStore], interval_s: float,
-                 plain_keys: Callable[[], Iterable[str]] | None = None) -> None:
+                 plain_keys: Callable[[], Iterable[str]] | None = None, plain_tier: str | None = None) -> None:
         # A weak reference: the thread ends once the index's owner (the scheduler) is gone, even if
         # nobody called stop() (an engine that failed after start-up, a test that dropped it).
         self._index_ref = weakref.ref(index)
         self._open, self.interval_s, self._plain_keys = open_store, interval_s, plain_keys
+        self._plain_tier = plain_tier
         self._stop = threading.Event()
         self._seen_generation: int | None = None
         self.reloads = 0
@@ -204,7 +231,7 @@ class IndexRefresher:
         index = self._index_ref()
         if index is None:
             return False
-        index.replace_all(records, plain)
+        index.replace_all(records, plain, self._plain_tier)
         self._seen_generation = generation
         self.reloads += 1
         return True

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from cachefuse.config import CacheFuseConfig
-from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
+from cachefuse.select.base import (
+    CheckLayerKV,
+    ChunkReuse,
+    PlannedChunk,
+    RowEstimate,
+    SelectionContext,
+    Selector,
+)
 
-__all__ = ["CheckLayerKV", "ChunkReuse", "SelectionContext", "Selector", "make_selector"]
+__all__ = ["CheckLayerKV", "ChunkReuse", "PlannedChunk", "RowEstimate", "SelectionContext", "Selector",
+           "make_selector"]
 
 
 def make_selector(name: str, config: CacheFuseConfig) -> Selector:

@@ -3,7 +3,9 @@
 Imports only torch and cachefuse.chunks. A selector picks among *candidate* rows: cached tokens of
 the declared non-system chunks (docs/architecture.md, Definitions: the recompute ratio counts only these).
 Forced rows (holes, undeclared tokens, the question, the last token) are added by the fusor on top
-and never pass through a selector.
+and never pass through a selector. Before the pass, `estimate_rows` says how many rows a selector will
+pick, from what the scheduler knows (each chunk's length and chosen variant's CFO): the loading
+controller prices that, not ratio x tokens.
 
 ```
 | system (loaded, never a candidate) | chunk A (candidates) | hole (forced) | question (forced) |
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +68,25 @@ class CheckLayerKV:
     loaded_v: torch.Tensor  # [R, num_kv_heads, head_dim]
 
 
+@dataclass(frozen=True)
+class PlannedChunk:
+    """A loaded non-system chunk as planned before the pass (no tensors: the scheduler builds it)."""
+
+    num_tokens: int
+    """Its cached tokens, every one a candidate (a declared chunk ends before the prompt's last token)."""
+    cfo: float | None = None
+    """The chosen variant's CFO for this prompt (ChunkReuse.cfo); None: no variant metadata."""
+
+
+@dataclass(frozen=True)
+class RowEstimate:
+    """Candidate rows a selector will recompute at a selective layer: `num_planned_rows` whatever the
+    ratio, plus ceil(ratio x `num_ratio_candidates`) (cachefuse.loading.controller.RequestShape)."""
+
+    num_planned_rows: int
+    num_ratio_candidates: int
+
+
 def num_rows_for_ratio(ratio: float, num_candidates: int) -> int:
     """ceil(ratio * n) with a guard against 0.15 * 100 = 15.000000000000002 style rounding up."""
     return min(num_candidates, math.ceil(ratio * num_candidates - 1e-9))
@@ -79,6 +100,13 @@ class Selector(ABC):
     @abstractmethod
     def num_full_layers(self, num_layers: int) -> int:
         """How many leading layers compute every row."""
+
+    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
+        """The rows this selector will pick per selective layer over `chunks`, before the pass.
+
+        The default is a ratio-driven selector (cacheblend, random): ceil(ratio x every candidate).
+        """
+        return RowEstimate(0, sum(chunk.num_tokens for chunk in chunks))
 
     def check_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers after whose K/V the fusor calls `select_at_check` (deviation-driven selectors)."""

@@ -26,9 +26,11 @@ layers L*+1..:   | system | chunk A: top-n rows | hole B | chunk C: loaded K/V |
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from cachefuse.select.base import SelectionContext, Selector, num_rows_for_ratio
+from cachefuse.select.base import PlannedChunk, RowEstimate, SelectionContext, Selector, num_rows_for_ratio
 from cachefuse.select.focus import FocusTracker
 
 
@@ -71,6 +73,18 @@ class CacheCraftSelector(Selector):
             return float(self.force_cfo)
         reuse = ctx.reuse.get(index)
         return float(reuse.cfo) if reuse is not None else float(ctx.ratio)
+
+    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
+        """ceil(CFO x tokens) per chunk, as `initial_rows` picks them; a chunk without a CFO follows the
+        ratio. An upper bound with `early_termination`: unfocused chunks stop after the focus layer."""
+        planned = by_ratio = 0
+        for chunk in chunks:
+            cfo = self.force_cfo if self.force_cfo is not None else chunk.cfo
+            if cfo is None:
+                by_ratio += chunk.num_tokens
+            else:
+                planned += num_rows_for_ratio(float(cfo), chunk.num_tokens)
+        return RowEstimate(planned, by_ratio)
 
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
         index_of = {seg.start: i for i, seg in enumerate(ctx.segments)}

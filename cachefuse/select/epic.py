@@ -4,10 +4,11 @@ k is the config's `epic_k`, or ceil(ratio * chunk length) per chunk when it is N
 """
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from cachefuse.select.base import SelectionContext, Selector
+from cachefuse.select.base import PlannedChunk, RowEstimate, SelectionContext, Selector
 
 
 class EpicSelector(Selector):
@@ -18,6 +19,12 @@ class EpicSelector(Selector):
 
     def num_full_layers(self, num_layers: int) -> int:
         return 0
+
+    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
+        """k per chunk when k is set; else ratio-driven (ceil per chunk: up to one row more per chunk)."""
+        if self.k is None:
+            return RowEstimate(0, sum(chunk.num_tokens for chunk in chunks))
+        return RowEstimate(sum(min(self.k, chunk.num_tokens) for chunk in chunks), 0)
 
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
         picked = []

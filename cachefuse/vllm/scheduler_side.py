@@ -32,22 +32,22 @@ import torch
 from cachefuse.chunks import KeyContext, chunk_key, dtype_name, model_fingerprint, tokenize_piece
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
-from cachefuse.loading.controller import RequestShape, decide
+from cachefuse.loading.controller import RequestShape, decide, tier_bytes
 from cachefuse.loading.figures import ComputeFigures, TierFigures
 from cachefuse.metadata import open_config_metastore
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import IndexRefresher, VariantChoice, VariantIndex, plan_variants
 from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
-from cachefuse.select import make_selector
-from cachefuse.store.disk import list_keys
+from cachefuse.select import PlannedChunk, make_selector
+from cachefuse.store.disk import DiskStore, list_keys
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 
 logger = logging.getLogger(__name__)
 
-# Cheaper storage first (CacheBlend's storage-device choice picks the cheapest tier adding no delay).
+# Cheaper storage first (TierFigures.cost_rank). The controller prices each chunk at the tier holding it.
 TIER_COST_RANK = {"disk": 0, "memory": 1}
 
 
@@ -124,7 +124,7 @@ class SchedulerSide:
         root = config.store_path
         plain_keys = (lambda: list_keys(root)) if config.disk_capacity_bytes else None
         refresher = IndexRefresher(self.index, lambda: open_config_metastore(config),
-                                   config.index_refresh_interval_s, plain_keys=plain_keys)
+                                   config.index_refresh_interval_s, plain_keys=plain_keys, plain_tier=DiskStore.name)
         try:
             store = open_config_metastore(config)
             try:
@@ -135,7 +135,7 @@ class SchedulerSide:
             logger.warning("cachefuse scheduler: variant metadata unavailable at start-up (%s: %s); "
                            "chunks are misses until it answers", type(exc).__name__, exc)
             if plain_keys is not None:
-                self.index.add_plain_keys(plain_keys())
+                self.index.add_plain_keys(plain_keys(), tier=DiskStore.name)
         return refresher.start()
 
     def close(self) -> None:
@@ -181,7 +181,7 @@ class SchedulerSide:
         indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":
-            controller = self._decide(fusion, len(prompt), indexed)
+            controller = self._decide(fusion, len(prompt), variants)
             if not controller["fuse"]:
                 self._fall_back(req_id, "no_go", detail=controller["reason"])
                 return 0, False
@@ -200,22 +200,26 @@ class SchedulerSide:
         self._pending[req_id] = _Pending(fusion, prompt, outcome, variants)  # idempotent: a re-call replaces it
         return len(prompt) - 1, False
 
-    def _decide(self, fusion: FusionRequest, num_tokens: int, indexed: list[bool]) -> dict[str, Any]:
-        """The loading controller's choice for one request, from the worker's measured figures."""
+    def _decide(self, fusion: FusionRequest, num_tokens: int, variants: list[VariantChoice | None]) -> dict[str, Any]:
+        """The loading controller's choice for one request, from the worker's measured figures: each
+        chunk's load priced at the tiers the index knows hold it, rows as the selector will pick them."""
         figures = self.figures
         samples = figures.get("samples", {})
         if not figures.get("tiers") or not samples.get("blend_layers") or not samples.get("prefill_steps"):
             return {"fuse": True, "ratio": fusion.recompute_ratio,
                     "reason": "no measured figures yet (tier bandwidth, blend and prefill speed): fixed ratio"}
         num_layers, bytes_per_token = self._kv_geometry()
-        spans = [(s, e) for (s, e), hit in zip(fusion.chunks, indexed, strict=True) if hit]
-        loaded_tokens = sum(e - s for s, e in spans)
-        shape = RequestShape(
-            num_tokens=num_tokens, num_layers=num_layers,
-            num_full_layers=make_selector(fusion.selector, self.config).num_full_layers(num_layers),
-            num_candidates=sum(e - s for s, e in spans if s != 0), num_forced=num_tokens - loaded_tokens,
-            bytes_to_load=loaded_tokens * bytes_per_token)
+        loaded = [(e - s, s == 0, c) for (s, e), c in zip(fusion.chunks, variants, strict=True) if c is not None]
+        loaded_tokens = sum(n for n, _, _ in loaded)
         tiers = [TierFigures(name, bps, TIER_COST_RANK.get(name, 0)) for name, bps in figures["tiers"].items()]
+        selector = make_selector(fusion.selector, self.config)
+        rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, system, c in loaded if not system])
+        shape = RequestShape(
+            num_tokens=num_tokens, num_layers=num_layers, num_full_layers=selector.num_full_layers(num_layers),
+            num_candidates=sum(n for n, system, _ in loaded if not system), num_forced=num_tokens - loaded_tokens,
+            bytes_to_load=loaded_tokens * bytes_per_token,
+            bytes_by_tier=tier_bytes([(n * bytes_per_token, c.tiers) for n, _, c in loaded], tiers),
+            num_planned_rows=rows.num_planned_rows, num_ratio_candidates=rows.num_ratio_candidates)
         decision = decide(shape, ComputeFigures(**figures["compute"]), tiers, r_min=fusion.recompute_ratio,
                           r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                           ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,

@@ -1,6 +1,7 @@
 """Loading controller: pure math with injected figures (no torch, no clock)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -10,12 +11,13 @@ from cachefuse.errors import ConfigError
 from cachefuse.loading.controller import (
     RequestShape,
     choose_ratio,
-    choose_tier,
     decide,
     load_time,
     match_ratio,
     preload_depth,
     recompute_time,
+    selected_rows,
+    tier_bytes,
 )
 from cachefuse.loading.figures import (
     BandwidthMeter,
@@ -43,27 +45,30 @@ def _decide(shape=SHAPE, tiers=(MEMORY,), **kw):
 
 
 def test_match_ratio_solves_recompute_equals_load():
-    r = match_ratio(SHAPE, FIG, DISK)
+    load_s = load_time(SHAPE, [DISK])
+    r = match_ratio(SHAPE, FIG, load_s)
     assert 0.0 < r < 1.0
     one_row = (SHAPE.num_layers - SHAPE.num_full_layers) * (FIG.per_row_s + FIG.per_row_key_s * SHAPE.num_tokens)
     # recompute_time rounds rows up: equal to load within one row at every selective layer
-    assert 0.0 <= recompute_time(SHAPE, FIG, r) - load_time(SHAPE, DISK) <= one_row + 1e-12
+    assert 0.0 <= recompute_time(SHAPE, FIG, r) - load_s <= one_row + 1e-12
 
 
 def test_match_ratio_clamps():
-    assert match_ratio(SHAPE, FIG, MEMORY) == 0.0  # full layers alone outlast the load
-    assert match_ratio(SHAPE, FIG, TierFigures("tape", 1e6, 0)) == 1.0
+    assert match_ratio(SHAPE, FIG, load_time(SHAPE, [MEMORY])) == 0.0  # full layers alone outlast the load
+    tape = [TierFigures("tape", 1e6, 0)]
+    assert match_ratio(SHAPE, FIG, load_time(SHAPE, tape)) == 1.0
     no_candidates = RequestShape(100, 4, 1, 0, 10, 10 * MB)
-    assert match_ratio(no_candidates, FIG, TierFigures("tape", 1e6, 0)) == 1.0
+    assert match_ratio(no_candidates, FIG, load_time(no_candidates, tape)) == 1.0
 
 
 def test_choose_ratio_floor_raise_and_cap():
-    r, why = choose_ratio(SHAPE, FIG, MEMORY, 0.15, 1.0)
+    r, why = choose_ratio(SHAPE, FIG, load_time(SHAPE, [MEMORY]), 0.15, 1.0)
     assert r == 0.15 and why.startswith("r_min: loading is faster than recomputing r_min")
-    r, why = choose_ratio(SHAPE, FIG, DISK, 0.15, 1.0)
-    assert r == pytest.approx(match_ratio(SHAPE, FIG, DISK)) and r > 0.15
+    disk_s = load_time(SHAPE, [DISK])
+    r, why = choose_ratio(SHAPE, FIG, disk_s, 0.15, 1.0)
+    assert r == pytest.approx(match_ratio(SHAPE, FIG, disk_s)) and r > 0.15
     assert why.startswith("load-bound: r raised to hide loading")
-    r, why = choose_ratio(SHAPE, FIG, DISK, 0.15, 0.2)
+    r, why = choose_ratio(SHAPE, FIG, disk_s, 0.15, 0.2)
     assert r == 0.2 and why.startswith("capped at r_max")
 
 
@@ -106,17 +111,95 @@ def test_fixed_mode_uses_fixed_ratio_and_validates():
         _decide(r_min=0.5, r_max=0.2)
 
 
-def test_choose_tier_cheapest_without_delay_else_fastest():
-    tiers = [MEMORY, DISK, SLOW_DISK]
-    budget = recompute_time(SHAPE, FIG, 0.5)
-    assert load_time(SHAPE, DISK) <= budget < load_time(SHAPE, SLOW_DISK)
-    assert choose_tier(SHAPE, FIG, tiers, 0.5) == DISK
-    assert choose_tier(SHAPE, FIG, tiers, 0.15) == MEMORY  # disk would add delay at r = 0.15
-    assert choose_tier(SHAPE, FIG, [DISK, TierFigures("disk2", 4e9, 1)], 0.5).name == "disk2"  # tie: faster
-    huge = RequestShape(4000, 32, 1, 3000, 100, 100_000 * MB)
-    assert choose_tier(huge, FIG, tiers, 0.15) == MEMORY  # nothing hides loading: fastest
-    with pytest.raises(ValueError):
-        choose_tier(SHAPE, FIG, [], 0.15)
+# --------------------------------------------------------------------------- each chunk at its own tier
+
+
+def disk_matching(ratio: float) -> TierFigures:
+    """A disk tier at which loading SHAPE takes as long as recomputing it at `ratio` (r_match = ratio)."""
+    return TierFigures("disk", SHAPE.bytes_to_load / recompute_time(SHAPE, FIG, ratio), cost_rank=1)
+
+
+def on(**bytes_by_tier: int) -> RequestShape:
+    return replace(SHAPE, bytes_by_tier=bytes_by_tier)
+
+
+ALL = SHAPE.bytes_to_load
+
+
+def test_chunks_on_a_slow_disk_are_priced_at_the_disk_not_at_the_fastest_tier():
+    """memory + a slow disk: pricing every byte at the fastest tier (the rule before per-chunk tiers)
+    says r = 0.15 and go; the chunks are on the disk, which alone gives r = 0.38."""
+    tiers = [MEMORY, disk_matching(0.38)]
+    fastest = _decide(on(memory=ALL), tiers)
+    assert fastest.fuse and fastest.ratio == 0.15 and fastest.tier == "memory"
+    actual = _decide(on(disk=ALL), tiers)
+    disk_alone = _decide(SHAPE, [disk_matching(0.38)])
+    assert actual.ratio == pytest.approx(0.38, abs=1e-9) and actual.ratio == disk_alone.ratio
+    assert actual.tier == "disk" and "load-bound" in actual.reason and "load disk " in actual.reason
+    assert actual.est_load_s == disk_alone.est_load_s > 5 * fastest.est_load_s
+    assert actual.est_load_by_tier_s == {"disk": actual.est_load_s}
+    # A slower disk: loading cannot be hidden below vLLM's own prefill; the fastest tier would say go.
+    slower = [MEMORY, disk_matching(0.7)]
+    assert _decide(on(memory=ALL), slower).fuse
+    no_go = _decide(on(disk=ALL), slower)
+    assert not no_go.fuse and "slow tier disk" in no_go.reason
+
+
+def test_a_request_split_over_tiers_adds_their_load_times():
+    tiers = [MEMORY, disk_matching(0.38)]
+    split = _decide(on(memory=ALL // 4, disk=ALL - ALL // 4), tiers)
+    memory_s, disk_s = (ALL // 4) / MEMORY.bytes_per_s, (ALL - ALL // 4) / tiers[1].bytes_per_s
+    assert split.est_load_by_tier_s == pytest.approx({"memory": memory_s, "disk": disk_s})
+    assert split.est_load_s == pytest.approx(memory_s + disk_s) and split.tier == "disk"  # the bottleneck
+    assert 0.15 < split.ratio < 0.38
+    assert split.ratio == pytest.approx(match_ratio(SHAPE, FIG, memory_s + disk_s))
+
+
+def test_every_chunk_in_memory_decides_as_before():
+    """Negative control: with every byte in the fastest tier, per-chunk pricing changes nothing."""
+    tiers = [MEMORY, disk_matching(0.38)]
+    assert _decide(on(memory=ALL), tiers) == _decide(SHAPE, [MEMORY])
+    assert _decide(on(memory=ALL), tiers).ratio == 0.15
+
+
+def test_unknown_tiers_are_priced_at_the_slowest_measured():
+    tiers = [MEMORY, disk_matching(0.38)]
+    on_disk = _decide(on(disk=ALL), tiers)
+    assert _decide(SHAPE, tiers) == on_disk  # no breakdown: every byte unknown
+    assert _decide(on(redis=ALL), tiers) == on_disk  # a tier without a figure
+    half = _decide(on(memory=ALL // 2), tiers)  # the other half unknown
+    assert half.est_load_by_tier_s == pytest.approx({"memory": (ALL // 2) / MEMORY.bytes_per_s,
+                                                     "disk": (ALL - ALL // 2) / tiers[1].bytes_per_s})
+    with pytest.raises(ValueError, match="bytes_by_tier"):
+        on(memory=ALL, disk=1)
+    with pytest.raises(ValueError, match="measured tier"):
+        _decide(SHAPE, [])
+
+
+def test_tier_bytes_takes_the_fastest_measured_tier_known_to_hold_each_chunk():
+    chunks = [(100, ("disk",)), (200, ("disk", "memory")), (40, ()), (8, ("redis",)), (1, ("memory",))]
+    assert tier_bytes(chunks, [MEMORY, DISK]) == {"disk": 100, "memory": 201}  # 48 bytes unknown
+    assert tier_bytes(chunks, [DISK]) == {"disk": 300}
+
+
+# --------------------------------------------------------------------------- rows as the selector picks them
+
+
+def test_rows_planned_per_chunk_do_not_follow_the_ratio():
+    """cachecraft recomputes ceil(CFO x chunk) per chunk (Selector.estimate_rows), not r x tokens: 950
+    rows where 15% of the candidates would be 450, and raising r would hide no loading."""
+    cachecraft = replace(SHAPE, num_full_layers=0, num_planned_rows=950, num_ratio_candidates=0)
+    by_ratio = replace(SHAPE, num_full_layers=0)
+    assert selected_rows(cachecraft, 0.15) == selected_rows(cachecraft, 0.9) == 950
+    assert selected_rows(by_ratio, 0.15) == 450
+    d = _decide(cachecraft, [disk_matching(0.38)])
+    assert d.ratio == 0.15 and "no row depends on r" in d.reason and d.est_rows == 950
+    assert d.est_recompute_s == pytest.approx(32 * FIG.layer_time(950 + SHAPE.num_forced, SHAPE.num_tokens))
+    assert d.est_recompute_s > _decide(by_ratio, [disk_matching(0.38)], ratio_mode="fixed").est_recompute_s
+    every = _decide(replace(cachecraft, num_planned_rows=SHAPE.num_candidates), [MEMORY])
+    assert not every.fuse and "every row recomputed (3000 of 3000)" in every.reason
+    mixed = replace(SHAPE, num_planned_rows=200, num_ratio_candidates=1000)  # one chunk without a CFO
+    assert selected_rows(mixed, 0.15) == 200 + 150
 
 
 def test_preload_depth_formula():
@@ -246,7 +329,8 @@ def test_decide_properties(num_tokens, num_layers, full, cand_frac, forced, num_
     assert r_min <= d.ratio <= r_max
     assert d.est_fused_s >= d.est_recompute_s and d.est_fused_s >= d.est_load_s
     assert 1 <= d.preload_depth <= num_layers
-    assert d.fuse == (force or (d.est_fused_s < 0.9 * d.est_prefill_s and d.ratio < 1.0))
+    every_row = shape.num_candidates > 0 and selected_rows(shape, d.ratio) >= shape.num_candidates
+    assert d.fuse == (force or (d.est_fused_s < 0.9 * d.est_prefill_s and not every_row))
 
 
 def test_pipeline_depth_sizes_the_buffer_for_heavy_full_layers():

@@ -84,6 +84,23 @@ def test_index_picks_lowest_cfo_and_plain_keys_are_base_variants():
     assert [r.variant_id for r in index.variants("C")] == [after_ab.variant_id]
 
 
+def test_choices_say_which_tiers_hold_their_kv():
+    """Rule 6: a record's home tier, plus the tier a listing found its key in; nothing claims memory."""
+    on_redis = VariantRecord.without_stats("R", (), 4, tier="redis")
+    on_disk = VariantRecord.without_stats("D", (), 4)  # the default home tier: "disk"
+    index = VariantIndex([on_redis, on_disk], plain_keys=["R", "P"], plain_tier="disk")
+    assert index.choose("R", (), 1.0, 4).tiers == ("redis", "disk")  # also listed on the local disk
+    assert index.choose("D", (), 1.0, 4).tiers == ("disk",)
+    assert index.choose("P", (), 1.0, 4).tiers == ("disk",)  # rule 3: the listing alone
+    index.add_plain_keys(["P", "U"])  # e.g. keys the worker reports saving: where is not known
+    assert index.choose("P", (), 1.0, 4).tiers == ("disk",)  # a tier already known stays
+    assert index.choose("U", (), 1.0, 4).tiers == ()
+    index.replace_all([on_disk], ["R"], "disk")  # a reload: R's record is gone, its disk entry listed
+    assert index.choose("R", (), 1.0, 4).tiers == ("disk",) and "U" not in index
+    index.replace_all([on_disk])  # no listing: the known plain keys and their tiers stay
+    assert index.choose("R", (), 1.0, 4).tiers == ("disk",)
+
+
 def test_admission_cfo_computes_a_poorly_matching_chunk_in_full():
     base = VariantRecord.without_stats("C", (), 4)
     index = VariantIndex([base, VariantRecord.without_stats("S", (), 2)])
@@ -244,6 +261,8 @@ def test_refresher_reloads_on_generation_change_and_survives_errors(tmp_path):
     assert not refresher.refresh_once(store)  # nothing changed: no reload
     store.put(VariantRecord.without_stats("K", (), 3))
     assert refresher.refresh_once(store) and "K" in index and refresher.reloads == 2
+    listing = IndexRefresher(index, lambda: store, interval_s=3600, plain_keys=lambda: ["L"], plain_tier="disk")
+    assert listing.refresh_once(store) and index.choose("L", (), 1.0, 2).tiers == ("disk",)
 
     flaky = FlakyStore()
     flaky.records = [VariantRecord.without_stats("J", (), 2)]

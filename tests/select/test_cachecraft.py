@@ -16,7 +16,7 @@ from cachefuse.attention import rows_attention
 from cachefuse.chunks import Segment, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor
-from cachefuse.select import ChunkReuse, SelectionContext, make_selector
+from cachefuse.select import ChunkReuse, PlannedChunk, RowEstimate, SelectionContext, make_selector
 from cachefuse.select.cachecraft import CacheCraftSelector
 from tests.helpers.fusion import make_case, make_engine
 from tests.helpers.tolerances import TOL
@@ -76,6 +76,25 @@ def test_chunk_without_metadata_uses_the_ratio_and_force_overrides():
     forced = CacheCraftSelector(force_cfo=0.15).initial_rows(make_ctx(0.3, reuse))
     assert rows_in(forced, SEGMENTS[1]) == list(range(31, 37))  # ceil(0.15 * 37) = 6, still ranked
     assert len(rows_in(forced, SEGMENTS[2])) == math.ceil(0.15 * 50 - 1e-9) == 8
+
+
+@pytest.mark.parametrize(("reuse", "ratio", "force_cfo"), [
+    ({1: ChunkReuse(0.2, (36, 0, 5)), 2: ChunkReuse(0.1)}, 0.5, None),  # every chunk has a CFO: 8 + 5
+    ({1: ChunkReuse(0.2)}, 0.3, None),  # the second chunk without metadata follows the ratio: 8 + 15
+    ({1: ChunkReuse(0.2), 2: ChunkReuse(0.9)}, 0.3, 0.15),  # forced: 6 + 8
+    ({1: ChunkReuse(1.0), 2: ChunkReuse(0.0)}, 0.3, None),  # every row of one chunk, none of the other
+])
+def test_estimated_rows_are_the_rows_it_picks(reuse, ratio, force_cfo):
+    """What the loading controller is told before the pass (from the chunks' lengths and CFOs) is what
+    initial_rows then picks: ceil(CFO x tokens) per chunk, not ratio x tokens."""
+    selector = CacheCraftSelector(force_cfo=force_cfo)
+    chunks = [PlannedChunk(SEGMENTS[i].length, reuse[i].cfo if i in reuse else None) for i in (1, 2)]
+    estimate = selector.estimate_rows(chunks)
+    picked = selector.initial_rows(make_ctx(ratio, reuse)).numel()
+    assert estimate.num_planned_rows + math.ceil(ratio * estimate.num_ratio_candidates - 1e-9) == picked
+    if force_cfo is None and len(reuse) == 2:
+        assert estimate.num_ratio_candidates == 0  # no row depends on the ratio
+    assert selector.estimate_rows([]) == RowEstimate(0, 0)
 
 
 def test_last_token_is_never_selected():

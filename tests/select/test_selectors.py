@@ -8,7 +8,7 @@ import torch
 
 from cachefuse.chunks import Segment
 from cachefuse.config import CacheFuseConfig
-from cachefuse.select import CheckLayerKV, SelectionContext, make_selector
+from cachefuse.select import CheckLayerKV, PlannedChunk, RowEstimate, SelectionContext, make_selector
 from cachefuse.select.base import num_rows_for_ratio
 from cachefuse.select.cacheblend import kv_deviation
 
@@ -94,6 +94,25 @@ def test_full_reuse_and_full_prefill():
     reuse = make_selector("full_reuse", CacheFuseConfig())
     assert reuse.num_full_layers(8) == 0 and reuse.initial_rows(ctx).numel() == 0
     assert make_selector("full_prefill", CacheFuseConfig()).num_full_layers(8) == 8
+
+
+def test_estimated_rows_match_the_rows_picked():
+    """Each selector's estimate before the pass (Selector.estimate_rows) against what it picks."""
+    chunks = [PlannedChunk(s.length) for s in SEGMENTS if s.is_chunk and not s.is_system]
+    ctx = make_ctx(0.3)
+    for name, config in (("cacheblend", CacheFuseConfig()), ("random", CacheFuseConfig()),
+                         ("epic", CacheFuseConfig(epic_k=3))):
+        estimate = make_selector(name, config).estimate_rows(chunks)
+        rows = num_rows_for_ratio(0.3, estimate.num_ratio_candidates) + estimate.num_planned_rows
+        if name == "cacheblend":
+            assert estimate == RowEstimate(0, 87) and rows == num_rows_for_ratio(0.3, 87)  # kept after its check
+        else:
+            assert rows == make_selector(name, config).initial_rows(ctx).numel()
+    assert make_selector("full_reuse", CacheFuseConfig()).estimate_rows(chunks) == RowEstimate(0, 0)
+    ratio_epic = make_selector("epic", CacheFuseConfig()).estimate_rows(chunks)
+    # ceil per chunk (12 + 15) can exceed ceil over all (27): at most one row per chunk
+    assert 0 <= make_selector("epic", CacheFuseConfig()).initial_rows(ctx).numel() - num_rows_for_ratio(
+        0.3, ratio_epic.num_ratio_candidates) <= len(chunks)
 
 
 def test_random_is_seeded_and_sized():

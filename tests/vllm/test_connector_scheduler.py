@@ -4,12 +4,17 @@ blend budget, outcomes filled in place, and no state left behind (leak check).""
 from __future__ import annotations
 
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
+from transformers import AutoConfig
 
+from cachefuse.chunks import chunk_key
 from cachefuse.config import CacheFuseConfig
+from cachefuse.metadata.base import VariantRecord, record_to_dict
 from cachefuse.vllm.messages import CacheFuseWorkerMeta
 from cachefuse.vllm.scheduler_side import SchedulerSide
 from tests.helpers.hostile import kv_transfer_params
@@ -18,10 +23,12 @@ from tests.helpers.hostile import kv_transfer_params
 @pytest.fixture
 def make_side(tiny_model_dir, tmp_path):
     path = tiny_model_dir("llama")
+    hf_config = AutoConfig.from_pretrained(path)  # vLLM's model_config.hf_text_config: the KV geometry
 
     def make(**config) -> SchedulerSide:
         vllm_config = SimpleNamespace(
-            model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None),
+            model_config=SimpleNamespace(model=str(path), dtype=torch.float32, tokenizer=str(path), revision=None,
+                                         hf_text_config=hf_config),
             cache_config=SimpleNamespace(block_size=16),
             parallel_config=SimpleNamespace(tensor_parallel_size=1))
         return SchedulerSide(vllm_config, CacheFuseConfig(store_dir=str(tmp_path / "store"), **config))
@@ -221,6 +228,71 @@ def test_worker_reports_drive_the_variant_index_and_the_plans(make_side):
     side.request_finished(req2, [])
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))  # the step ends
     assert_no_state(side)
+
+
+def measured(**bytes_per_s: float) -> dict:
+    """The worker's figures: tiers' bandwidth; 100 us per row per layer; vLLM's own prefill 1 s per token
+    (always slower than fusing: these tests are about the ratio and the rows)."""
+    return {"tiers": bytes_per_s,
+            "compute": {"fixed_s": 0.0, "per_row_s": 1e-4, "per_row_key_s": 0.0, "prefill_fixed_s": 0.0,
+                        "prefill_per_token_s": 1.0, "prefill_per_token2_s": 0.0},
+            "samples": {"blend_layers": 100, "prefill_steps": 10}}
+
+
+def index_variants(side: SchedulerSide, *records: VariantRecord) -> None:
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        saved_variants=[record_to_dict(r) for r in records])))
+
+
+def planned_controller(side: SchedulerSide, req) -> tuple:
+    """Schedules `req`; its plan and the controller's decision in its outcome."""
+    (plan,) = schedule(side, req)
+    _, params = side.request_finished(req, [])
+    worker_reports(side, req.request_id)
+    return plan, params["cachefuse"]["controller"]
+
+
+def test_the_controller_prices_each_chunk_at_the_tier_the_index_knows(make_side):
+    """Memory fast, disk slow. The prompt's chunks persist on disk (their records' home tier): r rises to
+    hide the disk's load. Negative control: the same chunks at home in memory (a memory-only store) keep
+    r_min, which is what pricing every chunk at the fastest measured tier said in both cases."""
+    decisions = {}
+    for home in ("memory", "disk"):
+        side = make_side(ratio_mode="controller")
+        req = request(f"r-{home}")  # system [0, 10), chunk [10, 60), 40 more tokens computed
+        keys = (chunk_key(req.prompt_token_ids[0:10], side.key_context, at_prompt_start=True),
+                chunk_key(req.prompt_token_ids[10:60], side.key_context))
+        index_variants(side, *(VariantRecord.without_stats(k, (), n, tier=home)
+                               for k, n in zip(keys, (10, 50), strict=True)))
+        num_layers, bytes_per_token = side._kv_geometry()
+        assert num_layers == 4  # 2 full layers (cacheblend), 2 selective: r_min 29.6 ms, every row 38 ms
+        side.figures = measured(memory=1e12, disk=60 * bytes_per_token / 0.034)  # the disk: 34 ms
+        plan, decisions[home] = planned_controller(side, req)
+        assert plan.recompute_ratio == decisions[home]["ratio"] and decisions[home]["fuse"]
+        assert set(decisions[home]["est_load_by_tier_s"]) == {home} and decisions[home]["tier"] == home
+    assert decisions["memory"]["ratio"] == 0.15 and "r_min" in decisions["memory"]["reason"]
+    assert decisions["disk"]["ratio"] == pytest.approx(0.6) and "load-bound" in decisions["disk"]["reason"]
+    assert decisions["disk"]["est_load_s"] == pytest.approx(0.034)
+
+
+def test_the_controller_counts_the_rows_cachecraft_recomputes_by_cfo(make_side):
+    """cachecraft recomputes ceil(CFO x tokens) of each chunk, CFO from the chosen variant: A is an exact
+    base variant (CFO 0), B's only variant was computed after a chunk this prompt lacks."""
+    side = make_side(ratio_mode="controller")
+    req = request("cc", params={"cachefuse": {"chunks": [[0, 10], [10, 60], [60, 90]], "selector": "cachecraft"}})
+    prompt = req.prompt_token_ids
+    key_sys = chunk_key(prompt[0:10], side.key_context, at_prompt_start=True)
+    key_a, key_b = chunk_key(prompt[10:60], side.key_context), chunk_key(prompt[60:90], side.key_context)
+    after_x = VariantRecord(chunk_key=key_b, prefix=("x",), inter={"x": 0.02}, intra=1.0, num_tokens=30,
+                            prefix_num_tokens={"x": 5})
+    index_variants(side, VariantRecord.without_stats(key_sys, (), 10), VariantRecord.without_stats(key_a, (), 50),
+                   after_x)
+    side.figures = measured(disk=1e12)
+    plan, decision = planned_controller(side, req)
+    cfo_b = plan.variants[2].cfo
+    assert plan.variants[1].cfo == 0.0 and 0.0 < cfo_b < 1.0
+    assert decision["est_rows"] == math.ceil(cfo_b * 30) != math.ceil(0.15 * 80)  # not ratio x tokens
+    assert decision["ratio"] == 0.15 and "no row depends on r" in decision["reason"]
 
 
 def make_id(chunk_key: str) -> str:
