@@ -24,6 +24,7 @@ page cache would be CPU work competing with compute for the same cores; this ben
 measure that case (see the NOTE in cachefuse/loading/loader.py).
 
     python benchmarks/controller.py [--threads 2] [--repeats 5] [--out docs/benchmarks] [--replot]
+    python benchmarks/controller.py --model .cache/models/smollm2-135m-instruct --out /tmp/smollm2
 
 Writes controller.json and controller.png under --out.
 """
@@ -45,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fusor_prefill import CHUNK_LEN, MODEL, NUM_CHUNKS, QUESTION_LEN, SYSTEM_LEN, build_prompt  # noqa: E402
+from fusor_prefill import CHUNK_LEN, NUM_CHUNKS, QUESTION_LEN, SYSTEM_LEN, bench_model, build_prompt  # noqa: E402
 
 from cachefuse.adapters.hf import HFAdapter  # noqa: E402
 from cachefuse.chunks import KeyContext  # noqa: E402
@@ -56,7 +57,6 @@ from cachefuse.loading.figures import FigureRecorder, TierFigures  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.memory import MemoryStore  # noqa: E402
 from cachefuse.testing.sleeping_store import SleepingStore  # noqa: E402
-from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
 
 LOAD_FACTORS = (0.3, 1.0, 3.0)
 RATIO = 0.15
@@ -71,9 +71,10 @@ LABELS = dict(serial="serial (load, then compute)", pipelined="pipelined, depth 
 class Bench:
     """One model, one prompt, one memory tier; engines are cheap and built per configuration."""
 
-    def __init__(self, threads: int, model_cache: Path) -> None:
+    def __init__(self, threads: int, model_cache: Path, model: Path | None = None) -> None:
         torch.set_num_threads(threads)
-        self.adapter = HFAdapter.from_pretrained(str(cached_tiny_model("llama", model_cache, **MODEL)))
+        model_dir, self.model_shape = bench_model(model, model_cache)
+        self.adapter = HFAdapter.from_pretrained(str(model_dir))
         self.num_layers = self.adapter.shape.num_layers
         self.memory = MemoryStore(StoreIdentity("bench", self.num_layers, self.adapter.shape.dtype),
                                   capacity_bytes=8 << 30)
@@ -203,8 +204,9 @@ def measure_factor(bench: Bench, cal: dict, factor: float, repeats: int) -> dict
     return row
 
 
-def run(threads: int, repeats: int, calibration_runs: int, out_dir: Path, model_cache: Path) -> dict:
-    bench = Bench(threads, model_cache)
+def run(threads: int, repeats: int, calibration_runs: int, out_dir: Path, model_cache: Path,
+        model: Path | None = None) -> dict:
+    bench = Bench(threads, model_cache, model)
     cal = calibrate(bench, calibration_runs)
     print(f"calibration: full prefill {cal['full_s'] * 1e3:.1f} ms, 15% pass {cal['t_r15_s'] * 1e3:.1f} ms, "
           f"{cal['bytes_to_load'] / 2**20:.1f} MiB to load; threads={threads}", flush=True)
@@ -215,7 +217,7 @@ def run(threads: int, repeats: int, calibration_runs: int, out_dir: Path, model_
     result = dict(
         benchmark="controller", threads=threads, torch_threads=torch.get_num_threads(), repeats=repeats,
         machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(), torch=torch.__version__),
-        model=MODEL, prompt=dict(system=SYSTEM_LEN, chunks=NUM_CHUNKS, chunk_len=CHUNK_LEN,
+        model=bench.model_shape, prompt=dict(system=SYSTEM_LEN, chunks=NUM_CHUNKS, chunk_len=CHUNK_LEN,
                                  question=QUESTION_LEN, num_tokens=len(bench.token_ids)),
         ratio=RATIO, targets=dict(pipelined_over_bound=PIPELINED_TARGET, controller_over_full=CONTROLLER_TARGET),
         note=("SleepingStore reads are I/O waits (sleep releases the cores and the GIL), the case where "
@@ -277,7 +279,8 @@ def plot(result: dict, path: Path) -> None:
         ax.annotate(text, (i + width, 1e3 * row["controller_s"]), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), [f"load = {r['load_factor']:g}x T(r=15%)" for r in rows])
     ax.set_ylabel("TTFT (ms, median)")
-    ax.set_title(f"Throttled tier (sleeping double), 2144 tokens, 12 layers, {result['threads']} threads (CPU)",
+    ax.set_title(f"Throttled tier (sleeping double), 2144 tokens, {result['model']['num_layers']} layers, "
+                 f"{result['threads']} threads (CPU)",
                  fontsize=9)
     ax.set_ylim(0, 1.45 * max(1e3 * r[f"{name}_s"] for r in rows for name in SERIES))  # room for the legend
     ax.legend(fontsize=7, ncols=2, loc="upper left")
@@ -292,6 +295,8 @@ def main() -> None:
     parser.add_argument("--calibration-runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "bench-models")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a local checkpoint instead of the random 12-layer model (give it its own --out)")
     parser.add_argument("--replot", action="store_true", help="redraw the plot from the JSON in --out")
     args = parser.parse_args()
     if args.replot:
@@ -299,7 +304,7 @@ def main() -> None:
         plot(result, args.out / "controller.png")
         print_table(result)
         return
-    run(args.threads, args.repeats, args.calibration_runs, args.out, args.model_cache)
+    run(args.threads, args.repeats, args.calibration_runs, args.out, args.model_cache, args.model)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ prefill run right before it: the reported speed-up is the median of the per-pair
 the ratio of the medians.
 
     python benchmarks/fusor_prefill.py [--threads 2] [--repeats 5] [--out docs/benchmarks]
+    python benchmarks/fusor_prefill.py --model .cache/models/smollm2-135m-instruct --out /tmp/smollm2
+
+`--model` runs the same prompt shape (random ids below the model's vocabulary) on a local
+checkpoint instead, e.g. the SmolLM2 one `make model` builds; give it its own `--out`.
 
 Writes fusor_prefill.json and fusor_prefill.png under --out.
 """
@@ -88,9 +92,23 @@ def compute_bound(num_full_layers: int, num_layers: int, recomputed_rows: int, n
     return 1.0 / (f + r * (1.0 - f))
 
 
-def run(threads: int, repeats: int, out_dir: Path, model_cache: Path) -> dict:
+def bench_model(model: Path | None, model_cache: Path) -> tuple[Path, dict]:
+    """The checkpoint to measure, `model` or the random 12-layer one (built in `model_cache`), and
+    its shape as the result files record it."""
+    if model is None:
+        return cached_tiny_model("llama", model_cache, **MODEL), MODEL
+    config = json.loads((model / "config.json").read_text())
+    keys = dict(num_layers="num_hidden_layers", hidden_size="hidden_size", intermediate_size="intermediate_size",
+                num_heads="num_attention_heads", num_kv_heads="num_key_value_heads", vocab_size="vocab_size")
+    shape = {ours: config[theirs] for ours, theirs in keys.items()}
+    shape["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return model, dict(dir=str(model), **shape)
+
+
+def run(threads: int, repeats: int, out_dir: Path, model_cache: Path, model: Path | None = None) -> dict:
     torch.set_num_threads(threads)
-    adapter = HFAdapter.from_pretrained(str(cached_tiny_model("llama", model_cache, **MODEL)))
+    model_dir, model_shape = bench_model(model, model_cache)
+    adapter = HFAdapter.from_pretrained(str(model_dir))
     num_layers = adapter.shape.num_layers
     store = MemoryStore(StoreIdentity("bench", num_layers, adapter.shape.dtype), capacity_bytes=8 << 30)
     engine = FusionEngine(adapter, store, KeyContext("bench", "float32"), CacheFuseConfig())
@@ -132,8 +150,8 @@ def run(threads: int, repeats: int, out_dir: Path, model_cache: Path) -> dict:
     result = dict(
         benchmark="fusor_prefill", threads=threads, torch_threads=torch.get_num_threads(), repeats=repeats,
         machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(), torch=torch.__version__),
-        model=MODEL, prompt=dict(system=SYSTEM_LEN, chunks=NUM_CHUNKS, chunk_len=CHUNK_LEN,
-                                 question=QUESTION_LEN, num_tokens=num_tokens),
+        model=model_shape, prompt=dict(system=SYSTEM_LEN, chunks=NUM_CHUNKS, chunk_len=CHUNK_LEN,
+                                       question=QUESTION_LEN, num_tokens=num_tokens),
         full_prefill=dict(median_s=full_s, times_s=full_all), hf_forward=dict(median_s=hf_s), fused=rows)
     print(f"full prefill (same engine) {full_s * 1e3:.1f} ms; transformers forward {hf_s * 1e3:.1f} ms; "
           f"threads={threads}")
@@ -161,7 +179,8 @@ def plot(result: dict, path: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("recompute ratio (%)")
     ax.set_ylabel("speed-up over full prefill (same engine)")
-    ax.set_title(f"Fused prefill, 2144 tokens, 12-layer model, {result['threads']} threads (CPU)")
+    ax.set_title(f"Fused prefill, 2144 tokens, {result['model']['num_layers']}-layer model, "
+                 f"{result['threads']} threads (CPU)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -173,12 +192,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "bench-models")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a local checkpoint instead of the random 12-layer model (give it its own --out)")
     parser.add_argument("--replot", action="store_true", help="redraw the plot from the JSON in --out")
     args = parser.parse_args()
     if args.replot:
         plot(json.loads((args.out / "fusor_prefill.json").read_text()), args.out / "fusor_prefill.png")
         return
-    run(args.threads, args.repeats, args.out, args.model_cache)
+    run(args.threads, args.repeats, args.out, args.model_cache, args.model)
 
 
 if __name__ == "__main__":

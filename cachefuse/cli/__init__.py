@@ -5,6 +5,7 @@
     cachefuse inspect      list a store's variants, stale rows and orphans   cli/inspect_store.py
     cachefuse tune-alpha   fit Cache-Craft's alpha on a validation set       cli/tune_alpha.py
     cachefuse eval         quality per selector and ratio                    cli/eval.py
+    cachefuse fetch-model  the SmolLM2-135M-Instruct checkpoint, converted   cli/fetch_model.py
 
 Each module declares `NAME`, `HELP` and `DESCRIPTION`, `add_arguments(parser)`, which registers its
 arguments, and `run(args, parser)`, which does the work (vLLM's `entrypoints/cli` is built the same way);
@@ -22,9 +23,9 @@ import sys
 from collections.abc import Sequence
 
 from cachefuse.cli import eval as eval_command
-from cachefuse.cli import inspect_store, precompute, profile_figures, tune_alpha
+from cachefuse.cli import fetch_model, inspect_store, precompute, profile_figures, tune_alpha
 
-SUBCOMMANDS = (precompute, profile_figures, inspect_store, tune_alpha, eval_command)
+SUBCOMMANDS = (precompute, profile_figures, inspect_store, tune_alpha, eval_command, fetch_model)
 
 
 def build_parser() -> argparse.ArgumentParser:

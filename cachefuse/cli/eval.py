@@ -1,6 +1,7 @@
 """`cachefuse eval`: the quality harness on the command line.
 
     cachefuse eval --model DIR --probe 500 [--seed 0]
+    cachefuse eval --model DIR --qa 200 [--split validation|test] [--seed 0]
     cachefuse eval --model DIR --longbench hotpotqa.jsonl --dataset hotpotqa [--limit 200]
     cachefuse eval --model DIR --data items.jsonl --metric f1 [--engine vllm [--store DIR]]
         [--selectors cacheblend,epic,cachecraft,random] [--ratios 0,0.05,0.1,0.15,0.2,0.3,0.5,1]
@@ -44,11 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--longbench", type=Path, help="a LongBench JSONL file (with --dataset)")
     source.add_argument("--probe", type=positive_int, metavar="N",
                         help="N items of the RAG probe task (cachefuse/eval/probe_task.py), half cross-chunk")
+    source.add_argument("--qa", type=positive_int, metavar="N",
+                        help="N items of the real-text QA set (cachefuse/eval/qa_set.py), half multi-document; "
+                             "in the model's chat template where it has one")
     p.add_argument("--model", required=True, type=Path, help="a local checkpoint directory (with its tokenizer)")
     p.add_argument("--dataset", help="with --longbench: hotpotqa, 2wikimqa, musique, multi_news or samsum")
     p.add_argument("--chunk-tokens", type=positive_int, default=512,
                    help="with --longbench: window size of the datasets split into fixed windows (default 512)")
-    p.add_argument("--seed", type=int, default=0, help="with --probe: the items' seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="with --probe or --qa: the items' seed (default 0)")
+    p.add_argument("--split", choices=("validation", "test"), default=None,
+                   help="with --qa: the split (default validation; the two share no entity)")
     p.add_argument("--limit", type=positive_int, default=None, help="evaluate at most this many items")
     p.add_argument("--selectors", type=_name_list, default=None,
                    help="comma-separated selectors (default cacheblend,epic,cachecraft,random)")
@@ -56,9 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated recompute ratios in 0..1 (default 0,0.05,0.1,0.15,0.2,0.3,0.5,1)")
     p.add_argument("--metric", choices=("em", "f1", "rouge_l"), default=None,
                    help="em (exact match after normalisation), f1 (LongBench token F1) or rouge_l "
-                        "(default: the dataset's; em for --probe and --data)")
+                        "(default: the dataset's; em for --probe and --data, f1 for --qa)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
-                   help="greedy tokens per item (default 1 for --probe, 32 for QA, 128 for summaries, 8 for --data)")
+                   help="greedy tokens per item (default 1 for --probe, 32 for LongBench QA, 128 for summaries, "
+                        "8 for --qa and --data)")
     p.add_argument("--engine", choices=("reference", "vllm"), default="reference",
                    help="reference: transformers, every fidelity metric (default); vllm: a connector-enabled vLLM "
                         "engine, scored against plain vLLM on tokens and first-token logprobs")
@@ -78,6 +85,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--longbench needs --dataset (hotpotqa, 2wikimqa, musique, multi_news or samsum)")
     if args.dataset is not None and args.longbench is None:
         parser.error("--dataset applies to --longbench only")
+    if args.split is not None and args.qa is None:
+        parser.error("--split applies to --qa only")
     if args.store is not None and args.engine != "vllm":
         parser.error("--store applies to --engine vllm only")
     default_selectors = harness.DEFAULT_SELECTORS if args.engine == "reference" else tuple(
@@ -141,6 +150,11 @@ def _items(args: argparse.Namespace, tokenizer: Any) -> tuple[list, str, int]:
 
     if args.probe is not None:
         return probe_eval_items(args.seed, args.probe)[:args.limit], "em", 1
+    if args.qa is not None:
+        from cachefuse.eval.qa_set import eval_items, make_items
+
+        qa_items = make_items(args.split or "validation", min(args.qa, args.limit or args.qa), args.seed)
+        return eval_items(qa_items, tokenizer), "f1", 8
     if args.longbench is not None:
         from cachefuse.eval.longbench import SPECS, load_longbench_jsonl
 

@@ -135,6 +135,7 @@ def test_cli_eval_writes_json_and_plot(model_dir, tmp_path, capsys):
     (["--probe", "4", "--dataset", "hotpotqa"], "--dataset applies to --longbench only"),
     (["--probe", "4", "--selectors", "nope"], "selector='nope'"),
     (["--probe", "4", "--ratios", "0.1,2"], "expected comma-separated numbers in 0..1"),
+    (["--probe", "4", "--split", "test"], "--split applies to --qa only"),
 ])
 def test_cli_eval_rejects_bad_arguments(model_dir, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -159,6 +160,15 @@ def test_cli_eval_runs_a_longbench_file_with_its_metric(model_dir, tmp_path):
     assert report["metric"] == "f1" and report["num_items"] == 2 and report["kinds"]["hotpotqa"] == 2
     full = report["settings"]["full_prefill"]["by_kind"]["all"]["score"]["mean"]
     assert report["settings"]["epic@1"]["by_kind"]["all"]["score"]["mean"] == full
+
+
+def test_cli_eval_runs_the_qa_set_by_kind_with_f1(model_dir, tmp_path):
+    out = tmp_path / "qa.json"
+    code = main(["eval", "--model", str(model_dir), "--qa", "2", "--split", "test", "--selectors", "cacheblend",
+                 "--ratios", "0.15", "--max-new-tokens", "2", "--out", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["metric"] == "f1" and report["kinds"] == {"all": 2, "single": 1, "multi": 1}
 
 
 def test_items_are_independent_of_the_variant_budget(model_dir):
