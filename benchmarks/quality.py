@@ -35,17 +35,10 @@ from cachefuse.eval.harness import (  # noqa: E402
     reference_engine,
     run_eval,
 )
-from cachefuse.eval.report import plot_report, probe_gate, summarize  # noqa: E402
+from cachefuse.eval.report import best_selector, plot_report, probe_gate, summarize  # noqa: E402
 
 VAL_SEED, TEST_SEED = 1, 2
 TARGET_RATIO = 0.15
-
-
-def choose_best(summary: dict, ratio: float) -> str:
-    """The selector with the highest EM at `ratio` over all items (ties: lower mean KL, then name)."""
-    rows = [s for s in summary["settings"].values() if s["ratio"] == ratio and s["selector"] in summary["selectors"]]
-    best = min(rows, key=lambda s: (-s["by_kind"]["all"]["score"]["mean"], s["fidelity"]["kl_mean"], s["selector"]))
-    return best["selector"]
 
 
 def target(summary: dict, best: str) -> dict:
@@ -73,7 +66,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     val_spec = EvalSpec(selectors=DEFAULT_SELECTORS, ratios=(TARGET_RATIO,))
     val = summarize(run_eval(engine, tokenizer, probe_eval_items(VAL_SEED, args.val_items), val_spec, desc="validation"))
-    best = choose_best(val, TARGET_RATIO)
+    best = best_selector(val, TARGET_RATIO)
     test_runs = run_eval(engine, tokenizer, probe_eval_items(TEST_SEED, args.test_items),
                          EvalSpec(selectors=DEFAULT_SELECTORS, ratios=DEFAULT_RATIOS), desc="test")
     test = summarize(test_runs)

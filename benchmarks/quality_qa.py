@@ -39,18 +39,11 @@ from cachefuse.eval.harness import (  # noqa: E402
     store_base_variants,
 )
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
-from cachefuse.eval.report import plot_report, summarize  # noqa: E402
+from cachefuse.eval.report import best_selector, plot_report, summarize  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 TARGET_RATIO = 0.15
 MAX_NEW_TOKENS = 8
-
-
-def choose_best(summary: dict, ratio: float) -> str:
-    """The selector with the highest F1 at `ratio` over all items (ties: lower mean KL, then name)."""
-    rows = [s for s in summary["settings"].values() if s["ratio"] == ratio and s["selector"] in summary["selectors"]]
-    best = min(rows, key=lambda s: (-s["by_kind"]["all"]["score"]["mean"], s["fidelity"]["kl_mean"], s["selector"]))
-    return best["selector"]
 
 
 def prefill_times(engine, tokenizer, items, selector: str, repeats: int) -> dict:
@@ -87,7 +80,7 @@ def main(argv=None) -> int:
     test_items = eval_items(make_items("test", args.test_items), tokenizer)
     val_spec = EvalSpec(selectors=DEFAULT_SELECTORS, ratios=(TARGET_RATIO,), metric="f1", max_new_tokens=MAX_NEW_TOKENS)
     val = summarize(run_eval(engine, tokenizer, val_items, val_spec, desc="validation"))
-    best = choose_best(val, TARGET_RATIO)
+    best = best_selector(val, TARGET_RATIO)
     test_spec = EvalSpec(selectors=DEFAULT_SELECTORS, ratios=DEFAULT_RATIOS, metric="f1", max_new_tokens=MAX_NEW_TOKENS)
     test = summarize(run_eval(engine, tokenizer, test_items, test_spec, desc="test"))
     head = test["settings"][f"{best}@{TARGET_RATIO:g}"]["by_kind"]["all"]
@@ -97,9 +90,8 @@ def main(argv=None) -> int:
         "metric": "f1", "max_new_tokens": MAX_NEW_TOKENS,
         "splits": {"validation": {"items": args.val_items}, "test": {"items": args.test_items}},
         "best_selector": {"chosen_on": "validation", "ratio": TARGET_RATIO, "name": best,
-                          "validation_f1": {s["selector"] if s["selector"] in ("full_prefill", "full_reuse")
-                                            else f"{s['selector']}@{s['ratio']:g}": s["by_kind"]["all"]["score"]["mean"]
-                                            for s in val["settings"].values()}},
+                          "validation_f1": {name: s["by_kind"]["all"]["score"]["mean"]
+                                            for name, s in val["settings"].items()}},
         "target": {"normalized_f1": head["normalized"], "vs_full_prefill": head["vs_full_prefill"],
                    "goal": ">= 0.95 normalized F1 at 15%", "met": bool((head["normalized"] or 0.0) >= 0.95)},
         "prefill_time": prefill_times(engine, tokenizer, test_items[:4], best, args.timing_repeats),

@@ -417,21 +417,22 @@ class FusionEngine:
                            self.config.max_variant_prefix_chunks)
         if self.saver is not None and not inline:
             return self.saver.submit(saves)
+        writer = self._hole_writer() if self.saver is None else self.saver.writer
         report = SaveReport()
         for save in saves:
-            report.add(self.hole_writer().write(save))
+            report.add(writer.write(save))
         return report
 
-    def hole_writer(self) -> HoleWriter:
-        store = self.store.inner if isinstance(self.store, PendingReadsStore) else self.store
-        return HoleWriter(store, self.metastore, self.writes_metadata, self._home_tier())
+    def _hole_writer(self) -> HoleWriter:
+        """A writer into this engine's own store (before `save_in_background` wraps it, or without it)."""
+        return HoleWriter(self.store, self.metastore, self.writes_metadata, self._home_tier())
 
     def save_in_background(self, max_bytes: int, flush_timeout_s: float = 30.0) -> None:
         """From now on holes are written by a BackgroundSaver whose queue holds at most `max_bytes`;
         queued holes read as stored meanwhile; `close` waits at most `flush_timeout_s` for the queue."""
         if self.saver is not None:
             raise RuntimeError("this engine already saves in the background")
-        self.saver = BackgroundSaver(self.hole_writer(), max_bytes, flush_timeout_s)
+        self.saver = BackgroundSaver(self._hole_writer(), max_bytes, flush_timeout_s)
         self.store = PendingReadsStore(self.store, self.saver)
 
     def take_save_report(self) -> SaveReport:

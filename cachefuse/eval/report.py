@@ -57,6 +57,14 @@ def summarize(runs: EvalRuns, seed: int = 0) -> dict[str, Any]:
             "kinds": {k: len(v) for k, v in kinds.items()}, "settings": settings}
 
 
+def best_selector(summary: dict[str, Any], ratio: float) -> str:
+    """The compared selector with the highest mean score at `ratio` over all items (ties: lower mean KL,
+    then name): how the quality benchmarks choose on validation what they report on test."""
+    rows = [s for s in summary["settings"].values() if s["ratio"] == ratio and s["selector"] in summary["selectors"]]
+    best = min(rows, key=lambda s: (-s["by_kind"]["all"]["score"]["mean"], s["fidelity"]["kl_mean"], s["selector"]))
+    return best["selector"]
+
+
 def probe_gate(runs: EvalRuns) -> dict[str, Any]:
     """The probe's gate on runs of probe items: same-chunk full-prefill EM >= GATE_SAME_CHUNK_EM, and
     cross-chunk full reuse >= GATE_CROSS_CHUNK_GAP below full prefill (McNemar, paired)."""
