@@ -39,7 +39,7 @@ from cachefuse.store.base import ChunkKV, KVStore
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: queue lookups never compare tensors
 class HoleSave:
     """One hole, ready to be written: its K/V entry and its variant's metadata row."""
 
@@ -145,6 +145,10 @@ class HoleWriter:
         self.store, self.metastore = store, metastore
         self.writes_metadata, self.home_tier = writes_metadata, home_tier
 
+    def stored_record(self, save: HoleSave) -> VariantRecord:
+        """The row as written: the entry's size, and the tier it persists in."""
+        return dataclasses.replace(save.record, size_bytes=save.entry.nbytes, tier=self.home_tier)
+
     def write(self, save: HoleSave) -> SaveReport:
         """K/V first, then the row; an existing pair is left alone. Never raises for a refusal: it is
         counted in the report's `failures` (and logged)."""
@@ -160,7 +164,7 @@ class HoleWriter:
             save.ready.synchronize()
         if not self.store.put(store_key, save.entry):
             return SaveReport(failures=1)
-        record = dataclasses.replace(save.record, size_bytes=save.entry.nbytes, tier=self.home_tier)
+        record = self.stored_record(save)
         if not self.writes_metadata:
             return SaveReport(saved_keys=[store_key])
         try:
@@ -226,8 +230,7 @@ class BackgroundSaver:
                 self._pending_bytes += nbytes
                 report.saved_keys.append(save.store_key)
                 if self.writer.writes_metadata:
-                    report.records.append(dataclasses.replace(save.record, size_bytes=nbytes,
-                                                              tier=self.writer.home_tier))
+                    report.records.append(self.writer.stored_record(save))
             self._cond.notify_all()
         if report.skipped:
             logger.warning("cachefuse: %d hole save(s) skipped: the writer's queue holds %d of %d bytes",
