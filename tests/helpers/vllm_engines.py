@@ -86,11 +86,15 @@ def named_prompt(pieces: dict[str, list[int]], names, **overrides: Any) -> tuple
 
 
 def precompute(llm, system: list[int], chunks: list[list[int]]) -> list[dict]:
-    """Stores the system prompt and each chunk (computed after the system prompt alone) as holes."""
+    """Stores the system prompt and each chunk (computed after the system prompt alone) as holes.
+
+    Sends `sync_save` as `cachefuse precompute` does: the files exist when this returns, so a test that
+    damages or removes one, or breaks the store next, never races the background writer.
+    """
     prompts, params = [], []
     for chunk in chunks:
         prompts.append(system + chunk + [chunk[0]])  # one computed token after the last declared chunk
         params.append({"cachefuse": {"chunks": [[0, len(system)], [len(system), len(system) + len(chunk)]],
-                                     "selector": "full_prefill"}})
+                                     "selector": "full_prefill", "sync_save": True}})
     outputs = generate(llm, prompts, params)
     return [o.kv_transfer_params["cachefuse"] for o in outputs]
