@@ -52,8 +52,8 @@ test: $(STAMP) redis model
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
 
-demo: $(STAMP)
-	$(PY) examples/demo.py
+demo: $(STAMP) model
+	$(PY) examples/demo.py --model $(SMOLLM2_DIR)
 
 bench: $(STAMP)
 	$(PY) benchmarks/fusor_prefill.py

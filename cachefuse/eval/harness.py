@@ -199,7 +199,8 @@ def _fresh_store(engine: FusionEngine) -> None:
                                        policy=engine.config.eviction_policy)
 
 
-def _selector(engine: FusionEngine, name: str, ratio: float) -> Selector:
+def selector_at(engine: FusionEngine, name: str, ratio: float) -> Selector:
+    """The selector `name` as a setting at `ratio` runs it: cachecraft's ratio axis is `force_cfo`."""
     config = engine.config.replace(force_cfo=ratio) if name == "cachecraft" else engine.config
     return make_selector(name, config)
 
@@ -220,7 +221,7 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
                                        save_holes=False, choices=[None] * len(prompt.chunks))
         else:
             result, stats = engine.prefill(prompt.token_ids, prompt.chunks,
-                                           selector=_selector(engine, name, ratio), ratio=ratio, save_holes=False)
+                                           selector=selector_at(engine, name, ratio), ratio=ratio, save_holes=False)
             if stats.chunks_missed:
                 raise RuntimeError(f"{setting_name(name, ratio)}: {stats.chunks_missed} declared chunk(s) were not "
                                    f"loaded ({stats.miss_reasons}); the setting would not be measured as stated")
@@ -251,7 +252,7 @@ def run_eval(engine: FusionEngine, tokenizer: Any, items: Sequence[EvalItem], sp
         raise ValueError("no items to evaluate")
     num_layers = engine.adapter.shape.num_layers
     runs = EvalRuns(list(items), spec, {setting_name(n, r): [] for n, r in spec.settings()},
-                    {setting_name(n, r): list(_selector(engine, n, r).check_layers(num_layers))
+                    {setting_name(n, r): list(selector_at(engine, n, r).check_layers(num_layers))
                      for n, r in spec.settings()})
     with tqdm(total=len(items) * len(spec.settings()), unit="prefill", desc=desc, disable=not progress) as bar:
         for item in items:
