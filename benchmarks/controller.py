@@ -127,7 +127,7 @@ def controller_decision(bench: Bench, cal: dict, throttled_stats) -> tuple:
                          num_full_layers=bench.unthrottled.fusor_full_layers("cacheblend"),
                          num_candidates=NUM_CHUNKS * CHUNK_LEN, num_forced=cal["num_forced"],
                          bytes_to_load=cal["bytes_to_load"])
-    tier = TierFigures("sleeping", recorder.bandwidth.bytes_per_s("sleeping"), 0)
+    tier = TierFigures("sleeping", recorder.bandwidth.bytes_per_s("sleeping"))
     decision = decide(shape, recorder.compute_figures(), [tier], r_min=RATIO, r_max=1.0,
                       ratio_mode="controller", fixed_ratio=RATIO, force_fuse=False)
     return decision, recorder.snapshot()

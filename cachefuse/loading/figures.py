@@ -16,18 +16,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 
 @dataclass(frozen=True)
 class TierFigures:
-    """One storage tier: measured read bandwidth and a cost rank (lower = cheaper, disk < memory)."""
+    """One storage tier and its measured read bandwidth (the controller prices each chunk's load at the
+    tier that holds it)."""
 
     name: str
     bytes_per_s: float
-    cost_rank: int
 
     def __post_init__(self) -> None:
         if not self.bytes_per_s > 0:
@@ -98,10 +98,9 @@ class BandwidthMeter:
         ema = self._ema.get(tier)
         return None if ema is None else ema.value
 
-    def tier_figures(self, cost_ranks: Mapping[str, int]) -> list[TierFigures]:
-        """TierFigures of every ranked tier that has a figure (probe or observation)."""
-        return [TierFigures(name, bps, rank) for name, rank in cost_ranks.items()
-                if (bps := self.bytes_per_s(name)) is not None and bps > 0]
+    def tier_figures(self, names: Iterable[str]) -> list[TierFigures]:
+        """TierFigures of every tier in `names` that has a figure (probe or observation)."""
+        return [TierFigures(name, bps) for name in names if (bps := self.bytes_per_s(name)) is not None and bps > 0]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

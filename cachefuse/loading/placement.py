@@ -84,7 +84,7 @@ class FrequencyPlacement:
         self.counter = AccessCounter(half_life_s, clock)
         # Only the order matters to placement_moves: rank the tiers fastest first.
         count = len(store.tiers)
-        self.tier_order = [TierFigures(tier.name, float(count - i), i) for i, tier in enumerate(store.tiers)]
+        self.tier_order = [TierFigures(tier.name, float(count - i)) for i, tier in enumerate(store.tiers)]
         self._by_name = {tier.name: tier for tier in store.tiers}
         self._known: set[str] = set()
 

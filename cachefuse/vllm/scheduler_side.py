@@ -47,8 +47,6 @@ from cachefuse.vllm.metrics import CacheFuseConnectorStats
 
 logger = logging.getLogger(__name__)
 
-# Cheaper storage first (TierFigures.cost_rank). The controller prices each chunk at the tier holding it.
-TIER_COST_RANK = {"disk": 0, "memory": 1}
 
 
 def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
@@ -211,7 +209,7 @@ class SchedulerSide:
         num_layers, bytes_per_token = self._kv_geometry()
         loaded = [(e - s, s == 0, c) for (s, e), c in zip(fusion.chunks, variants, strict=True) if c is not None]
         loaded_tokens = sum(n for n, _, _ in loaded)
-        tiers = [TierFigures(name, bps, TIER_COST_RANK.get(name, 0)) for name, bps in figures["tiers"].items()]
+        tiers = [TierFigures(name, bps) for name, bps in figures["tiers"].items()]
         selector = make_selector(fusion.selector, self.config)
         rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, system, c in loaded if not system])
         shape = RequestShape(

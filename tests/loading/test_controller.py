@@ -34,9 +34,9 @@ FIG = ComputeFigures(fixed_s=2e-4, per_row_s=2e-6, per_row_key_s=1e-9,
                      prefill_fixed_s=5e-3, prefill_per_token_s=7e-5, prefill_per_token2_s=1e-9)
 SHAPE = RequestShape(num_tokens=4000, num_layers=32, num_full_layers=1, num_candidates=3000,
                      num_forced=100, bytes_to_load=512 * MB)
-MEMORY = TierFigures("memory", 20e9, cost_rank=2)
-DISK = TierFigures("disk", 2e9, cost_rank=1)
-SLOW_DISK = TierFigures("slow_disk", 0.4e9, cost_rank=0)
+MEMORY = TierFigures("memory", 20e9)
+DISK = TierFigures("disk", 2e9)
+SLOW_DISK = TierFigures("slow_disk", 0.4e9)
 
 
 def _decide(shape=SHAPE, tiers=(MEMORY,), **kw):
@@ -55,7 +55,7 @@ def test_match_ratio_solves_recompute_equals_load():
 
 def test_match_ratio_clamps():
     assert match_ratio(SHAPE, FIG, load_time(SHAPE, [MEMORY])) == 0.0  # full layers alone outlast the load
-    tape = [TierFigures("tape", 1e6, 0)]
+    tape = [TierFigures("tape", 1e6)]
     assert match_ratio(SHAPE, FIG, load_time(SHAPE, tape)) == 1.0
     no_candidates = RequestShape(100, 4, 1, 0, 10, 10 * MB)
     assert match_ratio(no_candidates, FIG, load_time(no_candidates, tape)) == 1.0
@@ -73,8 +73,8 @@ def test_choose_ratio_floor_raise_and_cap():
 
 
 def test_throttled_tier_raises_r_unthrottled_keeps_r_min():
-    fast = TierFigures("disk", 10e9, 1)
-    throttled = TierFigures("disk", 2e9, 1)  # 5x slower
+    fast = TierFigures("disk", 10e9)
+    throttled = TierFigures("disk", 2e9)  # 5x slower
     assert _decide(tiers=[fast]).ratio == 0.15
     raised = _decide(tiers=[throttled])
     assert raised.ratio > 0.15 and "load-bound" in raised.reason
@@ -88,10 +88,10 @@ def test_go_when_fused_beats_prefill():
 
 
 def test_no_go_slow_tier_and_force_fuse():
-    d = _decide(tiers=[TierFigures("disk", 0.05e9, 0)])
+    d = _decide(tiers=[TierFigures("disk", 0.05e9)])
     assert not d.fuse and d.reason.startswith("no-go: ") and "slow tier disk" in d.reason
     assert d.est_fused_s >= d.est_prefill_s
-    forced = _decide(tiers=[TierFigures("disk", 0.05e9, 0)], force_fuse=True)
+    forced = _decide(tiers=[TierFigures("disk", 0.05e9)], force_fuse=True)
     assert forced.fuse and forced.reason.startswith("force_fuse: ")
 
 
@@ -116,7 +116,7 @@ def test_fixed_mode_uses_fixed_ratio_and_validates():
 
 def disk_matching(ratio: float) -> TierFigures:
     """A disk tier at which loading SHAPE takes as long as recomputing it at `ratio` (r_match = ratio)."""
-    return TierFigures("disk", SHAPE.bytes_to_load / recompute_time(SHAPE, FIG, ratio), cost_rank=1)
+    return TierFigures("disk", SHAPE.bytes_to_load / recompute_time(SHAPE, FIG, ratio))
 
 
 def on(**bytes_by_tier: int) -> RequestShape:
@@ -235,8 +235,8 @@ def test_bandwidth_meter_ignores_tiny_loads_and_converges():
         assert m.observe("disk", 100 * MB, 100 * MB / 1e9)
     assert m.bytes_per_s("disk") == pytest.approx(1e9, rel=1e-6)
     assert m.bytes_per_s("memory") == 10e9
-    figs = {t.name: t for t in m.tier_figures({"memory": 2, "disk": 1, "redis": 0})}
-    assert set(figs) == {"memory", "disk"} and figs["disk"].cost_rank == 1
+    figs = {t.name: t for t in m.tier_figures(["memory", "disk", "redis"])}
+    assert set(figs) == {"memory", "disk"} and figs["disk"].bytes_per_s == pytest.approx(1e9, rel=1e-6)
 
 
 def test_fit_compute_figures_recovers_coefficients():
@@ -324,7 +324,7 @@ def test_decide_properties(num_tokens, num_layers, full, cand_frac, forced, num_
     r_max = min(1.0, r_min + width)
     shape = RequestShape(num_tokens, num_layers, min(full, num_layers), int(cand_frac * num_tokens),
                          forced, num_bytes)
-    d = decide(shape, FIG, [TierFigures("t", bps, 0), MEMORY], r_min=r_min, r_max=r_max,
+    d = decide(shape, FIG, [TierFigures("t", bps), MEMORY], r_min=r_min, r_max=r_max,
                ratio_mode="controller", fixed_ratio=0.15, force_fuse=force)
     assert r_min <= d.ratio <= r_max
     assert d.est_fused_s >= d.est_recompute_s and d.est_fused_s >= d.est_load_s
@@ -351,7 +351,7 @@ def test_every_row_recomputed_is_a_no_go():
     shape = RequestShape(num_tokens=1000, num_layers=8, num_full_layers=2, num_candidates=900, num_forced=100,
                          bytes_to_load=10**9)
     figures = ComputeFigures(per_row_s=1e-6, prefill_per_token_s=1e-3)
-    slow = TierFigures("disk", 1e6, 0)  # loading takes 1000 s: r climbs to r_max
+    slow = TierFigures("disk", 1e6)  # loading takes 1000 s: r climbs to r_max
     d = decide(shape, figures, [slow], r_min=0.15, r_max=1.0, ratio_mode="controller", fixed_ratio=0.15,
                force_fuse=False)
     assert d.ratio == 1.0 and not d.fuse and "every row recomputed" in d.reason

@@ -37,7 +37,7 @@ def measured_decision(tiny_model_dir, bytes_per_s: float):
     recorder = FigureRecorder(min_load_bytes=0)
     _, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15, save_holes=False)
     recorder.observe_blend(stats, len(case.token_ids))
-    (tier,) = recorder.bandwidth.tier_figures({"tier": 0})
+    (tier,) = recorder.bandwidth.tier_figures(["tier"])
     assert abs(tier.bytes_per_s - bytes_per_s) / bytes_per_s < 1e-6  # measured, through the engine's clock
     loaded = sum(e - s for s, e in case.chunks)
     shape = RequestShape(num_tokens=len(case.token_ids), num_layers=adapter.shape.num_layers, num_full_layers=2,
