@@ -67,15 +67,20 @@ def run_eval_vllm(llm: Any, items: Sequence[EvalItem], spec: EvalSpec, *, store_
 
 
 def _generate(llm: Any, prompt: Any, settings: list[tuple[str, float]], max_new_tokens: int) -> list[Any]:
-    """One request per setting, in one batch; full_prefill is plain vLLM (no cachefuse parameters)."""
+    """One request per setting, in one batch; full_prefill is plain vLLM (no cachefuse parameters).
+
+    `ignore_eos`: every request decodes exactly `max_new_tokens`, as the reference engine does, so
+    greedy match counts the same tokens in both engines (a stop at EOS made identical answers read as
+    a partial match); the prediction is still cut at the first EOS (`decode_text`).
+    """
     from cachefuse.vllm.engines import sampling_params
 
     chunks = [[s, e] for s, e in prompt.chunks]
     params = []
     for name, ratio in settings:
         fields = None if name == "full_prefill" else {"chunks": chunks, "selector": name, "recompute_ratio": ratio}
-        params.append(sampling_params(max_tokens=max_new_tokens, temperature=0.0, logprobs=TOP_LOGPROBS,
-                                      cachefuse=fields))
+        params.append(sampling_params(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True,
+                                      logprobs=TOP_LOGPROBS, cachefuse=fields))
     return llm.generate([{"prompt_token_ids": prompt.token_ids}] * len(settings), params, use_tqdm=False)
 
 
