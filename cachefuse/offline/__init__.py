@@ -1,7 +1,8 @@
 """Offline work that fills the chunk store ahead of serving.
 
 `precompute.py` stores each chunk's base variant (computed after the system prompt alone) through a
-connector-enabled vLLM engine. Neighbour fusion, anchors and critical-layer profiling will join it
-here. Importing this package imports neither vllm nor torch: the functions that drive an engine
+connector-enabled vLLM engine. `neighbours.py` (FusionRAG's offline stage) also stores each chunk
+computed after its most similar chunks, on the reference engine. Anchors and critical-layer profiling
+will join them here. Importing this package imports neither vllm nor torch: the functions that drive an engine
 import what they need.
 """

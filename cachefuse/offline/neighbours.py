@@ -1,0 +1,168 @@
+"""Offline neighbour fusion (FusionRAG): each chunk also stored as computed after its most similar chunks.
+
+A base variant is a chunk computed after the system prompt alone, so it has seen no other document.
+FusionRAG's offline stage guesses which documents a chunk will be retrieved with (its top-N
+neighbours by embedding similarity over the knowledge base) and stores the chunk computed after them:
+
+```
+| system (loaded) | neighbour 1 (base, loaded) | ... | neighbour N (base, loaded) | chunk (computed in full) | 1 |
+```
+
+The neighbours are loaded and not recomputed, the paper's Eq. 10 (the chunk attends to the
+neighbours' cached K/V); the chunk is a hole of a `full_reuse` pass, so the engine saves it as the
+variant whose prefix is those neighbours, with the attention statistics of its rows. Nothing
+else changes: Cache-Craft's scores (CCI, beta, gamma, CFO: cachefuse/metadata) decide when a prompt
+reuses it. A prompt holding the neighbours in that order scores it CFO 0; in another order, or with
+some of them, by beta and gamma; with none of them it loses to the base variant.
+
+Choices the paper leaves open:
+- Which K/V of a neighbour: the variant Cache-Craft scores best in its place, as a served prompt
+  would load it: the base variant (the paper's), or a neighbour variant stored earlier in the run
+  whose prefix fits that place better (closer to full attention). Chunks run in index order, so a
+  run is deterministic. Those loads count as uses (f_r), like a served request's.
+- Neighbour order: most similar first (the paper's top-1 ... top-n), so the most similar chunk is the
+  farthest from the chunk and the prefix keeps its rank order.
+- Similarity: cosine of the embeddings; ties go to the earlier chunk. A chunk is never its own
+  neighbour, nor is a chunk with the same token ids (same key).
+- Default embedder: the served model's own final hidden states (after its last norm) of the chunk's
+  tokens computed alone, averaged over tokens (`model_embedder`). Any callable from token-id lists to
+  an `[n, d]` array may replace it (a sentence encoder, say).
+- Prefix length: a variant's prefix holds at most `max_variant_prefix_chunks` chunks (default 16), so
+  larger N is cut to that many.
+
+Resumable: a chunk whose neighbour variant is already in the metadata store is skipped.
+Imports numpy and tqdm at module level; torch only inside `model_embedder` (the reference engine it
+is handed brings the model).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Embedder = Callable[[Sequence[Sequence[int]]], Any]
+"""Token-id lists -> an [n, d] array-like of embeddings, one row per list."""
+
+
+@dataclass
+class NeighbourReport:
+    """What one `fuse_neighbours` run did."""
+
+    neighbours: list[list[int]]
+    """Per chunk, the indices of its neighbours, most similar first."""
+    stored: list[int] = field(default_factory=list)
+    """Chunks whose neighbour variant this run computed and stored."""
+    skipped: list[int] = field(default_factory=list)
+    """Chunks whose neighbour variant was already stored (a resumed run), or that have no neighbour."""
+    failed: list[int] = field(default_factory=list)
+    """Chunks whose variant the store refused (full of pinned entries, unwritable)."""
+    seconds: list[float] = field(default_factory=list)
+    """Per stored chunk, the seconds its fused prefill and save took (the offline cost)."""
+
+
+def top_neighbours(vectors: Any, count: int, token_ids: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Per row of `vectors` [n, d], the indices of the `count` rows of highest cosine similarity.
+
+    Excludes the row itself and, given `token_ids`, rows with the same ids (one chunk listed twice).
+    Ties go to the lower index. A zero vector has similarity 0 to everything.
+    """
+    if count < 0:
+        raise ValueError(f"count={count!r}: expected an integer >= 0")
+    matrix = np.asarray(vectors, dtype=np.float64)
+    if matrix.ndim != 2:
+        raise ValueError(f"embeddings of shape {matrix.shape}: expected [num_chunks, dim]")
+    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+    unit = np.divide(matrix, norms, out=np.zeros_like(matrix), where=norms > 0)
+    similarity = unit @ unit.T
+    same = [tuple(ids) for ids in token_ids] if token_ids is not None else None
+    out = []
+    for i in range(len(matrix)):
+        order = sorted(range(len(matrix)), key=lambda j, row=similarity[i]: (-row[j], j))
+        picked = [j for j in order if j != i and (same is None or same[j] != same[i])]
+        out.append(picked[:count])
+    return out
+
+
+def model_embedder(engine: Any) -> Embedder:
+    """The served model's mean-pooled final hidden states of each chunk's ids, computed alone."""
+    import torch
+
+    model = engine.adapter.model
+
+    @torch.inference_mode()
+    def embed(chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        rows = []
+        for ids in chunks:
+            out = model.model(torch.tensor([list(ids)], dtype=torch.int64))
+            rows.append(out.last_hidden_state[0].float().mean(dim=0).numpy())
+        return np.stack(rows)
+
+    return embed
+
+
+def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Sequence[int]], num_neighbours: int,
+                    *, embedder: Embedder | None = None, progress: bool = True,
+                    clock: Callable[[], float] = time.perf_counter) -> NeighbourReport:
+    """Stores every chunk's base variant (if missing) and its neighbour variant (FusionRAG's offline stage).
+
+    Args:
+        engine: a cachefuse.engine.FusionEngine (the reference engine) over the store to fill.
+        system_ids: the system prompt's ids ([BOS] + ids, as `build_rag_prompt` makes them): the prompt
+            start every chunk is computed after.
+        chunks: the knowledge base, one id list per chunk.
+        num_neighbours: N, the neighbours per chunk (0: base variants only).
+        embedder: `model_embedder(engine)` when None.
+    """
+    from tqdm.auto import tqdm
+
+    if num_neighbours < 0:
+        raise ValueError(f"num_neighbours={num_neighbours!r}: expected an integer >= 0 (0 stores base variants only)")
+    if not system_ids:
+        raise ValueError("system_ids is empty: neighbour variants are keyed after a system prompt")
+    chunks = [list(c) for c in chunks]
+    engine.precompute([list(system_ids)])
+    engine.precompute(chunks, prefix_ids=list(system_ids))
+    cap = engine.config.max_variant_prefix_chunks
+    count = num_neighbours if cap is None else min(num_neighbours, cap)
+    if count == 0 or len(chunks) < 2:
+        return NeighbourReport([[] for _ in chunks], skipped=list(range(len(chunks))))
+    vectors = (embedder or model_embedder(engine))(chunks)
+    if np.asarray(vectors).shape[0] != len(chunks):
+        raise ValueError(f"the embedder returned {np.asarray(vectors).shape[0]} rows for {len(chunks)} chunks")
+    report = NeighbourReport(top_neighbours(vectors, count, chunks))
+    stats_config = engine.config.replace(collect_attention_stats=True)  # the variant's CCI and ranking
+    for index in tqdm(range(len(chunks)), desc="neighbour fusion", unit="chunk", disable=not progress):
+        neighbours = report.neighbours[index]
+        prefix = tuple(engine.meta_key(chunks[j]) for j in neighbours)
+        if not neighbours or _has_variant(engine, engine.meta_key(chunks[index]), prefix):
+            report.skipped.append(index)
+            continue
+        token_ids, offsets = list(system_ids), [(0, len(system_ids))]
+        for j in [*neighbours, index]:
+            offsets.append((len(token_ids), len(token_ids) + len(chunks[j])))
+            token_ids += chunks[j]
+        token_ids.append(chunks[index][0])  # the last prompt token is always computed: not part of a chunk
+        choices = list(engine.plan_variants(token_ids, offsets))
+        choices[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
+        start = clock()
+        previous, engine.config = engine.config, stats_config
+        try:
+            _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, choices=choices,
+                                      save_holes=True, save_inline=True)
+        finally:
+            engine.config = previous
+        meta_key = engine.meta_key(chunks[index])
+        if any(r.chunk_key == meta_key and r.prefix == prefix for r in stats.saved_variants):
+            report.stored.append(index)
+            report.seconds.append(clock() - start)
+        else:
+            report.failed.append(index)
+    return report
+
+
+def _has_variant(engine: Any, meta_key: str, prefix: tuple[str, ...]) -> bool:
+    return any(record.prefix == prefix for record in engine.metastore.variants(meta_key))

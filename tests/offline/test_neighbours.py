@@ -1,0 +1,138 @@
+"""Offline neighbour fusion (cachefuse/offline/neighbours.py) on the reference engine and a tiny model.
+
+- neighbours are the most cosine-similar other chunks, most similar first, never the chunk itself;
+- each chunk gets a variant whose prefix is its neighbours, with statistics, and a prompt holding the
+  neighbours in that order loads it at CFO 0 (a prompt without them loads the base variant: the
+  negative control);
+- loading that variant in its own prompt equals computing the chunk there (it is what a full_reuse
+  pass computes for the chunk as a hole), and differs from loading the base variant;
+- a second run stores nothing (resumable), and bad arguments fail naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cachefuse.adapters.hf import HFAdapter
+from cachefuse.offline.neighbours import fuse_neighbours, model_embedder, top_neighbours
+from tests.helpers.fusion import make_engine
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir) -> HFAdapter:
+    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
+
+
+def random_ids(vocab: int, lengths, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def designed_embedder(vectors):
+    """An embedder that ignores the ids and returns fixed vectors (the neighbours are then known)."""
+    return lambda chunks: np.asarray(vectors[:len(chunks)], dtype=np.float64)
+
+
+# Chunks 0 and 1 point the same way, 2 and 3 the same way, 4 in between.
+VECTORS = [[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [0.0, 1.0, 0.0], [0.0, 0.95, 0.05], [0.5, 0.5, 0.7]]
+
+
+def test_top_neighbours_are_the_most_similar_others_most_similar_first():
+    assert top_neighbours(VECTORS, 2) == [[1, 4], [0, 4], [3, 4], [2, 4], [1, 3]]
+    assert top_neighbours(VECTORS, 0) == [[]] * 5
+    assert top_neighbours(VECTORS, 9)[0] == [1, 4, 2, 3]  # every other chunk, never itself
+    assert top_neighbours([[1.0, 0.0], [1.0, 0.0], [2.0, 0.0]], 1) == [[1], [0], [0]]  # ties: lower index
+    assert top_neighbours([[1.0, 0.0], [0.0, 0.0], [0.5, 0.0]], 2)[1] == [0, 2]  # a zero vector: similarity 0
+    ids = [[5, 6], [5, 6], [7, 8]]  # the same chunk listed twice is not its own neighbour
+    assert top_neighbours([[1.0, 0.0], [1.0, 0.0], [0.9, 0.1]], 1, ids) == [[2], [2], [0]]
+    with pytest.raises(ValueError, match="count=-1"):
+        top_neighbours(VECTORS, -1)
+    with pytest.raises(ValueError, match="expected \\[num_chunks, dim\\]"):
+        top_neighbours([1.0, 2.0], 1)
+
+
+def prompt_of(system, pieces, question):
+    ids, offsets = list(system), [(0, len(system))]
+    for piece in pieces:
+        offsets.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+    return ids + question, offsets
+
+
+@pytest.fixture(scope="module")
+def fused(adapter):
+    vocab = adapter.shape.vocab_size
+    system, *chunks = random_ids(vocab, (9, 21, 17, 19, 23, 15), seed=3)
+    engine = make_engine(adapter)
+    report = fuse_neighbours(engine, system, chunks, 2, embedder=designed_embedder(VECTORS), progress=False)
+    return engine, system, chunks, report
+
+
+def test_every_chunk_gets_a_variant_after_its_neighbours_with_statistics(fused):
+    engine, system, chunks, report = fused
+    assert report.neighbours == top_neighbours(VECTORS, 2)
+    assert report.stored == [0, 1, 2, 3, 4] and not report.failed and len(report.seconds) == 5
+    for index, neighbours in enumerate(report.neighbours):
+        variants = engine.metastore.variants(engine.meta_key(chunks[index]))
+        prefixes = {v.prefix: v for v in variants}
+        assert () in prefixes  # the base variant stays
+        variant = prefixes[tuple(engine.meta_key(chunks[j]) for j in neighbours)]
+        assert variant.has_stats and variant.ranked_tokens and sum(variant.inter.values()) > 0
+
+
+def test_a_prompt_holding_the_neighbours_loads_the_variant_at_cfo_zero(fused):
+    engine, system, chunks, report = fused
+    question = random_ids(engine.adapter.shape.vocab_size, (7,), seed=4)[0]
+    neighbours = report.neighbours[2]  # [3, 4]
+    ids, offsets = prompt_of(system, [chunks[j] for j in neighbours] + [chunks[2]], question)
+    choice = engine.plan_variants(ids, offsets)[-1]
+    variant = {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}[choice.variant_id]
+    assert variant.prefix == tuple(engine.meta_key(chunks[j]) for j in neighbours) and choice.cfo == 0.0
+    ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)  # negative control: no neighbour before it
+    choice = engine.plan_variants(ids, offsets)[-1]
+    assert {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}[choice.variant_id].prefix == ()
+
+
+def test_the_variant_is_what_a_full_reuse_pass_computes_for_the_chunk_there(fused, adapter):
+    engine, system, chunks, report = fused
+    question = random_ids(adapter.shape.vocab_size, (7,), seed=5)[0]
+    neighbours = report.neighbours[0]
+    ids, offsets = prompt_of(system, [chunks[j] for j in neighbours] + [chunks[0]], question)
+    loaded, stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    assert stats.chunks_hit == len(offsets) and stats.chunk_cfo[-1] == 0.0
+    choices = list(engine.plan_variants(ids, offsets))
+    computed, _ = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False,
+                                 choices=choices[:-1] + [None])
+    assert torch.allclose(loaded.logits, computed.logits, atol=1e-5)
+    base = make_engine(adapter)  # negative control: the same prompt over base variants only
+    base.precompute([system])
+    base.precompute(chunks, prefix_ids=system)
+    plain, _ = base.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    assert (plain.logits - loaded.logits).abs().max() > 1e-3
+
+
+def test_a_second_run_is_resumed_and_stores_nothing(fused):
+    engine, system, chunks, _ = fused
+    before = {i: len(engine.metastore.variants(engine.meta_key(c))) for i, c in enumerate(chunks)}
+    again = fuse_neighbours(engine, system, chunks, 2, embedder=designed_embedder(VECTORS), progress=False)
+    assert again.stored == [] and again.skipped == [0, 1, 2, 3, 4]
+    assert {i: len(engine.metastore.variants(engine.meta_key(c))) for i, c in enumerate(chunks)} == before
+
+
+def test_the_model_embedder_and_bad_arguments(adapter):
+    engine = make_engine(adapter)
+    system, *chunks = random_ids(adapter.shape.vocab_size, (6, 11, 11, 13), seed=8)
+    vectors = model_embedder(engine)(chunks + [chunks[0]])
+    assert vectors.shape == (4, adapter.shape.hidden_size) and np.allclose(vectors[0], vectors[3])
+    assert not np.allclose(vectors[0], vectors[1])
+    report = fuse_neighbours(engine, system, chunks, 1, progress=False)  # the default embedder
+    assert report.stored == [0, 1, 2] and all(len(n) == 1 for n in report.neighbours)
+    with pytest.raises(ValueError, match="num_neighbours=-2"):
+        fuse_neighbours(engine, system, chunks, -2, progress=False)
+    with pytest.raises(ValueError, match="system_ids is empty"):
+        fuse_neighbours(engine, [], chunks, 1, progress=False)
+    with pytest.raises(ValueError, match="returned 2 rows for 3 chunks"):
+        fuse_neighbours(make_engine(adapter), system, chunks, 1, embedder=designed_embedder(VECTORS[:2]),
+                        progress=False)
