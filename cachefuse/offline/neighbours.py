@@ -25,8 +25,9 @@ Choices the paper leaves open:
 - Similarity: cosine of the embeddings; ties go to the earlier chunk. A chunk is never its own
   neighbour, nor is a chunk with the same token ids (same key).
 - Default embedder: the served model's own final hidden states (after its last norm) of the chunk's
-  tokens computed alone, averaged over tokens (`model_embedder`). Any callable from token-id lists to
-  an `[n, d]` array may replace it (a sentence encoder, say).
+  tokens computed alone, averaged over tokens (`model_embedder`). `lexical_embedder` (TF-IDF over
+  token ids: chunks naming the same rare things) is the model-free alternative; any callable from
+  token-id lists to an `[n, d]` array may replace either (a sentence encoder, say).
 - Prefix length: a variant's prefix holds at most `max_variant_prefix_chunks` chunks (default 16), so
   larger N is cut to that many.
 
@@ -100,6 +101,21 @@ def model_embedder(engine: Any) -> Embedder:
             out = model.model(torch.tensor([list(ids)], dtype=torch.int64))
             rows.append(out.last_hidden_state[0].float().mean(dim=0).numpy())
         return np.stack(rows)
+
+    return embed
+
+
+def lexical_embedder(vocab_size: int) -> Embedder:
+    """TF-IDF over token ids, fitted on the chunks it is given: chunks that share rare tokens (the
+    same names) come out similar, whatever their topic or form. No model needed."""
+
+    def embed(chunks: Sequence[Sequence[int]]) -> np.ndarray:
+        counts = np.zeros((len(chunks), vocab_size), dtype=np.float64)
+        for row, ids in enumerate(chunks):
+            np.add.at(counts[row], np.asarray(list(ids), dtype=np.int64), 1.0)
+        document_frequency = (counts > 0).sum(axis=0)
+        idf = np.log((1 + len(chunks)) / (1 + document_frequency)) + 1.0
+        return counts * idf
 
     return embed
 

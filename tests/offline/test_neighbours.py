@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cachefuse.adapters.hf import HFAdapter
-from cachefuse.offline.neighbours import fuse_neighbours, model_embedder, top_neighbours
+from cachefuse.offline.neighbours import fuse_neighbours, lexical_embedder, model_embedder, top_neighbours
 from tests.helpers.fusion import make_engine
 
 
@@ -136,3 +136,12 @@ def test_the_model_embedder_and_bad_arguments(adapter):
     with pytest.raises(ValueError, match="returned 2 rows for 3 chunks"):
         fuse_neighbours(make_engine(adapter), system, chunks, 1, embedder=designed_embedder(VECTORS[:2]),
                         progress=False)
+
+
+def test_the_lexical_embedder_links_chunks_that_share_rare_tokens():
+    common = [5, 6, 7, 8]
+    chunks = [common + [40, 41], common + [50, 51], common + [40, 41, 9], common + [50, 51, 9]]
+    vectors = lexical_embedder(64)(chunks)
+    assert vectors.shape == (4, 64)
+    assert top_neighbours(vectors, 1) == [[2], [3], [0], [1]]  # the shared rare pair decides, not `common`
+    assert not np.any(vectors[:, 5:9] > vectors[:, 40:41].max())  # tokens in every chunk weigh least
