@@ -23,7 +23,8 @@ Choices the paper leaves open:
 - Neighbour order: most similar first (the paper's top-1 ... top-n), so the most similar chunk is the
   farthest from the chunk and the prefix keeps its rank order.
 - Similarity: cosine of the embeddings; ties go to the earlier chunk. A chunk is never its own
-  neighbour, nor is a chunk with the same token ids (same key).
+  neighbour, nor is a chunk with the same token ids (same key), nor one of similarity <= 0 (so a
+  chunk may have fewer than N neighbours, and its variant a shorter prefix).
 - Default embedder: the served model's own final hidden states (after its last norm) of the chunk's
   tokens computed alone, averaged over tokens (`model_embedder`). `lexical_embedder` (TF-IDF over
   token ids: chunks naming the same rare things) is the model-free alternative; any callable from
@@ -68,8 +69,9 @@ class NeighbourReport:
 def top_neighbours(vectors: Any, count: int, token_ids: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Per row of `vectors` [n, d], the indices of the `count` rows of highest cosine similarity.
 
-    Excludes the row itself and, given `token_ids`, rows with the same ids (one chunk listed twice).
-    Ties go to the lower index. A zero vector has similarity 0 to everything.
+    Excludes the row itself, rows of similarity <= 0 (nothing in common: a row may get fewer than
+    `count`) and, given `token_ids`, rows with the same ids (one chunk listed twice). Ties go to the
+    lower index. A zero vector has similarity 0 to everything, so it has no neighbours.
     """
     if count < 0:
         raise ValueError(f"count={count!r}: expected an integer >= 0")
@@ -83,7 +85,8 @@ def top_neighbours(vectors: Any, count: int, token_ids: Sequence[Sequence[int]] 
     out = []
     for i in range(len(matrix)):
         order = sorted(range(len(matrix)), key=lambda j, row=similarity[i]: (-row[j], j))
-        picked = [j for j in order if j != i and (same is None or same[j] != same[i])]
+        picked = [j for j in order
+                  if j != i and similarity[i, j] > 1e-12 and (same is None or same[j] != same[i])]
         out.append(picked[:count])
     return out
 

@@ -42,9 +42,10 @@ VECTORS = [[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [0.0, 1.0, 0.0], [0.0, 0.95, 0.05],
 def test_top_neighbours_are_the_most_similar_others_most_similar_first():
     assert top_neighbours(VECTORS, 2) == [[1, 4], [0, 4], [3, 4], [2, 4], [1, 3]]
     assert top_neighbours(VECTORS, 0) == [[]] * 5
-    assert top_neighbours(VECTORS, 9)[0] == [1, 4, 2, 3]  # every other chunk, never itself
+    assert top_neighbours(VECTORS, 9)[0] == [1, 4]  # never itself, nor 2 and 3 (orthogonal to it)
     assert top_neighbours([[1.0, 0.0], [1.0, 0.0], [2.0, 0.0]], 1) == [[1], [0], [0]]  # ties: lower index
-    assert top_neighbours([[1.0, 0.0], [0.0, 0.0], [0.5, 0.0]], 2)[1] == [0, 2]  # a zero vector: similarity 0
+    assert top_neighbours([[1.0, 0.0], [0.0, 0.0], [0.5, 0.0]], 2) == [[2], [], [0]]  # a zero vector: none
+    assert top_neighbours([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], 2) == [[], [], []]  # nothing in common
     ids = [[5, 6], [5, 6], [7, 8]]  # the same chunk listed twice is not its own neighbour
     assert top_neighbours([[1.0, 0.0], [1.0, 0.0], [0.9, 0.1]], 1, ids) == [[2], [2], [0]]
     with pytest.raises(ValueError, match="count=-1"):
@@ -127,8 +128,10 @@ def test_the_model_embedder_and_bad_arguments(adapter):
     vectors = model_embedder(engine)(chunks + [chunks[0]])
     assert vectors.shape == (4, adapter.shape.hidden_size) and np.allclose(vectors[0], vectors[3])
     assert not np.allclose(vectors[0], vectors[1])
-    report = fuse_neighbours(engine, system, chunks, 1, progress=False)  # the default embedder
-    assert report.stored == [0, 1, 2] and all(len(n) == 1 for n in report.neighbours)
+    near = chunks[:2] + [chunks[0][:-1] + [chunks[0][-1] % 50 + 3]]  # chunks 0 and 2 differ in one token
+    report = fuse_neighbours(engine, system, near, 1, progress=False)  # the default embedder
+    assert report.neighbours[0] == [2] and report.neighbours[2] == [0]
+    assert report.stored == [i for i, n in enumerate(report.neighbours) if n] and {0, 2} <= set(report.stored)
     with pytest.raises(ValueError, match="num_neighbours=-2"):
         fuse_neighbours(engine, system, chunks, -2, progress=False)
     with pytest.raises(ValueError, match="system_ids is empty"):
