@@ -29,7 +29,7 @@ retrieved chunks' tokens computed, averaged over layers: chunks admitted (comput
 full, and cacheblend's full layers count. Also the variants created and the chosen CFOs.
 
 Threads are pinned (`--threads`); quality does not depend on them, and nothing here is a speed figure.
-Writes `--out` (JSON) and the plot next to it (.png).
+Writes `--out` (JSON) and the plot next to it (.png; `--replot` redraws it from the JSON).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def plot(report: dict, path: Path) -> None:
     ax_s.plot(xs, [100 * rounds[r]["fraction_mean"] for r in rounds], marker="o", label="recomputed (%)")
     ax_s.plot(xs, [100 * rounds[r]["cfo_mean"] for r in rounds], marker="s", label="mean CFO of loaded chunks (%)")
     ax_s.plot(xs, [rounds[r]["variants_total"] for r in rounds], marker="^", label="fused variants stored")
-    ax_s.set(xlabel="round", title="cachecraft as served, per round")
+    ax_s.set(xlabel="round", xticks=xs, title="cachecraft as served, per round")
     ax_s.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -193,7 +193,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/cachecraft_variants.json"))
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON, run nothing")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
     torch.set_num_threads(args.threads)
     measure_from = args.rounds // 2 if args.measure_from is None else args.measure_from
     started = time.perf_counter()
@@ -251,7 +255,7 @@ def build_report(args, measured, served, others, ratio, served_engine) -> dict:
     cfo = served["cfo"]
     numeric = [c for c in cfo if c != "admitted"]
     return {
-        "benchmark": "cachecraft_variants", "model": str(args.model), "threads": args.threads,
+        "benchmark": "cachecraft_variants", "model": args.model.name, "threads": args.threads,
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
         "workload": {"split": "test", "items": args.items, "rounds": args.rounds, "measure_from": served["measure_from"],
                      "requests": args.items * args.rounds, "seed": args.seed, "max_new_tokens": MAX_NEW_TOKENS},
