@@ -106,7 +106,10 @@ class CacheFuseConfig:
     """N x M: the total number of chunk variants (K/V entries) the metadata store admits, over all chunks."""
     variant_admission_cfo: float | None = None
     """A stored chunk whose best variant has CFO >= this is computed in full in the fused prompt and
-    stored as a new variant for its prefix; None: only chunks with no variant at all are computed in full."""
+    stored as a new variant for its prefix (docs/variants.md, Admission). None: min(1, alpha / 2) when
+    `selector` is "cachecraft" (no variant shares any of the chunk's context), else off."""
+    variant_admission_max_chunks: int = 1
+    """At most this many chunks per request are admitted (the highest CFO first); 0 turns admission off."""
     redis_url: str | None = None
     """A shared tier for several vLLM instances: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
     K/V and variant metadata then live in Redis (memory and disk tiers, when enabled, cache it locally)."""
@@ -215,6 +218,9 @@ class CacheFuseConfig:
             value = getattr(self, name)
             if value is not None and (not _is_number(value) or not 0.0 <= value <= 1.0):
                 _fail(name, value, "null or a number in 0.0..1.0")
+        if not _is_int(self.variant_admission_max_chunks) or self.variant_admission_max_chunks < 0:
+            _fail("variant_admission_max_chunks", self.variant_admission_max_chunks,
+                  "an integer >= 0 (chunks admitted per request; 0 turns admission off)")
         if not _is_int(self.max_variants) or self.max_variants < 1:
             _fail("max_variants", self.max_variants, "an integer >= 1 (N x M variants over all chunks)")
         if self.redis_url is not None and (not isinstance(self.redis_url, str)
@@ -277,6 +283,17 @@ class CacheFuseConfig:
         if self.collect_attention_stats is None:
             return self.selector == "cachecraft"
         return self.collect_attention_stats
+
+    @property
+    def admission_cfo(self) -> float | None:
+        """variant_admission_cfo, with None resolved (min(1, alpha / 2) for cachecraft); None: off."""
+        if self.variant_admission_max_chunks == 0:
+            return None
+        if self.variant_admission_cfo is not None:
+            return self.variant_admission_cfo
+        if self.selector == "cachecraft" and self.cachecraft_alpha > 0.0:
+            return min(1.0, 0.5 * self.cachecraft_alpha)
+        return None
 
     def _validate_cacheblend(self) -> None:
         layers, schedule = self.cacheblend_check_layers, self.cacheblend_ratio_schedule

@@ -31,7 +31,7 @@ from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
 from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
 from cachefuse.metadata.base import MetaStore, VariantRecord, record_to_dict
-from cachefuse.metadata.index import VariantChoice, VariantIndex, plan_variants
+from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.saving import BackgroundSaver, HoleWriter, PendingReadsStore, SaveReport, hole_saves
 from cachefuse.select import ChunkReuse, Selector, make_selector
@@ -196,7 +196,7 @@ class FusionEngine:
             if not records and self.key_context == self.meta_key_context and self.store.contains(key):
                 index.add_plain_keys([key])
         return plan_variants(index, keys, [s.is_system for s in segments], [s.length for s in segments],
-                             self.config.cachecraft_alpha, self.config.variant_admission_cfo,
+                             self.config.cachecraft_alpha, Admission.from_config(self.config),
                              self.config.max_variant_prefix_chunks)
 
     # ------------------------------------------------------------------ fused prefill

@@ -205,40 +205,63 @@ def selector_at(engine: FusionEngine, name: str, ratio: float) -> Selector:
     return make_selector(name, config)
 
 
+@dataclass
+class Reference:
+    """The full prefill's output on one prompt, what every other setting is measured against."""
+
+    result: FuseResult
+    tokens: list[int]
+    attention: dict[int, torch.Tensor]
+
+
+def measure_run(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpec, prompt: RagPrompt,
+                result: FuseResult, reference: Reference | None = None) -> tuple[ItemRun, Reference]:
+    """One fused prefill's ItemRun against `reference` (None: `result` is the full prefill itself), and
+    the reference used. The recompute fraction is the selector's: selected rows / candidate rows."""
+    layers = range(engine.adapter.shape.num_layers)
+    tokens = greedy_continuation(engine.adapter, result, spec.max_new_tokens)
+    attention = last_token_attention(engine, result, prompt.token_ids[-1], layers)
+    if reference is None:
+        reference = Reference(result, tokens, attention)
+    prediction = decode_text(tokenizer, tokens)
+    run = ItemRun(
+        score=best_score(METRICS[spec.metric], prediction, item.answers), prediction=prediction,
+        kl=max(0.0, logits_kl(reference.result.logits, result.logits)),
+        top1_agree=bool(reference.result.logits.argmax() == result.logits.argmax()),
+        greedy_match=matching_prefix(tokens, reference.tokens) / spec.max_new_tokens,
+        kv_deviation=kv_deviation_per_layer(result, reference.result),
+        attention_deviation=[float(0.5 * (attention[layer] - reference.attention[layer]).abs().sum(-1).mean())
+                             for layer in layers],
+        recompute_fraction=result.num_selected / result.num_candidates if result.num_candidates else 1.0)
+    return run, reference
+
+
+def full_prefill(engine: FusionEngine, prompt: RagPrompt) -> FuseResult:
+    """Every row of every layer computed: the reference (no chunk loaded, nothing saved)."""
+    result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
+                               save_holes=False, choices=[None] * len(prompt.chunks))
+    return result
+
+
 def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpec,
              on_setting: Callable[[], None] = lambda: None) -> dict[str, ItemRun]:
     """Every setting on one item (the item's base variants are stored first)."""
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
     _fresh_store(engine)
     store_base_variants(engine, prompt)
-    layers = range(engine.adapter.shape.num_layers)
-    metric = METRICS[spec.metric]
-    full_result = full_tokens = full_attention = None
+    reference = None
     out = {}
     for name, ratio in spec.settings():
         if name == "full_prefill":
-            result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
-                                       save_holes=False, choices=[None] * len(prompt.chunks))
+            result = full_prefill(engine, prompt)
         else:
             result, stats = engine.prefill(prompt.token_ids, prompt.chunks,
                                            selector=selector_at(engine, name, ratio), ratio=ratio, save_holes=False)
             if stats.chunks_missed:
                 raise RuntimeError(f"{setting_name(name, ratio)}: {stats.chunks_missed} declared chunk(s) were not "
                                    f"loaded ({stats.miss_reasons}); the setting would not be measured as stated")
-        tokens = greedy_continuation(engine.adapter, result, spec.max_new_tokens)
-        attention = last_token_attention(engine, result, prompt.token_ids[-1], layers)
-        if full_result is None:
-            full_result, full_tokens, full_attention = result, tokens, attention
-        prediction = decode_text(tokenizer, tokens)
-        out[setting_name(name, ratio)] = ItemRun(
-            score=best_score(metric, prediction, item.answers), prediction=prediction,
-            kl=max(0.0, logits_kl(full_result.logits, result.logits)),
-            top1_agree=bool(full_result.logits.argmax() == result.logits.argmax()),
-            greedy_match=matching_prefix(tokens, full_tokens) / spec.max_new_tokens,
-            kv_deviation=kv_deviation_per_layer(result, full_result),
-            attention_deviation=[float(0.5 * (attention[layer] - full_attention[layer]).abs().sum(-1).mean())
-                                 for layer in layers],
-            recompute_fraction=result.num_selected / result.num_candidates if result.num_candidates else 1.0)
+        out[setting_name(name, ratio)], reference = measure_run(engine, tokenizer, item, spec, prompt, result,
+                                                                reference)
         on_setting()
     return out
 

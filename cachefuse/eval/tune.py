@@ -15,7 +15,8 @@ The store state is built once and is the same for every alpha:
    with CCI and token rankings, as a deployment accumulates them, so the validation prompts (in
    their own order) choose among variants whose prefixes overlap theirs partly (beta, gamma).
 3. Each alpha then runs every item with `selector="cachecraft"`, `cachecraft_alpha=alpha` (variant
-   choice and CFO both use it) and `save_holes=False`, so no run changes what the next one sees.
+   choice and CFO both use it), `save_holes=False` and no admission (`variant_admission_max_chunks=0`:
+   every stored chunk is loaded at its CFO), so no run changes what the next one sees.
 
 ```
 reference:  | system | chunk 1 | chunk 2 | chunk 3 | question |   full prefill (every row, every layer)
@@ -245,7 +246,8 @@ def tune_alpha(engine: FusionEngine, tokenizer: Any, items: Sequence[ValItem], s
         for alpha in spec.alphas:
             config = base.replace(selector="cachecraft", cachecraft_alpha=alpha, force_cfo=None,
                                   cachecraft_early_termination=spec.early_termination,
-                                  collect_attention_stats=False)
+                                  collect_attention_stats=False,
+                                  variant_admission_max_chunks=0)  # every alpha sees the same variants
             with _configured(engine, config):
                 rows.append(_run_alpha(engine, tokenizer, items, prompts, full, spec, bar))
     reference = 1.0 if spec.metric == "match" else _quality(tokenizer, items, full, full, spec)

@@ -13,8 +13,10 @@ Rules (docs/variants.md):
 2. Among the chunk's variants the lowest CFO wins (scores.choose_variant; ties to the closer prefix).
 3. A K/V entry stored under the plain chunk key without a metadata row (a store written before the
    metadata store, or by another tool) is a base variant without statistics: prefix (), CCI 0.5.
-4. A chunk whose best CFO is >= `admission_cfo` is not loaded: it is computed in full in the prompt
-   and stored as a new variant for its prefix (None: only chunks with no variant are computed).
+4. Admission (`Admission`): a chunk whose best CFO is >= `min_cfo` is not loaded: it is computed in
+   full in the prompt and stored as a new variant for its prefix, at most `max_chunks` such chunks per
+   prompt, the highest CFO first (ties: the earlier chunk, whose shorter prefix more later prompts
+   contain). Chunks with no variant at all are computed anyway and do not count. None: no admission.
 5. A system chunk always reuses its base variant (it never moves, so its K/V are exact). Its key is
    `chunk_key(..., at_prompt_start=True)`: only an entry computed at the prompt's start, after nothing,
    is ever found under it, never the same text computed after other tokens.
@@ -54,6 +56,22 @@ class VariantChoice:
     """False for rule 3's entries (no metadata row: no f_r to update)."""
     tiers: tuple[str, ...] = ()
     """Tiers known to hold its K/V (rule 6); empty: unknown."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Rule 4's policy: which stored chunks a prompt computes in full to store them for its prefix."""
+
+    min_cfo: float
+    """A chunk whose best variant scores CFO >= this is a candidate."""
+    max_chunks: int | None = None
+    """Candidates admitted per prompt, the highest CFO first; None: all of them."""
+
+    @classmethod
+    def from_config(cls, config) -> Admission | None:
+        """From a CacheFuseConfig's resolved `admission_cfo` and `variant_admission_max_chunks`."""
+        min_cfo = config.admission_cfo
+        return None if min_cfo is None else cls(min_cfo, config.variant_admission_max_chunks)
 
 
 def new_prefixes(chunk_keys: Sequence[str], is_system: Sequence[bool],
@@ -166,7 +184,7 @@ class VariantIndex:
 
 
 def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
-                  lengths: Sequence[int], alpha: float, admission_cfo: float | None = None,
+                  lengths: Sequence[int], alpha: float, admission: Admission | None = None,
                   max_prefix_chunks: int | None = None) -> list[VariantChoice | None]:
     """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5).
 
@@ -175,13 +193,17 @@ def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Seq
     max_prefix_chunks^2) with no term growing with the index's size.
     """
     choices: list[VariantChoice | None] = []
+    candidates: list[int] = []  # rule 4
     prefixes = new_prefixes(chunk_keys, is_system, max_prefix_chunks)
     for key, system, prefix, length in zip(chunk_keys, is_system, prefixes, lengths, strict=True):
         choice = index.choose(key, () if system else prefix, alpha, length)
-        if (choice is not None and not system and admission_cfo is not None and choice.cfo >= admission_cfo
+        if (choice is not None and not system and admission is not None and choice.cfo >= admission.min_cfo
                 and choice.store_key != variant_store_key(key, prefix)):
-            choice = None  # rule 4: compute it in full; it becomes the variant for this prefix
+            candidates.append(len(choices))
         choices.append(choice)
+    candidates.sort(key=lambda i: (-choices[i].cfo, i))
+    for i in candidates[:admission.max_chunks if admission is not None else 0]:
+        choices[i] = None  # compute it in full; it becomes the variant for this prefix
     return choices
 
 

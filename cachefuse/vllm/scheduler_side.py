@@ -36,7 +36,7 @@ from cachefuse.loading.controller import RequestShape, decide, tier_bytes
 from cachefuse.loading.figures import ComputeFigures, TierFigures
 from cachefuse.metadata import open_config_metastore
 from cachefuse.metadata.base import record_from_dict
-from cachefuse.metadata.index import IndexRefresher, VariantChoice, VariantIndex, plan_variants
+from cachefuse.metadata.index import Admission, IndexRefresher, VariantChoice, VariantIndex, plan_variants
 from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import PlannedChunk, make_selector
@@ -175,7 +175,7 @@ class SchedulerSide:
         keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
                                  [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
-                                 self.config.variant_admission_cfo, self.config.max_variant_prefix_chunks)
+                                 Admission.from_config(self.config), self.config.max_variant_prefix_chunks)
         indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":

@@ -15,7 +15,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import VariantRecord, make_variant_id, variant_store_key
-from cachefuse.metadata.index import IndexRefresher, VariantIndex, new_prefixes, plan_variants
+from cachefuse.metadata.index import Admission, IndexRefresher, VariantIndex, new_prefixes, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 
@@ -105,13 +105,13 @@ def test_admission_cfo_computes_a_poorly_matching_chunk_in_full():
     base = VariantRecord.without_stats("C", (), 4)
     index = VariantIndex([base, VariantRecord.without_stats("S", (), 2)])
     keys, system = ["S", "A", "C"], [True, False, False]
-    kept = plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission_cfo=None)
+    kept = plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission=None)
     assert [c and c.chunk_key for c in kept] == ["S", None, "C"]  # A has no variant: a hole
-    assert plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission_cfo=0.6)[2] is not None  # 0.5 < 0.6
-    refused = plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission_cfo=0.5)
+    assert plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission=Admission(0.6))[2] is not None  # 0.5 < 0.6
+    refused = plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission=Admission(0.5))
     assert refused[0] is not None and refused[2] is None  # CFO 0.5 >= 0.5: computed, becomes C after (A,)
     # the system chunk keeps its base variant whatever the threshold (it never moves)
-    assert plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission_cfo=0.0)[0] is not None
+    assert plan_variants(index, keys, system, [2, 3, 4], alpha=1.0, admission=Admission(0.0))[0] is not None
 
 
 # --------------------------------------------------------------------------- the reference engine
@@ -150,7 +150,7 @@ def test_hole_becomes_the_variant_for_its_prefix_and_is_chosen_by_cfo(adapter):
 
 
 def test_admission_threshold_stores_a_second_variant_and_then_prefers_it(adapter):
-    engine = make_engine(adapter, CacheFuseConfig(variant_admission_cfo=0.5))
+    engine = make_engine(adapter, CacheFuseConfig(variant_admission_cfo=0.5, variant_admission_max_chunks=2))
     case = make_case(adapter.shape.vocab_size, seed=22)
     precompute_case(engine, case, with_hole=False)  # A, B, C all stored alone
     key_b = engine.key(case.pieces[1])

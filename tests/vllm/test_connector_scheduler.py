@@ -350,3 +350,47 @@ def test_every_outcome_is_logged_once_at_debug(make_side, caplog):
     assert "request r1 outcome {'status': 'fused', 'chunks_hit': 2}" in lines[0]
     assert "request r2 outcome {'status': 'fallback', 'fallback_reason': 'malformed_request'}" in lines[1]
     assert "request r3 outcome {'status': 'fused', 'chunks_hit': 1}" in lines[2]
+
+
+def test_cachecraft_admission_plans_one_chunk_in_full_and_its_save_serves_the_replan(make_side):
+    """Under `selector: cachecraft` the scheduler computes in full the one chunk whose base variant scores
+    CFO 0.5 (the default admission policy). Two requests planned in the same step both admit it and the
+    worker saves the same (chunk, prefix) twice: the index holds one variant for it. A request preempted
+    after its admission resumes with a plan that loads that variant at CFO 0. Negative control:
+    `variant_admission_max_chunks: 0` loads the base variant at 0.5."""
+    chunks = {"cachefuse": {"chunks": [[0, 10], [10, 60], [60, 90]]}}
+    side = make_side(selector="cachecraft")
+    first, second = request("r1", params=chunks), request("r2", params=chunks)
+    prompt = first.prompt_token_ids
+    key_sys = chunk_key(prompt[0:10], side.key_context, at_prompt_start=True)
+    key_a, key_b = chunk_key(prompt[10:60], side.key_context), chunk_key(prompt[60:90], side.key_context)
+    index_variants(side, *(VariantRecord.without_stats(k, (), n) for k, n in ((key_sys, 10), (key_a, 50), (key_b, 30))))
+    for req in (first, second):
+        side.get_num_new_matched_tokens(req, 0)
+        side.update_state_after_alloc(req, blocks(100), 99)
+    plans = side.build_connector_meta(step_output(first, second)).plans
+    assert [[c and c.cfo for c in plan.variants] for plan in plans] == [[0.0, 0.0, None]] * 2
+    after_a = VariantRecord(chunk_key=key_b, prefix=(key_a,), inter={key_a: 3.0}, intra=1.0, num_tokens=30,
+                            prefix_num_tokens={key_a: 50}, ranked_tokens=(5, 1))
+    index_variants(side, after_a, after_a)  # both workers' saves of b after (a) arrive
+    assert [r.prefix for r in side.index.variants(key_b)] == [(), (key_a,)]
+    for req in (first, second):
+        side.request_finished(req, [])
+    worker_reports(side, None)
+
+    preempted = request("r3", params=chunks)
+    side.index.remove(after_a.variant_id)
+    (planned,) = schedule(side, preempted)
+    assert planned.variants[2] is None  # admitted again: its variant is gone
+    index_variants(side, after_a)  # the worker saved it; vLLM preempted r3 and now resumes it
+    (resumed,) = schedule(side, preempted, resumed_first_block=40)
+    assert resumed.variants[2].variant_id == after_a.variant_id and resumed.variants[2].cfo == 0.0
+    side.request_finished(preempted, [])
+    worker_reports(side, "r3")
+    assert_no_state(side)
+
+    control = make_side(selector="cachecraft", variant_admission_max_chunks=0)
+    index_variants(control, *(VariantRecord.without_stats(k, (), n)
+                              for k, n in ((key_sys, 10), (key_a, 50), (key_b, 30))))
+    (plan,) = schedule(control, request("c1", params=chunks))
+    assert [c.cfo for c in plan.variants] == [0.0, 0.0, 0.5]

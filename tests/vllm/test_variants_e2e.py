@@ -2,11 +2,16 @@
 
 - cachecraft with force_cfo = 1 and early termination off equals plain vLLM (negative control:
   full reuse differs); with metadata-driven CFO it reports each chunk's CFO in the response;
-- a hole is saved as the variant for its prefix, the scheduler's index learns it from the worker's
-  report, and the same context then reuses it at CFO 0 with f_r counted in meta.sqlite.
+- a hole is saved as the variant for its prefix, and so is the one chunk the default admission policy
+  computes in full (its base variant scores CFO 0.5); the scheduler's index learns both from the
+  worker's report, and the same context then reuses them at CFO 0 with f_r counted in meta.sqlite;
+  a related prefix then loads the admitted variant at 0 < CFO < 0.5 (with admission off, the base
+  variant's 0.5: the negative control).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -51,13 +56,17 @@ def test_cachecraft_at_cfo_one_equals_plain_vllm(engine, pieces):
     worker = worker_side()
     config = worker.config
     ids, params = named_prompt(pieces, ["system", "c", "a", "question"])
-    try:
+    scheduler = scheduler_connector(llm)._scheduler
+    try:  # every chunk loaded (no admission), every loaded row recomputed
+        scheduler.config = scheduler.config.replace(variant_admission_max_chunks=0)
         worker.config = worker.engine.config = config.replace(force_cfo=1.0)
         (fused,) = generate(llm, [ids], [params], max_tokens=4)
+        worker.config = worker.engine.config = config
+        plain, reuse = generate(llm, [ids, ids], [None, named_prompt(pieces, ["system", "c", "a", "question"],
+                                                              selector="full_reuse")[1]], max_tokens=4)
     finally:
         worker.config = worker.engine.config = config
-    plain, reuse = generate(llm, [ids, ids], [None, named_prompt(pieces, ["system", "c", "a", "question"],
-                                                          selector="full_reuse")[1]], max_tokens=4)
+        scheduler.config = scheduler.config.replace(variant_admission_max_chunks=1)
     stats = fused.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fused" and stats["selector"] == "cachecraft" and stats["chunks_hit"] == 3, stats
     assert stats["num_selected"] == len(pieces["a"]) + len(pieces["c"])  # every candidate row, CFO 1
@@ -66,24 +75,33 @@ def test_cachecraft_at_cfo_one_equals_plain_vllm(engine, pieces):
     assert max_logprob_diff(first_logprobs(plain), first_logprobs(reuse)) > 100 * LOGPROB_TOL  # negative control
 
 
-def test_hole_becomes_a_variant_the_scheduler_then_reuses_at_cfo_zero(engine, pieces):
+def test_hole_and_admitted_chunk_become_variants_the_scheduler_then_reuses(engine, pieces):
     llm, store_dir = engine
     ids, params = named_prompt(pieces, ["system", "a", "b", "c", "question"])
     (first,) = generate(llm, [ids], [params])
     stats = first.kv_transfer_params["cachefuse"]
-    # system and a (nothing before it) reuse exact base variants; b is computed and saved; c's base
-    # variant after a non-empty prefix scores alpha * CCI = 0.5 and recomputes ceil(0.5 x |c|) rows
-    assert stats["chunk_cfo"] == [0.0, 0.0, None, pytest.approx(0.5)], stats
-    assert stats["holes_saved"] == 1 and stats["num_selected"] == -(-len(pieces["c"]) // 2), stats
+    # system and a (nothing before it) reuse exact base variants; b (no variant) is computed; c's base
+    # variant after a non-empty prefix scores alpha * CCI = 0.5 >= 0.5: admitted, computed in full
+    assert stats["chunk_cfo"] == [0.0, 0.0, None, None] and stats["holes_saved"] == 2, stats
     engine_ = worker_side().engine
-    key_a, key_b = engine_.meta_key(pieces["a"]), engine_.meta_key(pieces["b"])
-    (variant,) = scheduler_connector(llm)._scheduler.index.variants(key_b)  # learned from the worker's report
-    assert variant.prefix == (key_a,) and variant.has_stats and 0.5 <= variant.cci < 1.0
+    key_a, key_b, key_c = (engine_.meta_key(pieces[name]) for name in "abc")
+    index = scheduler_connector(llm)._scheduler.index  # learned from the worker's report
+    (variant_b,) = index.variants(key_b)
+    variant_c = next(r for r in index.variants(key_c) if r.prefix)
+    assert variant_b.prefix == (key_a,) and variant_c.prefix == (key_a, key_b)
+    assert variant_b.has_stats and variant_c.has_stats and variant_c.ranked_tokens
 
     (second,) = generate(llm, [ids], [params])
     again = second.kv_transfer_params["cachefuse"]
-    assert again["chunks_missed"] == 0 and again["chunk_cfo"][2] == 0.0 and again["holes_saved"] == 0, again
+    assert again["chunks_missed"] == 0 and again["chunk_cfo"][2:] == [0.0, 0.0] and again["holes_saved"] == 0, again
     with SqliteMetaStore(str(store_dir / "meta.sqlite"), max_variants=10**6) as meta:
-        record = meta.get(variant.variant_id)
+        record = meta.get(variant_b.variant_id)
         assert record.access_count == 1 and record.f_r == pytest.approx(1e6)  # 1 / max(CFO = 0, eps)
         assert (store_dir / record.store_key[:2] / f"{record.store_key}.safetensors").exists()
+
+    # A related prefix (b left out): c's variant after (a, b) keeps a's share of its inter-attention
+    ids3, params3 = named_prompt(pieces, ["system", "a", "c", "question"])
+    (third,) = generate(llm, [ids3], [params3])
+    related = third.kv_transfer_params["cachefuse"]
+    assert 0.0 < related["chunk_cfo"][2] < 0.5 and related["holes_saved"] == 0, related
+    assert related["num_selected"] == math.ceil(related["chunk_cfo"][2] * len(pieces["c"])), related

@@ -1,0 +1,283 @@
+"""Cache-Craft as deployed on SmolLM2-135M-Instruct: variants admitted from served requests, CFO driving recompute.
+
+    make model && python benchmarks/cachecraft_variants.py --threads 1      # ~20 min on one CPU core
+    python benchmarks/cachecraft_variants.py --items 3 --rounds 2 --out /tmp/cv.json   # a smoke run
+
+The workload is Cache-Craft's setting: the same documents recur across requests after related
+prefixes. Each QA item (cachefuse/eval/qa_set.py, test split) is asked once per round; every ask sends
+its evidence documents and all but one of its distractors (a different one left out each time), in
+the item's retrieval order with one random adjacent swap half the time. Requests arrive round-robin
+over the items, so a chunk comes back a few requests later after a prefix that shares most of its
+chunks, in mostly the same order.
+
+```
+round 0:  | system | d3 d1 d4 d2 | question |     d0 left out
+round 1:  | system | d0 d3 d4 d2 | question |     d1 left out, d1/d4 swapped ...
+```
+
+Served: one engine with `selector: cachecraft` and every other field at its default (alpha 1, early
+termination on, admission at CFO >= 0.5, one chunk per request), whose store starts with the base
+variants `cachefuse precompute` writes; requests run in sequence and whatever the policy admits is
+saved (with attention statistics) before the next request. No `force_cfo`: each chunk recomputes
+ceil(CFO x |C|) of its tokens, CFO from the variant it chose.
+
+Measured over the later rounds (`--measure-from`), on the same prompts: the served run; cachecraft
+with admission off (base variants only: every non-first chunk at CFO 0.5, what deployments had before
+admission); cacheblend on base variants at the recompute fraction that matches the served run's;
+full reuse; full prefill (the reference for KL and top-1). The recompute fraction is the share of the
+retrieved chunks' tokens computed, averaged over layers: chunks admitted (computed in full) count in
+full, and cacheblend's full layers count. Also the variants created and the chosen CFOs.
+
+Threads are pinned (`--threads`); quality does not depend on them, and nothing here is a speed figure.
+Writes `--out` (JSON) and the plot next to it (.png; `--replot` redraws it from the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cachefuse.chunks import RagPrompt, build_rag_prompt  # noqa: E402
+from cachefuse.config import CacheFuseConfig  # noqa: E402
+from cachefuse.eval.harness import (  # noqa: E402
+    EvalItem,
+    EvalRuns,
+    EvalSpec,
+    full_prefill,
+    measure_run,
+    reference_engine,
+    setting_name,
+    store_base_variants,
+)
+from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
+from cachefuse.eval.report import fidelity, summarize  # noqa: E402
+from cachefuse.eval.stats import mean_se  # noqa: E402
+from cachefuse.select import make_selector  # noqa: E402
+from cachefuse.testing import smollm2  # noqa: E402
+
+MAX_NEW_TOKENS = 8
+
+
+def make_stream(qa_items, items: list[EvalItem], rounds: int, seed: int) -> list[tuple[int, EvalItem]]:
+    """(round, request) in arrival order: each item once per round, round-robin; one distractor left out
+    (a different one each round), one random adjacent swap half the time."""
+    rng = random.Random(seed)
+    stream = []
+    for round_ in range(rounds):
+        for qa, item in zip(qa_items, items, strict=True):
+            distractors = [i for i in range(len(item.chunks)) if i not in qa.evidence]
+            left_out = distractors[(round_ + rng.randrange(len(distractors))) % len(distractors)]
+            order = [i for i in range(len(item.chunks)) if i != left_out]
+            if rng.random() < 0.5:
+                j = rng.randrange(len(order) - 1)
+                order[j], order[j + 1] = order[j + 1], order[j]
+            stream.append((round_, EvalItem(item.system, tuple(item.chunks[i] for i in order), item.question,
+                                            item.answers, item.kind)))
+    return stream
+
+
+def chunk_fraction(result, prompt: RagPrompt) -> float:
+    """Share of the retrieved chunks' tokens computed, averaged over layers (a chunk computed in full counts
+    in full; the system chunk and the question do not count)."""
+    mask = torch.zeros(len(prompt.token_ids), dtype=torch.bool)
+    for start, end in prompt.chunks:
+        mask[start:end] = start != 0  # the chunk at offset 0 is the system chunk
+    per_layer = [int(mask.sum()) if rows is None else int(mask[rows].sum()) for rows in result.rows_per_layer]
+    return statistics.fmean(per_layer) / int(mask.sum())
+
+
+def serve(engine, tokenizer, stream, spec: EvalSpec, measure_from: int, bar) -> dict:
+    """The served stream: every request fused as configured, its admitted chunks saved before the next."""
+    out = {"runs": [], "fractions": [], "cfo": [], "per_round": {}, "saved": 0, "references": [],
+           "measure_from": measure_from, "base_variants": engine.metastore.count()}
+    for round_, item in stream:
+        prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
+        result, stats = engine.prefill(prompt.token_ids, prompt.chunks, save_inline=True)
+        fraction = chunk_fraction(result, prompt)
+        retrieved_cfo = stats.chunk_cfo[1:]  # [0] is the system chunk
+        row = out["per_round"].setdefault(round_, {"fraction": [], "admitted": 0, "cfo": []})
+        row["fraction"].append(fraction)
+        row["admitted"] += sum(c is None for c in retrieved_cfo)
+        row["cfo"] += [c for c in retrieved_cfo if c is not None]
+        out["saved"] += stats.holes_saved
+        if round_ >= measure_from:
+            full = full_prefill(engine, prompt)
+            _, reference = measure_run(engine, tokenizer, item, spec, prompt, full)
+            run, _ = measure_run(engine, tokenizer, item, spec, prompt, result, reference)
+            out["runs"].append(run)
+            out["references"].append(reference)
+            out["fractions"].append(fraction)
+            out["cfo"] += [("admitted" if c is None else round(c, 4)) for c in retrieved_cfo]
+        bar.update(1)
+    return out
+
+
+def baselines(engine, tokenizer, measured, references, spec: EvalSpec, cacheblend_ratio: float, bar) -> dict:
+    """On base variants only (nothing saved): full prefill and full reuse, cacheblend at `cacheblend_ratio`,
+    cachecraft with admission off."""
+    settings = {"full_prefill": ("full_prefill", 1.0), "full_reuse": ("full_reuse", 0.0),
+                setting_name("cacheblend", cacheblend_ratio): ("cacheblend", cacheblend_ratio),
+                "cachecraft_no_admission": ("cachecraft", 0.15)}
+    no_admission = engine.config.replace(selector="cachecraft", variant_admission_max_chunks=0)
+    out = {name: {"runs": [], "fractions": []} for name in settings}
+    for item, reference in zip(measured, references, strict=True):
+        prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
+        for name, (selector, ratio) in settings.items():
+            if name == "full_prefill":
+                result, fraction = reference.result, 1.0
+            else:
+                engine.config = no_admission if name == "cachecraft_no_admission" else no_admission.replace(
+                    selector="cacheblend")
+                result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio,
+                                               save_holes=False)
+                assert stats.chunks_missed == 0, stats.miss_reasons  # base variants of every chunk are stored
+                fraction = chunk_fraction(result, prompt)
+            run, _ = measure_run(engine, tokenizer, item, spec, prompt, result, reference)
+            out[name]["runs"].append(run)
+            out[name]["fractions"].append(fraction)
+            bar.update(1)
+    return out
+
+
+def matched_cacheblend_ratio(engine, fraction: float) -> float:
+    """The cacheblend ratio whose layer-averaged share of chunk tokens is `fraction`: its full layers compute
+    every row, the others `ratio` of them."""
+    num_layers = engine.adapter.shape.num_layers
+    full = make_selector("cacheblend", engine.config).num_full_layers(num_layers)
+    return round(min(1.0, max(0.0, (fraction * num_layers - full) / (num_layers - full))), 4)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_q, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, entry in report["measured"]["settings"].items():
+        ax_q.errorbar(100 * entry["recompute_fraction"], entry["f1"]["mean"], yerr=1.96 * entry["f1"]["se"],
+                      marker="o", capsize=3, label=f"{name} (KL {entry['kl_mean']:.3f})")
+    ax_q.set(xlabel="retrieved-chunk tokens recomputed, mean over layers (%)", ylabel="token F1",
+             title=f"rounds >= {report['workload']['measure_from']}: {report['measured']['requests']} requests")
+    ax_q.legend(fontsize=7)
+    rounds = report["served"]["per_round"]
+    xs = [int(r) for r in rounds]
+    ax_s.plot(xs, [100 * rounds[r]["fraction_mean"] for r in rounds], marker="o", label="recomputed (%)")
+    ax_s.plot(xs, [100 * rounds[r]["cfo_mean"] for r in rounds], marker="s", label="mean CFO of loaded chunks (%)")
+    ax_s.plot(xs, [rounds[r]["variants_total"] for r in rounds], marker="^", label="fused variants stored")
+    ax_s.set(xlabel="round", xticks=xs, title="cachecraft as served, per round")
+    ax_s.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=smollm2.DEFAULT_DIR)
+    parser.add_argument("--items", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--measure-from", type=int, default=None, help="first measured round (default rounds // 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/cachecraft_variants.json"))
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON, run nothing")
+    args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
+    torch.set_num_threads(args.threads)
+    measure_from = args.rounds // 2 if args.measure_from is None else args.measure_from
+    started = time.perf_counter()
+    served_engine, tokenizer = reference_engine(args.model, CacheFuseConfig(selector="cachecraft"))
+    base_engine, _ = reference_engine(args.model, CacheFuseConfig())
+    qa = make_items("test", args.items, seed=args.seed)
+    stream = make_stream(qa, eval_items(qa, tokenizer), args.rounds, args.seed)
+    for _, item in stream:  # the store starts with what offline precompute writes, nothing more
+        prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
+        store_base_variants(served_engine, prompt)
+        store_base_variants(base_engine, prompt)
+    spec = EvalSpec(selectors=("cacheblend", "cachecraft"), ratios=(0.0,), metric="f1", max_new_tokens=MAX_NEW_TOKENS)
+    measured = [item for round_, item in stream if round_ >= measure_from]
+    with tqdm(total=len(stream) + 4 * len(measured), unit="prefill", desc="cachecraft_variants") as bar:
+        served = serve(served_engine, tokenizer, stream, spec, measure_from, bar)
+        fraction = statistics.fmean(served["fractions"])
+        ratio = matched_cacheblend_ratio(base_engine, fraction)
+        others = baselines(base_engine, tokenizer, measured, served["references"], spec, ratio, bar)
+    report = build_report(args, measured, served, others, ratio, served_engine)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
+    print(json.dumps(report["measured"]["settings"], indent=2))
+    return 0
+
+
+def build_report(args, measured, served, others, ratio, served_engine) -> dict:
+    """The JSON: per setting F1, KL, top-1 and recompute fraction over the measured requests (paired
+    statistics from cachefuse.eval.report.summarize), the served stream per round, the variants."""
+    spec = EvalSpec(selectors=("cacheblend", "cachecraft"), ratios=(ratio,), metric="f1", max_new_tokens=MAX_NEW_TOKENS)
+    runs = EvalRuns(measured, spec, {name: entry["runs"] for name, entry in others.items()})
+    runs.runs[setting_name("cachecraft", ratio)] = served["runs"]  # the served run, labelled at the matched ratio
+    summary = summarize(runs)
+    fractions = {name: entry["fractions"] for name, entry in others.items()}
+    fractions[setting_name("cachecraft", ratio)] = served["fractions"]
+    settings = {}
+    for name, item_runs in runs.runs.items():
+        label = "cachecraft (served, admission on)" if name == setting_name("cachecraft", ratio) else name
+        quality = fidelity(item_runs)
+        settings[label] = {"f1": mean_se([r.score for r in item_runs]).to_dict(),
+                           "recompute_fraction": statistics.fmean(fractions[name]),
+                           "kl_mean": quality["kl_mean"], "kl_median": quality["kl_median"],
+                           "top1_agree": quality["top1_agree"], "greedy_match": quality["greedy_match"],
+                           "paired": {k: v for k, v in summary["settings"].get(name, {}).get("by_kind", {})
+                                      .get("all", {}).items() if k.startswith("vs_")}}
+    records, config = served_engine.metastore.all_records(), served_engine.config
+    fused = [r for r in records if r.prefix]
+    per_round, total = {}, 0
+    for round_, row in served["per_round"].items():
+        total += row["admitted"]
+        per_round[round_] = {"fraction_mean": statistics.fmean(row["fraction"]), "admitted": row["admitted"],
+                             "cfo_mean": statistics.fmean(row["cfo"]) if row["cfo"] else 0.0,
+                             "variants_total": total}
+    cfo = served["cfo"]
+    numeric = [c for c in cfo if c != "admitted"]
+    return {
+        "benchmark": "cachecraft_variants", "model": args.model.name, "threads": args.threads,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        "workload": {"split": "test", "items": args.items, "rounds": args.rounds, "measure_from": served["measure_from"],
+                     "requests": args.items * args.rounds, "seed": args.seed, "max_new_tokens": MAX_NEW_TOKENS},
+        "served_config": {"selector": config.selector, "cachecraft_alpha": config.cachecraft_alpha,
+                          "variant_admission_cfo": config.variant_admission_cfo,
+                          "resolved_admission_cfo": config.admission_cfo,
+                          "variant_admission_max_chunks": config.variant_admission_max_chunks,
+                          "cachecraft_early_termination": config.cachecraft_early_termination},
+        "cacheblend_matched_ratio": ratio,
+        "measured": {"requests": len(measured), "settings": settings, "summary": summary},
+        "served": {"per_round": per_round, "holes_saved": served["saved"]},
+        "variants": {"base": served["base_variants"], "fused_created": len(fused), "fused_with_stats": sum(r.has_stats for r in fused),
+                     "fused_used": sum(r.access_count > 0 for r in fused),
+                     "per_chunk_max": max(Counter(r.chunk_key for r in records).values())},
+        "chosen_cfo_measured": {
+            "chunks": len(cfo), "admitted": cfo.count("admitted"),
+            "zero": sum(c == 0.0 for c in numeric), "below_0_5": sum(0.0 < c < 0.5 for c in numeric),
+            "at_or_above_0_5": sum(c >= 0.5 for c in numeric),
+            "mean_loaded": statistics.fmean(numeric) if numeric else None,
+            "histogram": dict(sorted(Counter(round(c, 1) for c in numeric).items()))},
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
