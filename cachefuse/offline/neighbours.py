@@ -153,7 +153,9 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
     if np.asarray(vectors).shape[0] != len(chunks):
         raise ValueError(f"the embedder returned {np.asarray(vectors).shape[0]} rows for {len(chunks)} chunks")
     report = NeighbourReport(top_neighbours(vectors, count, chunks))
-    stats_config = engine.config.replace(collect_attention_stats=True)  # the variant's CCI and ranking
+    # Statistics on: the variant's CCI and ranking. Admission off: the neighbours are loaded, never
+    # computed in full and stored themselves (cachefuse.metadata.index, rule 4).
+    fusion_config = engine.config.replace(collect_attention_stats=True, variant_admission_max_chunks=0)
     for index in tqdm(range(len(chunks)), desc="neighbour fusion", unit="chunk", disable=not progress):
         neighbours = report.neighbours[index]
         prefix = tuple(engine.meta_key(chunks[j]) for j in neighbours)
@@ -165,11 +167,11 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
             offsets.append((len(token_ids), len(token_ids) + len(chunks[j])))
             token_ids += chunks[j]
         token_ids.append(chunks[index][0])  # the last prompt token is always computed: not part of a chunk
-        choices = list(engine.plan_variants(token_ids, offsets))
-        choices[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
         start = clock()
-        previous, engine.config = engine.config, stats_config
+        previous, engine.config = engine.config, fusion_config
         try:
+            choices = list(engine.plan_variants(token_ids, offsets))
+            choices[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
             _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, choices=choices,
                                       save_holes=True, save_inline=True)
         finally:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cachefuse.adapters.hf import HFAdapter
+from cachefuse.config import CacheFuseConfig
 from cachefuse.offline.neighbours import fuse_neighbours, lexical_embedder, model_embedder, top_neighbours
 from tests.helpers.fusion import make_engine
 
@@ -148,3 +149,15 @@ def test_the_lexical_embedder_links_chunks_that_share_rare_tokens():
     assert vectors.shape == (4, 64)
     assert top_neighbours(vectors, 1) == [[2], [3], [0], [1]]  # the shared rare pair decides, not `common`
     assert not np.any(vectors[:, 5:9] > vectors[:, 40:41].max())  # tokens in every chunk weigh least
+
+
+def test_under_cachecraft_admission_stores_no_neighbour_as_a_side_effect(adapter):
+    """cachecraft admits one chunk per request by default; the fusion pass must store only its chunk."""
+    system, *chunks = random_ids(adapter.shape.vocab_size, (9, 21, 17, 19, 23, 15), seed=3)
+    engine = make_engine(adapter, CacheFuseConfig(selector="cachecraft"))
+    assert engine.config.admission_cfo is not None  # negative control: admission is on in this engine
+    report = fuse_neighbours(engine, system, chunks, 2, embedder=designed_embedder(VECTORS), progress=False)
+    assert report.stored == [0, 1, 2, 3, 4]
+    for index, chunk in enumerate(chunks):
+        prefixes = {v.prefix for v in engine.metastore.variants(engine.meta_key(chunk))}
+        assert prefixes == {(), tuple(engine.meta_key(chunks[j]) for j in report.neighbours[index])}
