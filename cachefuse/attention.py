@@ -50,14 +50,35 @@ def rows_attention(
     Returns:
         [num_rows, num_heads, head_dim]
     """
-    num_rows = q.shape[0]
+    key_positions = torch.arange(k.shape[0], device=k.device)
+    return rows_attention_at(q, q_positions, k, v, key_positions, scale, block_rows)
+
+
+def rows_attention_at(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_positions: torch.Tensor,
+    scale: float,
+    block_rows: int = 64,
+) -> torch.Tensor:
+    """`rows_attention` over a subset of a prompt's keys: key j sits at `key_positions[j]`, not at j.
+
+    The question probe attends over a view (system, anchors, forced rows) whose positions have gaps.
+
+    Args:
+        q: [num_rows, num_heads, head_dim]; q_positions: sorted int64 [num_rows].
+        k, v: [num_keys, num_kv_heads, head_dim]; key_positions: sorted int64 [num_keys], distinct.
+
+    Returns:
+        [num_rows, num_heads, head_dim]; key j is visible to row i iff key_positions[j] <= q_positions[i].
+    """
     out = q.new_empty(q.shape)
-    positions = q_positions.tolist()
-    key_ids = torch.arange(k.shape[0], device=k.device)
-    for begin in range(0, num_rows, block_rows):
-        end = min(begin + block_rows, num_rows)
-        num_keys = positions[end - 1] + 1  # keys past the block's last row are invisible to all its rows
-        mask = key_ids[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
+    for begin in range(0, q.shape[0], block_rows):
+        end = min(begin + block_rows, q.shape[0])
+        num_keys = int(torch.searchsorted(key_positions, q_positions[end - 1], right=True))
+        mask = key_positions[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
         block = F.scaled_dot_product_attention(
             q[begin:end].transpose(0, 1)[None],
             k[:num_keys].transpose(0, 1)[None],

@@ -18,7 +18,9 @@ from typing import Any
 
 from cachefuse.errors import ConfigError
 
-SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random", "cachecraft")
+SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random", "cachecraft", "fusionrag", "qcfuse")
+QCFUSE_LAYERS = ("critical", "last", "all")
+QCFUSE_VIEWS = ("anchors", "full")
 RATIO_MODES = ("fixed", "controller")
 PLACEMENTS = ("lru", "frequency")
 DEVIATIONS = ("k", "v", "kv")
@@ -56,6 +58,20 @@ class CacheFuseConfig:
     """EPIC: recompute the first k tokens of every chunk; None derives k = ceil(ratio * chunk length)."""
     random_seed: int = 0
     """Seed of the `random` control selector."""
+    fusionrag_score_layers: int = 1
+    """FusionRAG: the question's attention is read at the last this-many layers (the paper: 1, the final one)."""
+    qcfuse_anchor_ratio: float = 0.1
+    """QCFuse's r_a: each chunk's anchors are ceil(r_a x its tokens) of them (Eq. 14)."""
+    qcfuse_sink_tokens: int = 1
+    """A chunk's first this-many tokens are always anchors (attention sinks), the rest ranked by key norm."""
+    qcfuse_layers: str = "critical"
+    """Where QCFuse scores: "critical" (`qcfuse_critical_layers`), "last" (QCLast) or "all" (QCAll)."""
+    qcfuse_critical_layers: tuple[int, ...] | None = None
+    """The critical layers (negative: from the end), e.g. from `cachefuse profile-layers`; None: three
+    layers around 60% of the depth (docs/selectors.md)."""
+    qcfuse_view: str = "anchors"
+    """The probe's view of the loaded chunks: "anchors" (QCFuse) or "full" (every row; with
+    qcfuse_layers "all": ProphetKV's full view)."""
     attention_block_rows: int = 64
     """Selected rows per attention call in the blend pass (sorted blocks with truncated keys)."""
     preload_depth: int | None = 0
@@ -169,6 +185,7 @@ class CacheFuseConfig:
             _fail("epic_k", self.epic_k, "null or an integer >= 0")
         if not _is_int(self.random_seed):
             _fail("random_seed", self.random_seed, "an integer")
+        self._validate_query_aware()
         if not _is_int(self.attention_block_rows) or not 1 <= self.attention_block_rows <= 4096:
             _fail("attention_block_rows", self.attention_block_rows, "an integer in 1..4096")
         if self.preload_depth is not None and (not _is_int(self.preload_depth) or self.preload_depth < 0):
@@ -295,6 +312,38 @@ class CacheFuseConfig:
             return min(1.0, 0.5 * self.cachecraft_alpha)
         return None
 
+    def check_model(self, num_layers: int) -> None:
+        """The fields that name layers, against the model (at engine start-up; raises ConfigError).
+
+        A check layer at the last layer would be ignored (the last layer computes only the last row), so
+        cacheblend's must be below it; QCFuse's critical layers must exist (negative: from the end).
+        """
+        if max(self.cacheblend_check_layers) > num_layers - 2:
+            _fail("cacheblend_check_layers", self.cacheblend_check_layers,
+                  f"layers in 1..{num_layers - 2}: the model has {num_layers} layers and the last computes only "
+                  "the last row, so a check layer there selects nothing")
+        layers = self.qcfuse_critical_layers or ()
+        if any(not -num_layers <= layer < num_layers for layer in layers):
+            _fail("qcfuse_critical_layers", layers,
+                  f"layers in 0..{num_layers - 1} (or -1..-{num_layers} from the end): the model has {num_layers}")
+
+    def _validate_query_aware(self) -> None:
+        if not _is_int(self.fusionrag_score_layers) or self.fusionrag_score_layers < 1:
+            _fail("fusionrag_score_layers", self.fusionrag_score_layers, "an integer >= 1 (1: the final layer)")
+        ratio = self.qcfuse_anchor_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
+            _fail("qcfuse_anchor_ratio", ratio, "a number in 0.0..1.0, above 0 (the paper's default: 0.1)")
+        if not _is_int(self.qcfuse_sink_tokens) or self.qcfuse_sink_tokens < 0:
+            _fail("qcfuse_sink_tokens", self.qcfuse_sink_tokens, "an integer >= 0")
+        if self.qcfuse_layers not in QCFUSE_LAYERS:
+            _fail("qcfuse_layers", self.qcfuse_layers, f"one of {', '.join(QCFUSE_LAYERS)}")
+        layers = self.qcfuse_critical_layers
+        if layers is not None and (not isinstance(layers, tuple) or not layers
+                                   or not all(_is_int(x) for x in layers)):
+            _fail("qcfuse_critical_layers", layers, "null or a non-empty list of layer indices (negative: from the end)")
+        if self.qcfuse_view not in QCFUSE_VIEWS:
+            _fail("qcfuse_view", self.qcfuse_view, f"one of {', '.join(QCFUSE_VIEWS)}")
+
     def _validate_cacheblend(self) -> None:
         layers, schedule = self.cacheblend_check_layers, self.cacheblend_ratio_schedule
         if not isinstance(layers, tuple) or not layers or not all(_is_int(x) for x in layers):
@@ -328,7 +377,7 @@ class CacheFuseConfig:
         if unknown:
             raise ConfigError(
                 f"unknown config key(s) {', '.join(map(repr, unknown))}: expected some of {', '.join(sorted(known))}")
-        for name in ("cacheblend_check_layers", "cacheblend_ratio_schedule"):
+        for name in ("cacheblend_check_layers", "cacheblend_ratio_schedule", "qcfuse_critical_layers"):
             if isinstance(merged.get(name), list):
                 merged[name] = tuple(merged[name])
         return cls(**merged)

@@ -83,6 +83,12 @@ class FusionStats:
     """Metadata of the variants this request stored (the scheduler's index learns them)."""
     evicted_variants: tuple[str, ...] = ()
     """Variant ids this request evicted (the N x M budget) to admit its holes."""
+    probe_time_s: float = 0.0
+    """Time of the question probe inside `blend_time_s` (fusionrag, qcfuse: the extra pass), else 0."""
+    probe_layers: int = 0
+    """Layers the question probe ran (0: the selector runs none)."""
+    probe_rows: int = 0
+    """Rows the probe computed at each of its layers (holes, undeclared tokens, question, last token)."""
     miss_reasons: dict[str, int] = field(default_factory=dict)
     """Why declared chunks became holes: "not_stored" (never saved), or the store's miss reason
     ("absent" after indexing, "corrupt", "truncated", "foreign_model", "shape_mismatch", "io_error",
@@ -119,6 +125,7 @@ class FusionEngine:
                  metastore: MetaStore | None = None, meta_key_context: KeyContext | None = None,
                  writes_metadata: bool = True) -> None:
         self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
+        config.check_model(adapter.shape.num_layers)
         self.meta_key_context = key_context if meta_key_context is None else meta_key_context
         self.writes_metadata = writes_metadata
         self.metastore: MetaStore = metastore if metastore is not None else SqliteMetaStore(
@@ -258,7 +265,8 @@ class FusionEngine:
             load_bytes_by_tier=dict(load_bytes), layer_seconds=list(result.layer_seconds),
             layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer],
             chunk_cfo=[None if c is None else c.cfo for c in choices],
-            saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted))
+            saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted),
+            probe_time_s=result.probe_seconds, probe_layers=result.probe_layers, probe_rows=result.probe_rows)
         return result, stats
 
     @contextlib.contextmanager
@@ -309,6 +317,8 @@ class FusionEngine:
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if self.rank_agreement is not None:
             depth = 0  # serial: every miss is known before the first layer (see rank_agreement)
+        if selector.probe_spec(self.adapter.shape.num_layers) is not None:
+            depth = 0  # the question probe reads every layer it needs before the pass starts
         if depth == 0:
             load = self._load if self.rank_agreement is None else self._load_agreed
             loaded, miss_reasons = load(segments, keys, load_seconds, load_bytes)

@@ -19,6 +19,7 @@ layers 0..f-1: every row        layers f..L-1: selected + forced rows over merge
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, rows_attention, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.loading.loader import FetchLayer, LoadedLayers
+from cachefuse.probe import ProbeResult, run_probe
 from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
@@ -84,6 +86,12 @@ class FuseResult:
     hole_token_mass: dict[int, list[list[float]]] = field(default_factory=dict)
     """With FuseRequest.collect_attention_stats: hole segment index -> [token][segment] attention mass each
     of its tokens puts on each segment, averaged over heads and layers."""
+    probe_seconds: float = 0.0
+    """Time of the question probe before the pass (query-aware selectors; Fusor.clock), else 0."""
+    probe_layers: int = 0
+    """Layers the probe ran (0: no probe)."""
+    probe_rows: int = 0
+    """Rows the probe computed at each of its layers (the forced rows)."""
 
     @property
     def hole_attention(self) -> dict[int, list[float]]:
@@ -169,9 +177,31 @@ class Fusor:
         layout = _RequestLayout(request, shape.num_layers, self.reduce_scores)
         num_full = selector.num_full_layers(shape.num_layers)
         check_layers = selector.check_layers(shape.num_layers)
+        probe = self._probe(request, selector, layout)
         with LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
                            set(check_layers)) as loaded_kv:
-            return self._fuse(request, selector, layout, loaded_kv, num_full, check_layers)
+            result = self._fuse(request, selector, layout, loaded_kv, num_full, check_layers)
+        if probe is not None:
+            result.probe_seconds, result.probe_layers, result.probe_rows = probe
+        return result
+
+    def _probe(self, request: FuseRequest, selector: Selector, layout: _RequestLayout
+               ) -> tuple[float, int, int] | None:
+        """Runs the question probe a query-aware selector asks for; its scores go into `layout.ctx`."""
+        spec = selector.probe_spec(self.adapter.shape.num_layers)
+        if spec is None:
+            return None
+        if request.fetched:
+            raise ValueError(f"{selector.name}: the question probe reads whole entries (preload_depth 0), "
+                             "not layer-by-layer fetches")
+        start = self.clock()
+        anchors = {index: selector.probe_anchors(request.segments[index], entry.k_nope, entry.meta)
+                   for index, entry in request.loaded.items()
+                   if spec.anchors_only and not request.segments[index].is_system}
+        result: ProbeResult = run_probe(self.adapter, request.token_ids, request.segments, request.loaded,
+                                        layout.forced_rows, layout.ctx, spec, anchors, self.block_rows)
+        layout.ctx = dataclasses.replace(layout.ctx, probe_scores=result.scores)
+        return self.clock() - start, result.num_layers_run, result.num_probe_rows
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
               loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...]) -> FuseResult:

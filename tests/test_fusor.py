@@ -29,7 +29,7 @@ from tests.helpers.models import ALL_FAMILIES
 from tests.test_attention import bottom_right_attention
 
 LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)
-SELECTIVE = ["cacheblend", "epic", "random"]
+SELECTIVE = ["cacheblend", "epic", "random", "fusionrag", "qcfuse"]
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_forced_rows_always_computed(adapters, selector, ratio):
             assert rows.numel() <= len(forced) + result.num_candidates
     num_candidates = len(case.pieces[0]) + len(case.pieces[2])
     assert result.num_candidates == num_candidates
-    if selector in ("cacheblend", "random"):
+    if selector in ("cacheblend", "random", "fusionrag", "qcfuse"):
         assert result.num_selected == min(num_candidates, int(torch.tensor(ratio * num_candidates).ceil()))
 
 

@@ -199,8 +199,21 @@ def _fresh_store(engine: FusionEngine) -> None:
                                        policy=engine.config.eviction_policy)
 
 
+SELECTOR_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qclast": ("qcfuse", {"qcfuse_layers": "last"}),
+    "qcall": ("qcfuse", {"qcfuse_layers": "all"}),
+    "prophetkv": ("qcfuse", {"qcfuse_layers": "all", "qcfuse_view": "full"}),
+}
+"""Setting names that are a selector under other config fields (QCFuse's ablations): name -> (selector,
+fields). ProphetKV's selector is QCFuse's full view scored at every layer."""
+
+
 def selector_at(engine: FusionEngine, name: str, ratio: float) -> Selector:
-    """The selector `name` as a setting at `ratio` runs it: cachecraft's ratio axis is `force_cfo`."""
+    """The selector `name` as a setting at `ratio` runs it: cachecraft's ratio axis is `force_cfo`;
+    a SELECTOR_VARIANTS name is its selector under its config fields."""
+    if name in SELECTOR_VARIANTS:
+        base, fields = SELECTOR_VARIANTS[name]
+        return make_selector(base, engine.config.replace(**fields))
     config = engine.config.replace(force_cfo=ratio) if name == "cachecraft" else engine.config
     return make_selector(name, config)
 

@@ -44,5 +44,15 @@ def make_selector(name: str, config: CacheFuseConfig) -> Selector:
 
         return CacheCraftSelector(force_cfo=config.force_cfo, window=config.cachecraft_window,
                                   early_termination=config.cachecraft_early_termination)
+    if name == "fusionrag":
+        from cachefuse.select.fusionrag import FusionRAGSelector
+
+        return FusionRAGSelector(config.fusionrag_score_layers)
+    if name == "qcfuse":
+        from cachefuse.select.qcfuse import QCFuseSelector
+
+        return QCFuseSelector(anchor_ratio=config.qcfuse_anchor_ratio, sink_tokens=config.qcfuse_sink_tokens,
+                              layers=config.qcfuse_layers, critical_layers=config.qcfuse_critical_layers,
+                              view=config.qcfuse_view)
     raise ValueError(f"selector={name!r}: expected one of full_prefill, full_reuse, cacheblend, epic, random, "
-                     "cachecraft")
+                     "cachecraft, fusionrag, qcfuse")

@@ -51,6 +51,9 @@ class SelectionContext:
     """Sums per-row scores over tensor-parallel ranks (each rank sees its own heads); None: one rank."""
     reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
     """Segment index -> the chosen variant's CFO and ranking, for loaded chunks the metadata knows."""
+    probe_scores: torch.Tensor | None = None
+    """[num_candidates] fp32 aligned with `candidate_rows`: the question probe's score of each candidate
+    (cachefuse.probe), set before `initial_rows` when the selector asks for a probe; else None."""
 
     def reduce(self, scores: torch.Tensor) -> torch.Tensor:
         return scores if self.reduce_scores is None else self.reduce_scores(scores)
@@ -66,6 +69,22 @@ class CheckLayerKV:
     fresh_v: torch.Tensor  # [R, num_kv_heads, head_dim]
     loaded_k_nope: torch.Tensor  # [R, num_kv_heads, head_dim]
     loaded_v: torch.Tensor  # [R, num_kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What a query-aware selector asks of the question probe (cachefuse.probe) before the blend pass."""
+
+    score_layers: tuple[int, ...]
+    """Sorted distinct layers (0-based) at which the question's attention scores the context."""
+    anchors_only: bool = False
+    """The probe attends over the system chunk and each chunk's anchors only (QCFuse); False: every
+    loaded row (FusionRAG, ProphetKV)."""
+
+    @property
+    def depth(self) -> int:
+        """Layers the probe runs: up to and including the deepest score layer."""
+        return self.score_layers[-1] + 1
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,14 @@ class Selector(ABC):
         """Sorted subset of the candidate rows `kv.rows` for the layers after check layer `check_index`."""
         raise NotImplementedError(f"{self.name} has no check layers")
 
+    def probe_spec(self, num_layers: int) -> ProbeSpec | None:
+        """The question probe this selector needs before the pass (query-aware selectors), or None."""
+        return None
+
+    def probe_anchors(self, segment: Segment, k_nope: Sequence[torch.Tensor], meta: Mapping[str, str]) -> torch.Tensor:
+        """Sorted chunk-local offsets of a loaded chunk's anchors, for a probe with `anchors_only`."""
+        raise NotImplementedError(f"{self.name} probes no anchors")
+
     def tracks_question_attention(self) -> bool:
         """Whether the fusor computes the question's attention per segment and calls `after_layer`."""
         return False
@@ -139,3 +166,20 @@ class Selector(ABC):
             recomputed in the layers after `layer`.
         """
         return None
+
+
+class ProbeSelector(Selector):
+    """A query-aware selector: the question probe scores every candidate before the pass, then one
+    global top-k at the ratio is recomputed through every layer (no full layers)."""
+
+    def num_full_layers(self, num_layers: int) -> int:
+        return 0
+
+    def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
+        count = num_rows_for_ratio(ctx.ratio, ctx.candidate_rows.numel())
+        if count == ctx.candidate_rows.numel():
+            return ctx.candidate_rows
+        assert ctx.probe_scores is not None, f"{self.name}: the fusor ran no probe"
+        top = torch.topk(ctx.probe_scores, count, sorted=False).indices
+        return ctx.candidate_rows[top].sort().values
+

@@ -162,6 +162,30 @@ def test_full_reuse_equals_reference_engine(fusing_llm, pieces, reference_engine
     assert max_logprob_diff(fused, expected) < LOGPROB_TOL
 
 
+@pytest.mark.parametrize("selector", ["fusionrag", "qcfuse"])
+def test_query_aware_selectors_equal_reference_engine(fusing_llm, pieces, plain_outputs, reference_engine, selector):
+    """The question probe runs in the vLLM worker as in the reference engine: the same rows at 30%; at
+    1.0 the output is plain vLLM's, at 0 full reuse's; 30% differs from both (negative control)."""
+    llm, _ = fusing_llm
+    case = make_cases(pieces)["reordered"]
+    outputs = generate(llm, [case.token_ids] * 3, [case.params(selector=selector, recompute_ratio=r)
+                                                   for r in (0.3, 1.0, 0.0)])
+    stats = outputs[0].kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused" and stats["probe_layers"] > 0, stats
+    selected = reference_engine.config.replace(recompute_ratio=0.3)
+    engine_ratio = reference_engine.config
+    reference_engine.config = selected
+    try:
+        expected = reference_logprobs(reference_engine, case, selector)
+    finally:
+        reference_engine.config = engine_ratio
+    assert max_logprob_diff(first_logprobs(outputs[0]), expected) < LOGPROB_TOL
+    assert max_logprob_diff(first_logprobs(outputs[1]), first_logprobs(plain_outputs["reordered"])) < LOGPROB_TOL
+    reuse = reference_logprobs(reference_engine, case, "full_reuse")
+    assert max_logprob_diff(first_logprobs(outputs[2]), reuse) < LOGPROB_TOL
+    assert max_logprob_diff(first_logprobs(outputs[0]), reuse) > 10 * LOGPROB_TOL
+
+
 def test_injected_selection_equals_reference_fusor(fusing_llm, pieces, reference_engine):
     llm, _ = fusing_llm
     case = make_cases(pieces)["reordered"]

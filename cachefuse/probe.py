@@ -1,0 +1,144 @@
+"""Question probe: a short pre-pass that scores each cached context token by the question's attention.
+
+Imports torch and cachefuse.{adapters.base, attention, chunks, ops, select.base, store.base}; never vllm.
+Query-aware selectors (FusionRAG, QCFuse) pick the rows to recompute *before* the blend pass, from
+how much the question attends to each context token. The probe computes only the forced rows
+(holes, undeclared tokens, question, last token) through layers 0..depth-1, attending over a *view*
+of the loaded caches, and at each score layer scores every cached row by the question's softmax
+attention to it. It never writes a cached row and its K/V are dropped: the blend pass that follows
+recomputes the forced rows with the selected rows refreshed before them.
+
+```
+prompt:   | system | chunk A . a . . a | hole | chunk B a . . . | question |
+view:     | system |         a     a   | hole |         a       | question |   (anchors; or every row)
+scored:            | every row of A    |      | every row of B  |              (at the score layers)
+```
+
+Choices (docs/selectors.md, "Query-aware selectors"):
+- Score of a context token at layer l: its softmax attention probability from each question row
+  (full denominator: every key the row can see, the question's own keys included, as QCFuse's
+  reference code), summed over question rows and heads, summed over the score layers. The keys scored
+  are the full context's loaded keys at their request positions, whatever the view.
+- Question rows: every row after the last declared chunk (the prompt's tail), else the last token.
+- The view always holds the system chunk in full: it is the prefix every probe row needs and is
+  never a candidate. Anchor rows keep their request positions (not compacted), as QCFuse does.
+- Under tensor parallelism each rank scores its own heads; `ctx.reduce` sums them, so every rank
+  selects the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cachefuse import ops
+from cachefuse.adapters.base import ModelAdapter
+from cachefuse.attention import rows_attention_at, segment_attention_mass
+from cachefuse.chunks import Segment
+from cachefuse.select.base import ProbeSpec, SelectionContext
+from cachefuse.store.base import ChunkKV
+
+
+@dataclass
+class ProbeResult:
+    scores: torch.Tensor
+    """[num_candidates] fp32, aligned with `ctx.candidate_rows`; higher: more attended by the question."""
+    num_layers_run: int
+    """Layers the probe rows went through (the deepest score layer + 1)."""
+    num_view_rows: int
+    """Cached rows the probe attended over (system + anchors, or every loaded row)."""
+    num_probe_rows: int
+    """Rows the probe computed (the forced rows)."""
+
+
+def question_rows(segments: Sequence[Segment], num_tokens: int) -> torch.Tensor:
+    """Rows after the last declared chunk; the last token alone when the prompt ends inside a chunk."""
+    start = max((s.end for s in segments if s.is_chunk), default=num_tokens)
+    return torch.arange(min(start, num_tokens - 1), num_tokens)
+
+
+def _view_offsets(index: int, seg: Segment, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    if seg.is_system or not spec.anchors_only:
+        return torch.arange(seg.length)
+    return anchors[index]
+
+
+class _CachedContext:
+    """The loaded rows of one request, per layer: the view's K/V and, at score layers, every row's K."""
+
+    def __init__(self, segments: Sequence[Segment], loaded: Mapping[int, ChunkKV], spec: ProbeSpec,
+                 anchors: Mapping[int, torch.Tensor], rope_spec) -> None:
+        self.rope_spec = rope_spec
+        self.parts = []  # (entry, chunk-local view offsets, view positions, all positions)
+        for index in sorted(loaded):
+            seg = segments[index]
+            offsets = _view_offsets(index, seg, spec, anchors)
+            self.parts.append((loaded[index], offsets, seg.start + offsets, torch.arange(seg.start, seg.end)))
+        self.view_positions = (torch.cat([p[2] for p in self.parts]) if self.parts
+                               else torch.zeros(0, dtype=torch.int64))
+        self.all_positions = (torch.cat([p[3] for p in self.parts]) if self.parts
+                              else torch.zeros(0, dtype=torch.int64))
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated at request positions) and V of the view rows, in `view_positions` order."""
+        if not self.parts:
+            return torch.zeros(0), torch.zeros(0)
+        k_nope = torch.cat([entry.k_nope[layer][offsets] for entry, offsets, _, _ in self.parts])
+        v = torch.cat([entry.v[layer][offsets] for entry, offsets, _, _ in self.parts])
+        return ops.apply_rope(k_nope, self.view_positions, self.rope_spec), v
+
+    def all_keys(self, layer: int) -> torch.Tensor:
+        """K of every loaded row, rotated at its request position, in `all_positions` order."""
+        k_nope = torch.cat([entry.k_nope[layer] for entry, _, _, _ in self.parts])
+        return ops.apply_rope(k_nope, self.all_positions, self.rope_spec)
+
+
+def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence[Segment],
+              loaded: Mapping[int, ChunkKV], forced_rows: torch.Tensor, ctx: SelectionContext,
+              spec: ProbeSpec, anchors: Mapping[int, torch.Tensor], block_rows: int = 64) -> ProbeResult:
+    """Scores `ctx.candidate_rows` by the question's attention at `spec.score_layers` (see the module doc).
+
+    Args:
+        loaded: segment index -> its stored entry (whole; the probe reads only the view's rows of
+            layers below the deepest score layer and every row's K at the score layers).
+        forced_rows: sorted rows computed in every layer (holes, undeclared, question, last).
+        anchors: segment index -> sorted chunk-local offsets, for each loaded non-system chunk when
+            `spec.anchors_only`.
+    """
+    shape, num_tokens = adapter.shape, int(token_ids.numel())
+    context = _CachedContext(segments, loaded, spec, anchors, adapter.rope_spec)
+    key_positions, order = torch.cat([context.view_positions, forced_rows]).sort()
+    question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens))
+    score_layers = set(spec.score_layers)
+    scores = torch.zeros(num_tokens, dtype=torch.float32)
+    hidden, residual = adapter.embed(token_ids[forced_rows]), None
+    for layer in range(spec.depth):
+        x, residual = adapter.attention_input(layer, hidden, residual)
+        q_nope, k_nope, v = adapter.project_qkv(layer, x)
+        q, k = adapter.rotate(layer, forced_rows, q_nope, k_nope)
+        if layer in score_layers:
+            scores += _question_scores(q[question], forced_rows[question], k, forced_rows, context, layer,
+                                       num_tokens, shape.scaling, block_rows)
+        if layer == spec.depth - 1:
+            break  # the deepest score layer needs no attention output
+        view_k, view_v = context.view(layer)
+        keys = torch.cat([view_k.to(k.dtype), k])[order] if context.parts else k
+        values = torch.cat([view_v.to(v.dtype), v])[order] if context.parts else v
+        attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows)
+        hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
+    candidate_scores = ctx.reduce(scores[ctx.candidate_rows])
+    return ProbeResult(candidate_scores, spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()))
+
+
+def _question_scores(q_question, question_positions, fresh_k, forced_rows, context: _CachedContext,
+                     layer: int, num_tokens: int, scale: float, block_rows: int) -> torch.Tensor:
+    """[num_tokens] fp32: each key's attention probability from the question rows, summed over rows and heads."""
+    k_full = fresh_k.new_empty((num_tokens, *fresh_k.shape[1:]))
+    if context.parts:
+        k_full[context.all_positions] = context.all_keys(layer).to(fresh_k.dtype)
+    k_full[forced_rows] = fresh_k  # every row is loaded or forced: k_full is fully written
+    mass = segment_attention_mass(q_question, question_positions, k_full, torch.arange(num_tokens), num_tokens,
+                                  scale, block_rows)  # [num_heads, num_tokens]
+    return mass.sum(dim=0)
