@@ -22,7 +22,6 @@ from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.fusor import FuseRequest, Fusor
-from cachefuse.metadata.base import variant_store_key  # noqa: F401  (keeps the import graph honest)
 from cachefuse.probe import question_rows, run_probe
 from cachefuse.select import make_selector
 from cachefuse.select.base import ProbeSpec
