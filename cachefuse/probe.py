@@ -94,6 +94,17 @@ class _CachedContext:
         k_nope = torch.cat([entry.k_nope[layer] for entry, _, _, _ in self.parts])
         return ops.apply_rope(k_nope, self.all_positions, self.rope_spec)
 
+    def layer(self, layer: int, view: bool, scored: bool):
+        """The view's K/V (when `view`) and every loaded row's K (when `scored`) at `layer`, None where not
+        asked or nothing is loaded. With the full view both are the same rows: rotated once."""
+        if not self.parts:
+            return None, None, None
+        view_k, view_v = self.view(layer) if view else (None, None)
+        if not scored:
+            return view_k, view_v, None
+        view_is_all = self.view_positions.numel() == self.all_positions.numel()
+        return view_k, view_v, view_k if view_k is not None and view_is_all else self.all_keys(layer)
+
 
 def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence[Segment],
               loaded: Mapping[int, ChunkKV], forced_rows: torch.Tensor, ctx: SelectionContext,
@@ -118,26 +129,27 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
         x, residual = adapter.attention_input(layer, hidden, residual)
         q_nope, k_nope, v = adapter.project_qkv(layer, x)
         q, k = adapter.rotate(layer, forced_rows, q_nope, k_nope)
+        last = layer == spec.depth - 1  # the deepest score layer needs no attention output
+        view_k, view_v, all_k = context.layer(layer, view=not last, scored=layer in score_layers)
         if layer in score_layers:
-            scores += _question_scores(q[question], forced_rows[question], k, forced_rows, context, layer,
-                                       num_tokens, shape.scaling, block_rows)
-        if layer == spec.depth - 1:
-            break  # the deepest score layer needs no attention output
-        view_k, view_v = context.view(layer)
-        keys = torch.cat([view_k.to(k.dtype), k])[order] if context.parts else k
-        values = torch.cat([view_v.to(v.dtype), v])[order] if context.parts else v
+            scores += _question_scores(q[question], forced_rows[question], k, forced_rows, all_k,
+                                       context.all_positions, num_tokens, shape.scaling, block_rows)
+        if last:
+            break
+        keys = torch.cat([view_k.to(k.dtype), k])[order] if view_k is not None else k
+        values = torch.cat([view_v.to(v.dtype), v])[order] if view_v is not None else v
         attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows)
         hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
     candidate_scores = ctx.reduce(scores[ctx.candidate_rows])
     return ProbeResult(candidate_scores, spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()))
 
 
-def _question_scores(q_question, question_positions, fresh_k, forced_rows, context: _CachedContext,
-                     layer: int, num_tokens: int, scale: float, block_rows: int) -> torch.Tensor:
+def _question_scores(q_question, question_positions, fresh_k, forced_rows, loaded_k, loaded_positions,
+                     num_tokens: int, scale: float, block_rows: int) -> torch.Tensor:
     """[num_tokens] fp32: each key's attention probability from the question rows, summed over rows and heads."""
     k_full = fresh_k.new_empty((num_tokens, *fresh_k.shape[1:]))
-    if context.parts:
-        k_full[context.all_positions] = context.all_keys(layer).to(fresh_k.dtype)
+    if loaded_k is not None:
+        k_full[loaded_positions] = loaded_k.to(fresh_k.dtype)
     k_full[forced_rows] = fresh_k  # every row is loaded or forced: k_full is fully written
     mass = segment_attention_mass(q_question, question_positions, k_full, torch.arange(num_tokens), num_tokens,
                                   scale, block_rows)  # [num_heads, num_tokens]
