@@ -192,12 +192,17 @@ class FusionEngine:
         segments = [s for s in segment_prompt(len(token_ids), chunks) if s.is_chunk]
         keys = [self.meta_key(token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments]
         index = VariantIndex()
+        queued: dict[str, list[VariantRecord]] = {}  # rows a background save has not written yet
+        for record in [] if self.saver is None else self.saver.pending_records():
+            queued.setdefault(record.chunk_key, []).append(record)
         for key in dict.fromkeys(keys):
             try:
                 records = self.metastore.variants(key)
             except StoreError as exc:
                 logger.warning("cachefuse: variant metadata unavailable (%s): chunk %s is a miss", exc, key)
                 continue
+            known = {r.variant_id for r in records}
+            records += [r for r in queued.get(key, ()) if r.variant_id not in known]
             for record in records:
                 index.add(record)
             if not records and self.key_context == self.meta_key_context and self.store.contains(key):
@@ -294,6 +299,10 @@ class FusionEngine:
         if not self.writes_metadata:
             return
         uses = [(c.variant_id, c.cfo) for i, c in chosen.items() if i in loaded and c.has_metadata]
+        if self.saver is not None:  # a variant still queued for writing has no row yet: counted once it has
+            uses = self.saver.defer_uses(uses)
+        if not uses:
+            return
         try:
             self.metastore.record_uses(uses)
         except StoreError as exc:

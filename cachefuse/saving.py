@@ -9,7 +9,9 @@ A write costs a device-to-host copy, a serialisation, an fsync and a metadata tr
 trip when shared). `BackgroundSaver` takes all of it off the request's path: a daemon thread drains a
 queue bounded in bytes; a hole that does not fit is skipped and counted, never waited for. Until written,
 a queued hole reads as stored through `PendingReadsStore` (so the next request reuses it at once),
-and a save that then fails is reported like an eviction, for the scheduler's index to forget. A crash
+its reuses are recorded on its row once written (`defer_uses`), a save that then fails is reported
+like an eviction, for the scheduler's index to forget (unless the hole was queued again meanwhile), and
+one written is reported too (the index then trusts its snapshots for it again). A crash
 mid-write leaves no readable partial entry (the disk tier renames complete files only); `close()`
 flushes what is queued, within a bound.
 """
@@ -65,6 +67,8 @@ class SaveReport:
     """Holes the store or the metadata store refused (full of pinned entries, unwritable, unreachable)."""
     skipped: int = 0
     """Holes not saved because the background writer's queue was full."""
+    written: list[str] = field(default_factory=list)
+    """Store keys the background writer finished writing (announced earlier under `saved_keys`)."""
 
     def add(self, other: SaveReport) -> None:
         self.saved_keys += other.saved_keys
@@ -72,9 +76,11 @@ class SaveReport:
         self.evicted += other.evicted
         self.failures += other.failures
         self.skipped += other.skipped
+        self.written += other.written
 
     def is_empty(self) -> bool:
-        return not (self.saved_keys or self.records or self.evicted or self.failures or self.skipped)
+        return not (self.saved_keys or self.records or self.evicted or self.failures or self.skipped
+                    or self.written)
 
 
 def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str], meta_keys: dict[int, str],
@@ -177,13 +183,23 @@ class HoleWriter:
             self.store.remove(victim.store_key)
         return SaveReport(saved_keys=[store_key], records=[record], evicted=[v.variant_id for v in victims])
 
+    def record_uses(self, uses: Sequence[tuple[str, float]]) -> None:
+        """Reuses of variants this writer has just written (deferred while they were queued)."""
+        if not uses or not self.writes_metadata:
+            return
+        try:
+            self.metastore.record_uses(uses)
+        except StoreError as exc:
+            logger.warning("cachefuse: reuse of %d queued variants not recorded (%s)", len(uses), exc)
+
 
 class BackgroundSaver:
     """Writes hole saves on one daemon thread, behind the requests that computed them.
 
     The queue holds at most `max_bytes` of K/V: a save that does not fit is skipped and counted, never
     waited for (the request's path only copies the hole out of the pass). A queued save reads as stored
-    (`entry`) until written; one queued twice is written once.
+    (`entry`) until written; one queued twice is written once. Reuses of a queued variant wait with it
+    and are recorded right after its row is written (`defer_uses`).
 
     Args:
         writer: does each write, on the thread.
@@ -201,6 +217,7 @@ class BackgroundSaver:
         self._cond = threading.Condition()
         self._queue: deque[HoleSave] = deque()
         self._pending: dict[str, HoleSave] = {}  # queued or being written, by store key
+        self._deferred_uses: dict[str, list[tuple[str, float]]] = {}  # store key -> (variant id, CFO)
         self._pending_bytes = 0
         self._report = SaveReport()  # what the thread did since the last take_report
         self._closed = False
@@ -231,6 +248,12 @@ class BackgroundSaver:
                 report.saved_keys.append(save.store_key)
                 if self.writer.writes_metadata:
                     report.records.append(self.writer.stored_record(save))
+                # An earlier save of this variant failed and its report is not taken yet: this one,
+                # announced after it, supersedes it (the index must not forget the variant after
+                # learning it anew in the same step). The failure still counts.
+                variant_id = save.record.variant_id
+                if variant_id in self._report.evicted:
+                    self._report.evicted = [v for v in self._report.evicted if v != variant_id]
             self._cond.notify_all()
         if report.skipped:
             logger.warning("cachefuse: %d hole save(s) skipped: the writer's queue holds %d of %d bytes",
@@ -242,6 +265,28 @@ class BackgroundSaver:
         with self._cond:
             save = self._pending.get(store_key)
         return None if save is None else save.entry
+
+    def pending_records(self) -> list[VariantRecord]:
+        """The metadata rows of queued saves, as they will be written (none on ranks that write no rows)."""
+        if not self.writer.writes_metadata:
+            return []
+        with self._cond:
+            saves = list(self._pending.values())
+        return [self.writer.stored_record(save) for save in saves]
+
+    def defer_uses(self, uses: Sequence[tuple[str, float]]) -> list[tuple[str, float]]:
+        """Keeps the reuses of variants whose save is still queued or being written, to record once
+        their row exists; returns the others (their rows exist or never will: the caller records them)."""
+        rest = []
+        with self._cond:
+            by_variant = {s.record.variant_id: key for key, s in self._pending.items()}
+            for variant_id, cfo in uses:
+                key = by_variant.get(variant_id)
+                if key is None:
+                    rest.append((variant_id, cfo))
+                else:
+                    self._deferred_uses.setdefault(key, []).append((variant_id, cfo))
+        return rest
 
     def discard(self, store_key: str) -> None:
         """Forgets a queued save not yet taken by the thread (its key is being removed)."""
@@ -300,17 +345,26 @@ class BackgroundSaver:
             except Exception:  # noqa: BLE001 - the writer must outlive any one save
                 logger.exception("cachefuse: saving hole %s failed", save.store_key)
                 done = SaveReport(failures=1)
-            if not done.saved_keys and done.failures:
+            written = not done.failures
+            if not written:
                 done.evicted.append(save.record.variant_id)  # announced at submit: the index forgets it
-            with self._cond:
-                self._forget(save)
-                self._report.add(dataclasses.replace(done, saved_keys=[], records=[]))
-                self._cond.notify_all()
+            while True:
+                with self._cond:
+                    uses = self._deferred_uses.pop(save.store_key, []) if written else []
+                    if not uses:  # still pending until here: a later reuse finds the row and records itself
+                        self._forget(save)
+                        self._report.add(dataclasses.replace(done, saved_keys=[], records=[],
+                                                             written=[save.store_key] if written else []))
+                        self._cond.notify_all()
+                        break
+                self.writer.record_uses(uses)  # outside the lock: a metadata transaction
 
     def _forget(self, save: HoleSave) -> None:
+        """Drops a save from the pending set, with any reuses deferred on it."""
         if self._pending.get(save.store_key) is save:
             del self._pending[save.store_key]
             self._pending_bytes -= save.entry.nbytes
+            self._deferred_uses.pop(save.store_key, None)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

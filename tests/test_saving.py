@@ -4,8 +4,10 @@
   would wait: the negative control); the queued hole reads as stored at once, and the next prefill
   reuses it with the output of an engine that saved inline;
 - a full queue skips the save and counts it, without waiting; the same hole queued twice is written once;
-- a save that fails after it was announced comes back as a failure and an eviction of its variant id;
-  a writer that raises keeps writing the next save;
+- a save that fails after it was announced comes back as a failure and an eviction of its variant id,
+  unless the hole was queued again before the report was taken; a writer that raises keeps writing the
+  next save; a written save is reported as written;
+- a reuse of a queued variant is recorded on its row once the row is written (before, it has no row);
 - close() writes what is queued (flush), reports what it could not within its bound, refuses later saves;
 - metadata evictions made by the writer reach take_report, with their K/V deleted.
 """
@@ -107,7 +109,10 @@ def test_prefill_never_waits_for_the_store_and_the_queued_hole_is_reused_at_once
 
     store.gate.set()
     assert engine.saver.flush(WAIT_S) and store.contains(saved) and engine.metastore.count() >= 1
-    assert engine.take_save_report().is_empty()  # announced at submit; nothing new to say
+    report = engine.take_save_report()  # announced at submit; now only that it was written
+    assert report.written == [saved] and not (report.failures or report.evicted or report.saved_keys)
+    (variant_id,) = [r.variant_id for r in engine.metastore.all_records() if r.store_key == saved]
+    assert engine.metastore.get(variant_id).access_count == 1  # the reuse while queued, recorded once written
 
 
 def test_inline_saving_waits_for_the_store(adapter, case):
@@ -152,6 +157,47 @@ def test_a_save_that_fails_later_is_reported_and_the_writer_survives_an_exceptio
     store.refuse = True
     saver.submit([_save("c" * 16)])
     assert saver.flush(WAIT_S) and saver.take_report().failures == 1 and not store.contains("c" * 16)
+
+
+def test_a_hole_queued_again_after_its_save_failed_is_not_forgotten():
+    """The failure and the new announcement reach the scheduler in one step (the report is taken once per
+    step): the later announcement wins, or the index would forget a variant the writer is about to write."""
+    store = GatedStore(_identity())
+    saver = _saver(store, max_bytes=1 << 20)
+    store.refuse = True
+    store.gate.set()
+    variant_id = saver.submit([_save("a" * 16)]).records[0].variant_id
+    assert saver.flush(WAIT_S)
+    store.refuse = False
+    assert saver.submit([_save("a" * 16)]).saved_keys == ["a" * 16]  # the same hole, computed again
+    assert saver.flush(WAIT_S)
+    report = saver.take_report()
+    assert report.failures == 1 and report.evicted == [] and report.written == ["a" * 16]
+    assert store.contains("a" * 16)
+
+    # Negative control: taken before the hole is queued again, the failure still says "forget it".
+    store.refuse = True
+    saver.submit([_save("a" * 16)])  # "a" is written: the writer finds it and stops (not a failure)
+    variant_b = saver.submit([_save("b" * 16)]).records[0].variant_id
+    assert saver.flush(WAIT_S)
+    failed = saver.take_report()
+    assert failed.failures == 1 and failed.evicted == [variant_b] and variant_id not in failed.evicted
+
+
+def test_reuses_of_a_queued_variant_are_recorded_once_its_row_is_written():
+    store = GatedStore(_identity())
+    metastore = SqliteMetaStore(":memory:", max_variants=100)
+    saver = _saver(store, max_bytes=1 << 20, metastore=metastore)
+    variant_id = saver.submit([_save("a" * 16)]).records[0].variant_id
+    other = VariantRecord.without_stats("c" * 16, (), 4)
+    metastore.put(other)
+    assert metastore.record_uses([(variant_id, 0.0)]) == 0  # negative control: no row yet, the use is lost
+    rest = saver.defer_uses([(variant_id, 0.0), (other.variant_id, 0.5)])
+    assert rest == [(other.variant_id, 0.5)]  # written already: the caller records it
+    store.gate.set()
+    assert saver.flush(WAIT_S)  # returns once the deferred use is on the row
+    assert metastore.get(variant_id).access_count == 1
+    assert saver.defer_uses([(variant_id, 0.0)]) == [(variant_id, 0.0)]  # written: no longer deferred
 
 
 def test_close_writes_the_queue_and_reports_what_it_could_not():

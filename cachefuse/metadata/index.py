@@ -89,8 +89,16 @@ def new_prefixes(chunk_keys: Sequence[str], is_system: Sequence[bool],
 class VariantIndex:
     """chunk key -> its variants' metadata (insertion order), plus plain K/V keys without metadata.
 
-    Thread-safe for one writer and many readers: every change replaces whole per-chunk lists, and
+    Two writers (the scheduler, with what the worker reports, and `IndexRefresher`'s thread) change it
+    under one lock; readers never take it: every change replaces whole per-chunk lists, and
     `replace_all` swaps the dicts in one assignment.
+
+    What the worker announces (`announce`: saved behind the response, written moments later) outlives
+    a snapshot that does not hold it yet: a reload taken while the writer is still behind must not
+    forget a variant the next request can load. An announced variant leaves that state when a snapshot
+    holds it, when the worker reports it gone (`remove`), or at the first snapshot read after the
+    worker reported it written (`confirm_written`; that snapshot is then the truth, e.g. another
+    engine evicted it). A removal also outlives a snapshot read before it (`snapshot_started`).
 
     Args:
         records: variant metadata.
@@ -99,10 +107,16 @@ class VariantIndex:
 
     def __init__(self, records: Iterable[VariantRecord] = (), plain_keys: Iterable[str] = (),
                  plain_tier: str | None = None) -> None:
+        self._lock = threading.Lock()
         self._by_chunk: dict[str, list[VariantRecord]] = {}
         self._plain: dict[str, str | None] = dict.fromkeys(plain_keys, plain_tier)  # key -> tier listed in
+        self._announced: dict[str, VariantRecord] = {}  # variant id -> record no snapshot has held yet
+        self._announced_plain: set[str] = set()  # K/V keys no listing has held yet
+        self._removed: set[str] | None = None  # variant ids removed since the running snapshot was read
+        self._written: set[str] = set()  # announced K/V keys the worker has since written
+        self._expiring: set[str] = set()  # written before the running snapshot was read: it decides
         for record in records:
-            self.add(record)
+            self._add(record)
 
     def __contains__(self, chunk_key: object) -> bool:
         return isinstance(chunk_key, str) and self.has(chunk_key)
@@ -122,6 +136,23 @@ class VariantIndex:
 
     def add(self, record: VariantRecord) -> None:
         """Add or replace (same variant id) one variant; an upsert keeps its place."""
+        with self._lock:
+            self._add(record)
+
+    def announce(self, records: Iterable[VariantRecord], plain_keys: Iterable[str] = ()) -> None:
+        """Variants and K/V keys the worker saved (or queued for its writer): added, and kept across
+        reloads until a snapshot holds them."""
+        with self._lock:
+            for record in records:
+                self._add(record)
+                self._announced[record.variant_id] = record
+                if self._removed is not None:
+                    self._removed.discard(record.variant_id)
+            for key in plain_keys:
+                self._plain.setdefault(key, None)
+                self._announced_plain.add(key)
+
+    def _add(self, record: VariantRecord) -> None:
         records = list(self._by_chunk.get(record.chunk_key, ()))
         for i, old in enumerate(records):
             if old.variant_id == record.variant_id:
@@ -133,12 +164,22 @@ class VariantIndex:
 
     def add_plain_keys(self, keys: Iterable[str], tier: str | None = None) -> None:
         """K/V keys known to exist, in `tier` (None: not known; a tier already known for a key stays)."""
-        for key in keys:
-            if tier is not None or key not in self._plain:
-                self._plain[key] = tier
+        with self._lock:
+            for key in keys:
+                if tier is not None or key not in self._plain:
+                    self._plain[key] = tier
 
     def remove(self, variant_id: str) -> None:
         """Forget a variant (evicted, or found stale by the worker); also its plain K/V key."""
+        with self._lock:
+            if self._removed is not None:
+                self._removed.add(variant_id)
+            gone = self._announced.pop(variant_id, None)
+            if gone is not None:
+                self._announced_plain.discard(gone.store_key)
+            self._remove(variant_id)
+
+    def _remove(self, variant_id: str) -> None:
         for chunk, records in list(self._by_chunk.items()):
             kept = [r for r in records if r.variant_id != variant_id]
             if len(kept) != len(records):
@@ -151,12 +192,46 @@ class VariantIndex:
                     del self._by_chunk[chunk]
                 return
 
+    def confirm_written(self, store_keys: Iterable[str]) -> None:
+        """The worker wrote these announced K/V keys: the next snapshot read decides whether they stay."""
+        with self._lock:
+            announced = self._announced_plain | {r.store_key for r in self._announced.values()}
+            self._written.update(key for key in store_keys if key in announced)
+
+    def snapshot_started(self) -> None:
+        """The refresher is about to read a snapshot: removals from now on are applied on top of it,
+        and announcements written before now are left to it."""
+        with self._lock:
+            self._removed = set()
+            self._expiring, self._written = self._expiring | self._written, set()  # | a failed read's
+
     def replace_all(self, records: Iterable[VariantRecord], plain_keys: Iterable[str] | None = None,
                     plain_tier: str | None = None) -> None:
-        """Swap in a fresh snapshot (the refresher's reload); `plain_keys` None keeps the known ones."""
-        fresh = VariantIndex(records)
-        fresh._plain = dict(self._plain) if plain_keys is None else dict.fromkeys(plain_keys, plain_tier)
-        self._by_chunk, self._plain = fresh._by_chunk, fresh._plain
+        """Swap in a fresh snapshot (the refresher's reload); `plain_keys` None keeps the known ones.
+        Announced variants the snapshot lacks are kept, variants removed since `snapshot_started` are
+        dropped from it."""
+        fresh = VariantIndex()
+        with self._lock:
+            removed, expiring = self._removed or set(), self._expiring
+            for record in records:
+                if record.variant_id not in removed:
+                    fresh._add(record)
+                    self._announced.pop(record.variant_id, None)  # the snapshot holds it
+            for variant_id, record in list(self._announced.items()):
+                if record.store_key in expiring:
+                    del self._announced[variant_id]  # written before the snapshot was read, not in it: gone
+                else:
+                    fresh._add(record)
+            if plain_keys is None:
+                fresh._plain = dict(self._plain)
+                self._announced_plain -= expiring
+            else:
+                fresh._plain = dict.fromkeys(plain_keys, plain_tier)
+                self._announced_plain -= fresh._plain.keys() | expiring
+                for key in self._announced_plain:
+                    fresh._plain.setdefault(key, None)
+            self._by_chunk, self._plain = fresh._by_chunk, fresh._plain
+            self._removed, self._expiring = None, set()
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float,
                num_tokens: int) -> VariantChoice | None:
@@ -248,11 +323,12 @@ class IndexRefresher:
         generation = store.generation()
         if generation == self._seen_generation:
             return False
-        records = store.all_records()
-        plain = None if self._plain_keys is None else list(self._plain_keys())
         index = self._index_ref()
         if index is None:
             return False
+        index.snapshot_started()
+        records = store.all_records()
+        plain = None if self._plain_keys is None else list(self._plain_keys())
         index.replace_all(records, plain, self._plain_tier)
         self._seen_generation = generation
         self.reloads += 1

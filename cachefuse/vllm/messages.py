@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import VariantChoice
 
 
@@ -71,6 +72,35 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
     background save announced earlier that then failed)."""
     save_failures: int = 0
     """Background hole saves that failed since the last step (counted apart from any request)."""
+    written_keys: list[str] = field(default_factory=list)
+    """Store keys announced in `saved_keys` earlier that the background writer has now written."""
+
+    # The scheduler applies a step's saved variants before its evicted ones; announce and evict keep
+    # the two lists disjoint, so the later event of the step wins: a variant evicted and then saved
+    # again stays known, one announced and then refused is forgotten.
+
+    def announce(self, saved_keys: list[str], records: list[dict[str, Any]]) -> None:
+        """Variants (record_to_dict) and K/V keys saved (or queued for the writer) now."""
+        self.saved_keys.extend(saved_keys)
+        ids = {record_from_dict(data).variant_id for data in records}
+        self.evicted_variants = [v for v in self.evicted_variants if v not in ids]
+        self.saved_variants.extend(records)
+
+    def evict(self, variant_ids: list[str]) -> None:
+        """Variants gone now (evicted, found missing, or their announced save failed)."""
+        ids = set(variant_ids)
+        if not ids:
+            return
+        kept, gone_keys = [], set()
+        for data in self.saved_variants:
+            record = record_from_dict(data)
+            if record.variant_id in ids:
+                gone_keys.add(record.store_key)
+            else:
+                kept.append(data)
+        self.saved_variants = kept
+        self.saved_keys = [key for key in self.saved_keys if key not in gone_keys]
+        self.evicted_variants.extend(variant_ids)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> CacheFuseWorkerMeta:
         """Merge across ranks: a fallback on any rank is the request's outcome (all ranks fall back)."""
@@ -82,4 +112,5 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
         return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)),
                                    self.figures or other.figures, self.saved_variants + other.saved_variants,
                                    sorted(set(self.evicted_variants) | set(other.evicted_variants)),
-                                   self.save_failures + other.save_failures)
+                                   self.save_failures + other.save_failures,
+                                   sorted(set(self.written_keys) | set(other.written_keys)))

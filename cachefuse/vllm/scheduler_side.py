@@ -271,11 +271,12 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, CacheFuseWorkerMeta):
-            self.index.add_plain_keys(meta.saved_keys)
-            for data in meta.saved_variants:
-                self.index.add(record_from_dict(data))
+            # Announced: saved behind the response, perhaps not written yet; kept across index reloads
+            # until the worker reports them written (written_keys) and a reload has seen them.
+            self.index.announce([record_from_dict(data) for data in meta.saved_variants], meta.saved_keys)
             for variant_id in meta.evicted_variants:
                 self.index.remove(variant_id)
+            self.index.confirm_written(meta.written_keys)
             self.counters["save_failures"] += meta.save_failures
             if meta.figures is not None:
                 self.figures = meta.figures

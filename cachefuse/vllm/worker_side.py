@@ -132,9 +132,8 @@ class WorkerSide:
             self.engine.fusor.attention_backend = None
         if not self.paged_attention:
             self._write_kv(result, layers, slot_mapping[: len(plan.token_ids) - 1])
-        self._meta.saved_keys.extend(stats.saved_keys)
-        self._meta.saved_variants.extend(record_to_dict(r) for r in stats.saved_variants)
-        self._meta.evicted_variants.extend(stats.evicted_variants)
+        self._meta.evict(stats.evicted_variants)
+        self._meta.announce(stats.saved_keys, [record_to_dict(r) for r in stats.saved_variants])
         self.figures.observe_blend(stats, len(plan.token_ids))
         if self.placement is not None:
             self.placement.record(self.engine.key(plan.token_ids[s:e], at_prompt_start=s == 0)
@@ -175,12 +174,14 @@ class WorkerSide:
             self._meta.figures = self.figures.snapshot()
             self.figures.changed = False
         written = self.engine.take_save_report()  # background saves finished since the last step
-        self._meta.evicted_variants.extend(written.evicted)
+        self._meta.evict(written.evicted)
+        self._meta.written_keys.extend(written.written)
         self._meta.save_failures += written.failures
         if written.failures:
             self._stats.record(save_failures=written.failures)
         if (not self._meta.request_stats and not self._meta.saved_keys and self._meta.figures is None
-                and not self._meta.evicted_variants and not self._meta.save_failures):
+                and not self._meta.evicted_variants and not self._meta.save_failures
+                and not self._meta.written_keys):
             return None
         meta, self._meta = self._meta, CacheFuseWorkerMeta()
         return meta

@@ -290,3 +290,63 @@ def test_refresher_reloads_on_generation_change_and_survives_errors(tmp_path):
         assert "Q" in index2 and "J" not in index2
     finally:
         background.stop()
+
+
+class DuringRead(FlakyStore):
+    """A snapshot read during which something happens (the scheduler's thread, racing the refresher)."""
+
+    def __init__(self, on_read) -> None:
+        super().__init__()
+        self.on_read = on_read
+
+    def all_records(self):
+        records = list(self.records)
+        self.on_read()
+        return records
+
+
+def test_announced_variants_outlive_reloads_until_written_and_seen():
+    """The worker announces a hole at submit and writes it later; a reload in between must not forget it
+    (the next request would recompute a chunk it could load), while a plain add is a snapshot's to drop."""
+    store = FlakyStore()
+    index = VariantIndex()
+    refresher = IndexRefresher(index, lambda: store, interval_s=3600, plain_keys=lambda: ["L"], plain_tier="disk")
+    queued = VariantRecord.without_stats("Q", ("A",), 4)
+    unannounced = VariantRecord.without_stats("U", ("A",), 4)
+    index.announce([queued], [queued.store_key])
+    index.add(unannounced)  # negative control: not announced, so only the snapshot speaks for it
+    store.gen = 1
+    assert refresher.refresh_once(store)
+    assert index.variants("Q") == [queued] and index.variants("U") == [] and index.choose("L", (), 1.0, 2)
+
+    index.confirm_written([queued.store_key])
+    store.records, store.gen = [queued], 2  # written, and the next snapshot holds it
+    assert refresher.refresh_once(store) and index.variants("Q") == [queued]
+    store.records, store.gen = [], 3  # then evicted elsewhere (another engine): the snapshot decides
+    assert refresher.refresh_once(store) and index.variants("Q") == []
+
+    gone = VariantRecord.without_stats("G", ("A",), 4)
+    index.announce([gone], [gone.store_key])
+    index.confirm_written([gone.store_key])  # written, then removed before any reload saw it
+    store.gen = 4
+    assert refresher.refresh_once(store) and index.variants("G") == [] and gone.store_key not in index
+
+
+def test_a_reload_honours_what_changed_while_its_snapshot_was_read():
+    removed = VariantRecord.without_stats("R", (), 4)
+    confirmed = VariantRecord.without_stats("C", ("A",), 4)
+    index = VariantIndex([removed])
+    index.announce([confirmed])
+
+    def scheduler_step():  # the worker reports R evicted and C written while the refresher reads
+        index.remove(removed.variant_id)
+        index.confirm_written([confirmed.store_key])
+
+    store = DuringRead(scheduler_step)
+    store.records, store.gen = [removed], 1  # read before the eviction; C's row not in it yet
+    refresher = IndexRefresher(index, lambda: store, interval_s=3600)
+    assert refresher.refresh_once(store)
+    assert index.variants("R") == []  # the eviction is not undone by the older snapshot
+    assert index.variants("C") == [confirmed]  # written after the read began: this snapshot cannot know
+    store.on_read, store.records, store.gen = (lambda: None), [], 2
+    assert refresher.refresh_once(store) and index.variants("C") == []  # the next one decides

@@ -394,3 +394,34 @@ def test_cachecraft_admission_plans_one_chunk_in_full_and_its_save_serves_the_re
                               for k, n in ((key_sys, 10), (key_a, 50), (key_b, 30))))
     (plan,) = schedule(control, request("c1", params=chunks))
     assert [c.cfo for c in plan.variants] == [0.0, 0.0, 0.5]
+
+
+def test_a_reload_while_the_writer_is_behind_keeps_what_the_worker_announced(make_side):
+    """The worker announces holes at submit and writes them later (fsyncs, a metadata transaction); the
+    index refresher's reload in between (another save bumped the generation) must not drop them, or the
+    next request recomputes chunks it could load. Once written and seen by a reload, the snapshot rules."""
+    side = make_side()
+    req = request("r1")
+    key_a = chunk_key(req.prompt_token_ids[10:60], side.key_context)
+    queued = VariantRecord(chunk_key=key_a, prefix=("x",), inter={"x": 1.0}, intra=1.0, num_tokens=50,
+                           prefix_num_tokens={"x": 5})
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        saved_keys=[queued.store_key], saved_variants=[record_to_dict(queued)])))
+    with side._refresher._open() as metastore:  # another save lands: the generation moves, a reload follows
+        metastore.put(VariantRecord.without_stats("elsewhere", (), 4))
+        assert side._refresher.refresh_once(metastore)
+        assert [r.variant_id for r in side.index.variants(key_a)] == [queued.variant_id]
+        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+            written_keys=[queued.store_key])))
+        metastore.put(VariantRecord.without_stats("more", (), 4))  # its row is not there: evicted meanwhile
+        assert side._refresher.refresh_once(metastore) and side.index.variants(key_a) == []
+
+
+def test_a_step_reports_the_later_of_an_eviction_and_a_save_of_one_variant():
+    record = VariantRecord.without_stats("k" * 32, ("p",), 4)
+    meta = CacheFuseWorkerMeta()
+    meta.evict([record.variant_id])  # an earlier save failed ...
+    meta.announce([record.store_key], [record_to_dict(record)])  # ... and the hole was saved again
+    assert meta.evicted_variants == [] and meta.saved_keys == [record.store_key]
+    meta.evict([record.variant_id])  # announced, then refused by the writer within the same step
+    assert meta.saved_variants == [] and meta.saved_keys == [] and meta.evicted_variants == [record.variant_id]
