@@ -41,6 +41,8 @@ def main() -> None:
             corrupt_rank_entry(model_dir, store_dir, a, tp_size, rank=1)
             continue
         params = {"cachefuse": {"chunks": chunks, "recompute_ratio": ratio}}
+        if name.startswith("precompute"):  # written before the answer, as `cachefuse precompute` asks: a
+            params["cachefuse"]["sync_save"] = True  # fault mode then damages a file that is there
         sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20,
                                   extra_args={"kv_transfer_params": params})
         (out,) = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)
