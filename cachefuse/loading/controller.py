@@ -20,6 +20,10 @@ What it prices is what the pass will do:
   cannot hide; docs/loading.md, "Which tier a chunk is priced at").
 - Rows, as the selector picks them (`Selector.estimate_rows`): rows it plans per chunk whatever r
   (`num_planned_rows`, cachecraft's ceil(CFO x chunk)) plus ceil(r x the candidates it picks by ratio).
+- A query-aware selector's question probe (`RequestShape.num_probe_layers`): the forced rows through
+  that many layers before the pass. The probe reads whole entries, so such a request loads every chunk
+  before it computes: its fused TTFT is load + probe + pass (nothing overlaps), and raising r hides no
+  load, so r stays r_min and the preload depth is 0.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class RequestShape:
     x chunk) per chunk; epic with a fixed k), from `Selector.estimate_rows`."""
     num_ratio_candidates: int | None = None
     """Candidates the selector picks ceil(r x n) of; None: all `num_candidates` (cacheblend, random)."""
+    num_probe_layers: int = 0
+    """Layers a query-aware selector's question probe runs before the pass (`ProbeSpec.depth`): the
+    forced rows through each, over at most `num_tokens` keys. Non-zero: the load precedes all compute."""
 
     def __post_init__(self) -> None:
         listed = sum(self.bytes_by_tier.values())
@@ -79,6 +86,8 @@ class Decision:
     """Seconds of loading, by the tier each chunk is priced at (they add up to est_load_s)."""
     est_rows: int
     """Candidate rows recomputed at each selective layer (`selected_rows` at `ratio`), forced rows apart."""
+    est_probe_s: float = 0.0
+    """The question probe's share of `est_recompute_s` (query-aware selectors; 0 otherwise)."""
 
 
 def ratio_candidates(shape: RequestShape) -> int:
@@ -100,6 +109,11 @@ def recompute_time(shape: RequestShape, figures: ComputeFigures, ratio: float) -
     num_selective = shape.num_layers - shape.num_full_layers
     return (shape.num_full_layers * figures.layer_time(shape.num_tokens, ctx)
             + num_selective * figures.layer_time(rows, ctx))
+
+
+def probe_time(shape: RequestShape, figures: ComputeFigures) -> float:
+    """The question probe: the forced rows through `num_probe_layers` layers (0 without a probe)."""
+    return shape.num_probe_layers * figures.layer_time(shape.num_forced, shape.num_tokens)
 
 
 def tier_bytes(chunks: Iterable[tuple[int, Sequence[str]]], tiers: Sequence[TierFigures]) -> dict[str, int]:
@@ -267,18 +281,23 @@ def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFig
     load_by_tier = load_seconds_by_tier(shape, tiers)
     est_load = sum(load_by_tier.values())
     tier = max(load_by_tier, key=load_by_tier.__getitem__, default=None)
+    probes = shape.num_probe_layers > 0
     if ratio_mode == "fixed":
         ratio, why = fixed_ratio, f"fixed ratio {fixed_ratio:.3f}"
+    elif probes:
+        ratio, why = r_min, "r_min: the question probe loads every chunk first, so no r hides the load"
     else:
         ratio, why = choose_ratio(shape, figures, est_load, r_min, r_max)
     rows = selected_rows(shape, ratio)
-    est_recompute = recompute_time(shape, figures, ratio)
-    est_fused = max(est_load, est_recompute)
+    est_probe = probe_time(shape, figures)
+    est_recompute = recompute_time(shape, figures, ratio) + est_probe
+    est_fused = est_load + est_recompute if probes else max(est_load, est_recompute)
     est_prefill = figures.prefill_time(shape.num_tokens)
     layers = max(1, shape.num_layers)
-    depth = pipeline_depth(layer_compute_times(shape, figures, ratio), est_load / layers)
+    depth = 0 if probes else pipeline_depth(layer_compute_times(shape, figures, ratio), est_load / layers)
+    probe_part = f", of which probe {est_probe * 1e3:.1f} ms; loaded first" if probes else ""
     cmp = (f"estimated fused {est_fused * 1e3:.1f} ms (load {_describe_load(load_by_tier)}, "
-           f"recompute {est_recompute * 1e3:.1f} ms)")
+           f"recompute {est_recompute * 1e3:.1f} ms{probe_part})")
     vllm = f"vLLM prefill {est_prefill * 1e3:.1f} ms"
     every_row = shape.num_candidates > 0 and rows >= shape.num_candidates
     if est_fused < (1.0 - margin) * est_prefill and not every_row:
@@ -291,4 +310,4 @@ def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFig
         verdict = f"{'force_fuse' if force_fuse else 'no-go'}: {cmp} >= {vllm} less {margin:.0%} ({bound})"
     return Decision(fuse=fuse, ratio=ratio, tier=tier, reason=f"{verdict}; {why}", est_fused_s=est_fused,
                     est_prefill_s=est_prefill, est_load_s=est_load, est_recompute_s=est_recompute,
-                    preload_depth=depth, est_load_by_tier_s=load_by_tier, est_rows=rows)
+                    preload_depth=depth, est_load_by_tier_s=load_by_tier, est_rows=rows, est_probe_s=est_probe)

@@ -379,3 +379,21 @@ def test_preload_depth_bounds():
         preload_depth(0, 1.0, 2.0)
     with pytest.raises(ValueError):
         preload_depth(4, -1.0, 2.0)
+
+
+def test_a_question_probe_is_priced_and_its_load_is_not_hidden():
+    """A query-aware selector probes the question before the pass, over entries it loads whole first:
+    the estimate adds the probe's layers and the load (no overlap); r stays r_min and depth 0. The same
+    shape without a probe (the control) overlaps the load and prices no probe."""
+    probe_shape = replace(SHAPE, num_full_layers=0, num_probe_layers=20)
+    plain_shape = replace(probe_shape, num_probe_layers=0)
+    for tiers in ([MEMORY], [DISK]):
+        probed, plain = _decide(probe_shape, tiers), _decide(plain_shape, tiers)
+        probe_s = 20 * FIG.layer_time(SHAPE.num_forced, SHAPE.num_tokens)
+        assert probed.est_probe_s == pytest.approx(probe_s) and plain.est_probe_s == 0.0
+        assert probed.ratio == 0.15 and probed.preload_depth == 0
+        assert probed.est_recompute_s == pytest.approx(recompute_time(probe_shape, FIG, 0.15) + probe_s)
+        assert probed.est_fused_s == pytest.approx(probed.est_load_s + probed.est_recompute_s)
+        assert plain.est_fused_s == max(plain.est_load_s, plain.est_recompute_s) < probed.est_fused_s
+    assert _decide(plain_shape, [DISK]).ratio > 0.15  # the control raises r to hide the disk load
+    assert "probe" in _decide(probe_shape, [DISK]).reason
