@@ -6,7 +6,7 @@
 Test split of the QA set (cachefuse/eval/qa_set.py), reference engine, every chunk loaded as its base
 variant (computed after the system prompt alone). Settings: full prefill, full reuse, and at each
 `--ratios` cacheblend, fusionrag (final-layer question attention over the full loaded view), qcfuse
-(anchors at r_a 0.1, the default critical layers), qclast / qcall (QCFuse's view scored at the last /
+(anchors at r_a 0.1, the default critical layers, or a profile's with `--layer-profile`), qclast / qcall (QCFuse's view scored at the last /
 every layer) and prophetkv (the full view scored at every layer). Ratio 0 is full reuse and 1 full
 prefill for all of them (tests/test_probe.py, tests/test_fusor.py), so they are not rerun.
 
@@ -36,6 +36,7 @@ from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval, selector_at, store_base_variants  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import plot_report, summarize  # noqa: E402
+from cachefuse.offline.layer_profile import LayerProfile  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 SELECTORS = ("cacheblend", "fusionrag", "qcfuse", "qclast", "qcall", "prophetkv")
@@ -79,9 +80,15 @@ def main(argv=None) -> int:
     parser.add_argument("--timing-items", type=int, default=4)
     parser.add_argument("--timing-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/smollm2/query_aware.json"))
+    parser.add_argument("--layer-profile", type=Path, default=None,
+                        help="a `cachefuse profile-layers --out` JSON: qcfuse scores at its critical layers")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine, tokenizer = reference_engine(args.model, CacheFuseConfig())
+    config = CacheFuseConfig()
+    if args.layer_profile is not None:
+        profile = LayerProfile.from_dict(json.loads(args.layer_profile.read_text()))
+        config = config.replace(qcfuse_critical_layers=profile.critical_layers)
+    engine, tokenizer = reference_engine(args.model, config)
     started = time.perf_counter()
     items = eval_items(make_items("test", args.test_items), tokenizer)
     spec = EvalSpec(selectors=tuple(args.selectors), ratios=tuple(args.ratios), metric="f1",

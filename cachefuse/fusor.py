@@ -200,7 +200,7 @@ class Fusor:
                    if spec.anchors_only and not request.segments[index].is_system}
         result: ProbeResult = run_probe(self.adapter, request.token_ids, request.segments, request.loaded,
                                         layout.forced_rows, layout.ctx, spec, anchors, self.block_rows)
-        layout.ctx = dataclasses.replace(layout.ctx, probe_scores=result.scores)
+        layout.ctx = dataclasses.replace(layout.ctx, probe_scores=result.scores, probe_layer_scores=result.layer_scores)
         return self.clock() - start, result.num_layers_run, result.num_probe_rows
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,

@@ -51,6 +51,8 @@ class ProbeResult:
     """Cached rows the probe attended over (system + anchors, or every loaded row)."""
     num_probe_rows: int
     """Rows the probe computed (the forced rows)."""
+    layer_scores: dict[int, torch.Tensor] | None = None
+    """Score layer -> its scores alone (summing to `scores`), when `spec.per_layer`."""
 
 
 def question_rows(segments: Sequence[Segment], num_tokens: int) -> torch.Tensor:
@@ -124,6 +126,7 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
     question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens))
     score_layers = set(spec.score_layers)
     scores = torch.zeros(num_tokens, dtype=torch.float32)
+    layer_scores: dict[int, torch.Tensor] | None = {} if spec.per_layer else None
     hidden, residual = adapter.embed(token_ids[forced_rows]), None
     for layer in range(spec.depth):
         x, residual = adapter.attention_input(layer, hidden, residual)
@@ -132,8 +135,11 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
         last = layer == spec.depth - 1  # the deepest score layer needs no attention output
         view_k, view_v, all_k = context.layer(layer, view=not last, scored=layer in score_layers)
         if layer in score_layers:
-            scores += _question_scores(q[question], forced_rows[question], k, forced_rows, all_k,
-                                       context.all_positions, num_tokens, shape.scaling, block_rows)
+            layer_score = _question_scores(q[question], forced_rows[question], k, forced_rows, all_k,
+                                           context.all_positions, num_tokens, shape.scaling, block_rows)
+            scores += layer_score
+            if layer_scores is not None:
+                layer_scores[layer] = ctx.reduce(layer_score[ctx.candidate_rows])
         if last:
             break
         keys = torch.cat([view_k.to(k.dtype), k])[order] if view_k is not None else k
@@ -141,7 +147,8 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
         attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows)
         hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
     candidate_scores = ctx.reduce(scores[ctx.candidate_rows])
-    return ProbeResult(candidate_scores, spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()))
+    return ProbeResult(candidate_scores, spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()),
+                       layer_scores)
 
 
 def _question_scores(q_question, question_positions, fresh_k, forced_rows, loaded_k, loaded_positions,

@@ -6,6 +6,7 @@
     cachefuse tune-alpha   fit Cache-Craft's alpha on a validation set       cli/tune_alpha.py
     cachefuse eval         quality per selector and ratio                    cli/eval.py
     cachefuse fetch-model  the SmolLM2-135M-Instruct checkpoint, converted   cli/fetch_model.py
+    cachefuse profile-layers  QCFuse's critical layers for a model        cli/profile_layers.py
 
 Each module declares `NAME`, `HELP` and `DESCRIPTION`, `add_arguments(parser)`, which registers its
 arguments, and `run(args, parser)`, which does the work (vLLM's `entrypoints/cli` is built the same way);
@@ -23,9 +24,9 @@ import sys
 from collections.abc import Sequence
 
 from cachefuse.cli import eval as eval_command
-from cachefuse.cli import fetch_model, inspect_store, precompute, profile_figures, tune_alpha
+from cachefuse.cli import fetch_model, inspect_store, precompute, profile_figures, profile_layers, tune_alpha
 
-SUBCOMMANDS = (precompute, profile_figures, inspect_store, tune_alpha, eval_command, fetch_model)
+SUBCOMMANDS = (precompute, profile_figures, inspect_store, tune_alpha, eval_command, fetch_model, profile_layers)
 
 
 def build_parser() -> argparse.ArgumentParser:

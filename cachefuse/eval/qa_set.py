@@ -30,7 +30,7 @@ answer begins ("The town where Maren Holloway was born lies on the river").
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -250,3 +250,35 @@ def eval_items(items: list[QAItem], tokenizer: Any = None) -> list[EvalItem]:
     return [EvalItem(system, tuple(d.text for d in item.documents),
                      QUESTION_TEMPLATE.format(question=item.question) + suffix + item.stem, item.answers, item.kind)
             for item in items]
+
+
+def answer_evidence_rows(item: QAItem, eval_item: Any, tokenizer: Any) -> tuple[Any, tuple[int, ...]]:
+    """The item's prompt (`build_rag_prompt` of its eval item) and the rows where an accepted answer is
+    written in its documents (every occurrence, case-insensitive): QCFuse's gold answer positions, the
+    labels `cachefuse profile-layers` measures recall on. A document whose ids differ when tokenized
+    with offsets (a slow tokenizer) contributes no rows.
+    """
+    from cachefuse.chunks import build_rag_prompt
+
+    prompt = build_rag_prompt(tokenizer, eval_item.system, list(eval_item.chunks), eval_item.question)
+    rows: set[int] = set()
+    for (start, _), ids, text in zip(prompt.chunks[1:], prompt.chunk_token_ids[1:], eval_item.chunks, strict=True):
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(encoded["input_ids"]) != list(ids):
+            continue
+        spans = _occurrences(text, item.answers)
+        for t, (a, b) in enumerate(encoded["offset_mapping"]):
+            if any(a < end and start_ < b for start_, end in spans):
+                rows.add(start + t)
+    return prompt, tuple(sorted(rows))
+
+
+def _occurrences(text: str, phrases: Sequence[str]) -> list[tuple[int, int]]:
+    """[start, end) character spans of every occurrence of any phrase (case-insensitive)."""
+    lowered, spans = text.lower(), []
+    for phrase in {p.lower() for p in phrases if p.strip()}:
+        at = lowered.find(phrase)
+        while at >= 0:
+            spans.append((at, at + len(phrase)))
+            at = lowered.find(phrase, at + 1)
+    return spans

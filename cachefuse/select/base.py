@@ -54,6 +54,8 @@ class SelectionContext:
     probe_scores: torch.Tensor | None = None
     """[num_candidates] fp32 aligned with `candidate_rows`: the question probe's score of each candidate
     (cachefuse.probe), set before `initial_rows` when the selector asks for a probe; else None."""
+    probe_layer_scores: Mapping[int, torch.Tensor] | None = None
+    """Score layer -> that layer's share of `probe_scores`, when the probe spec asks `per_layer`."""
 
     def reduce(self, scores: torch.Tensor) -> torch.Tensor:
         return scores if self.reduce_scores is None else self.reduce_scores(scores)
@@ -80,6 +82,8 @@ class ProbeSpec:
     anchors_only: bool = False
     """The probe attends over the system chunk and each chunk's anchors only (QCFuse); False: every
     loaded row (FusionRAG, ProphetKV)."""
+    per_layer: bool = False
+    """Also keep each score layer's scores apart (`SelectionContext.probe_layer_scores`): layer profiling."""
 
     @property
     def depth(self) -> int:

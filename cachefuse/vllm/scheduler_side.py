@@ -37,6 +37,7 @@ from cachefuse.loading.figures import ComputeFigures, TierFigures
 from cachefuse.metadata import open_config_metastore
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import Admission, IndexRefresher, VariantChoice, VariantIndex, plan_variants
+from cachefuse.offline.layer_profile import with_profiled_layers
 from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import PlannedChunk, make_selector
@@ -95,6 +96,10 @@ class SchedulerSide:
         self.key_context = KeyContext(
             model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
             vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
+        # The worker's critical layers (a stored `cachefuse profile-layers`), for the probe's estimate
+        config = with_profiled_layers(config, config.store_path, self.key_context.model_fingerprint,
+                                      model_config.hf_text_config.num_hidden_layers)
+        self.config = config
         self.index = VariantIndex()
         self._refresher = self._start_index(config)
         self._model_config = model_config
@@ -212,12 +217,14 @@ class SchedulerSide:
         tiers = [TierFigures(name, bps) for name, bps in figures["tiers"].items()]
         selector = make_selector(fusion.selector, self.config)
         rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, system, c in loaded if not system])
+        probe = selector.probe_spec(num_layers)
         shape = RequestShape(
             num_tokens=num_tokens, num_layers=num_layers, num_full_layers=selector.num_full_layers(num_layers),
             num_candidates=sum(n for n, system, _ in loaded if not system), num_forced=num_tokens - loaded_tokens,
             bytes_to_load=loaded_tokens * bytes_per_token,
             bytes_by_tier=tier_bytes([(n * bytes_per_token, c.tiers) for n, _, c in loaded], tiers),
-            num_planned_rows=rows.num_planned_rows, num_ratio_candidates=rows.num_ratio_candidates)
+            num_planned_rows=rows.num_planned_rows, num_ratio_candidates=rows.num_ratio_candidates,
+            num_probe_layers=0 if probe is None else probe.depth)
         decision = decide(shape, ComputeFigures(**figures["compute"]), tiers, r_min=fusion.recompute_ratio,
                           r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                           ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,

@@ -25,6 +25,7 @@ from cachefuse.loading.figures import FigureRecorder
 from cachefuse.loading.placement import FrequencyPlacement
 from cachefuse.metadata import open_config_metastore, open_metastore
 from cachefuse.metadata.base import record_to_dict
+from cachefuse.offline.layer_profile import with_profiled_layers
 from cachefuse.select import make_selector
 from cachefuse.select.fixed import FixedSelector
 from cachefuse.store.base import StoreIdentity
@@ -53,10 +54,12 @@ class WorkerSide:
                 "CacheFuseConnector found no loaded model in this worker: the cachefuse vLLM plugin did not "
                 "run. Install cachefuse into vLLM's environment (its `vllm.general_plugins` entry point "
                 "registers it), and if VLLM_PLUGINS is set, include 'cachefuse' in it")
-        self.config = config
         self.adapter = VLLMAdapter(model)
         fingerprint = model_fingerprint(resolve_model_dir(vllm_config.model_config))
         shape = self.adapter.shape
+        # QCFuse's critical layers from `cachefuse profile-layers`, stored beside the chunks (when not set)
+        config = with_profiled_layers(config, config.store_path, fingerprint, shape.num_layers)
+        self.config = config
         store = open_store(config.store_path, StoreIdentity(fingerprint, shape.num_layers, shape.dtype),
                            config.memory_capacity_bytes, config.disk_capacity_bytes, redis_url=config.redis_connection_url,
                            redis_timeout_s=config.redis_timeout_s, redis_capacity_bytes=config.redis_capacity_bytes)

@@ -295,6 +295,27 @@ def test_the_controller_counts_the_rows_cachecraft_recomputes_by_cfo(make_side):
     assert decision["ratio"] == 0.15 and "no row depends on r" in decision["reason"]
 
 
+def test_the_controller_prices_a_query_aware_probe_and_loads_first(make_side):
+    """qcfuse probes the question through its critical layers over entries loaded whole: the decision
+    prices the probe, adds the load to the compute and keeps r_min with depth 0 even on a slow disk,
+    where cacheblend (the control) raises r to hide the load."""
+    decisions = {}
+    for selector in ("qcfuse", "cacheblend"):
+        side = make_side(ratio_mode="controller")
+        req = request(selector, params={"cachefuse": {"chunks": [[0, 10], [10, 60]], "selector": selector}})
+        keys = (chunk_key(req.prompt_token_ids[0:10], side.key_context, at_prompt_start=True),
+                chunk_key(req.prompt_token_ids[10:60], side.key_context))
+        index_variants(side, *(VariantRecord.without_stats(k, (), n, tier="disk")
+                               for k, n in zip(keys, (10, 50), strict=True)))
+        _, bytes_per_token = side._kv_geometry()
+        side.figures = measured(disk=60 * bytes_per_token / 0.034)
+        _, decisions[selector] = planned_controller(side, req)
+    probed, control = decisions["qcfuse"], decisions["cacheblend"]
+    assert probed["est_probe_s"] > 0 and probed["preload_depth"] == 0 and probed["ratio"] == 0.15
+    assert probed["est_fused_s"] == pytest.approx(probed["est_load_s"] + probed["est_recompute_s"])
+    assert control["est_probe_s"] == 0 and control["ratio"] > 0.15
+
+
 def make_id(chunk_key: str) -> str:
     from cachefuse.metadata.base import make_variant_id
 
@@ -305,7 +326,8 @@ def make_id(chunk_key: str) -> str:
 def fuzz_side(tiny_model_dir, tmp_path_factory):
     path = tiny_model_dir("llama")
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None),
+        model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None,
+                                     hf_text_config=AutoConfig.from_pretrained(path)),
         cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1))
     config = CacheFuseConfig(store_dir=str(tmp_path_factory.mktemp("fuzz-store")), allow_debug_overrides=True)
     return SchedulerSide(vllm_config, config)

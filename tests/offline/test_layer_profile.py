@@ -1,0 +1,173 @@
+"""QCFuse's layer profiling (cachefuse/offline/layer_profile.py, `cachefuse profile-layers`).
+
+- Recall@r counts evidence among the top r of candidates, ties broken by row (a flat score earns no luck);
+- the probe's per-layer scores sum to its total, and the profile's R(l) equals the recall of the
+  `qcfuse` selector's own probe scored at layer l alone (an independent run per layer); the critical set
+  is the top-k layers by R(l);
+- answer evidence rows of the real-text QA set are the tokens that spell the answer;
+- a stored profile round-trips, and is used only for its own model and depth, only when the config
+  leaves `qcfuse_critical_layers` null; a damaged one is ignored with a warning;
+- the CLI writes the profile under the store, where an engine on that store finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+from cachefuse.adapters.hf import HFAdapter
+from cachefuse.chunks import segment_prompt
+from cachefuse.cli import main as cli_main
+from cachefuse.config import CacheFuseConfig
+from cachefuse.offline.layer_profile import (
+    LayerProfile,
+    evidence_item,
+    load_profile,
+    profile_layers,
+    profile_path,
+    recall_at,
+    save_profile,
+    with_profiled_layers,
+)
+from cachefuse.select.qcfuse import QCFuseSelector
+from tests.helpers.fusion import make_case, make_engine
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir):
+    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
+
+
+def test_recall_counts_evidence_in_the_top_share_and_breaks_ties_by_row():
+    rows = torch.arange(10, 20)
+    scores = torch.tensor([0.0, 9.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    assert recall_at(scores, rows, (11, 14), 0.2) == 1.0  # the top 2 of 10 are rows 11 and 14
+    assert recall_at(scores, rows, (11, 19), 0.2) == 0.5
+    assert recall_at(scores, rows, (11, 19), 0.21) == 1.0  # ceil(2.1) = 3 rows
+    assert recall_at(torch.zeros(10), rows, (18, 19), 0.2) == 0.0  # flat: the first rows, not the evidence
+    assert recall_at(scores, rows, (5, 30), 0.5) is None  # no evidence among the candidates
+
+
+def test_the_probe_keeps_each_score_layers_share(adapter):
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=3)
+    engine.precompute([case.system])
+    engine.precompute(case.pieces, prefix_ids=case.system)
+    selector = _capture(QCFuseSelector(layers="all"))
+    engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.5, save_holes=False)
+    layer_scores, total = selector.seen
+    assert sorted(layer_scores) == list(range(adapter.shape.num_layers))
+    torch.testing.assert_close(sum(layer_scores.values()), total, **TOL)
+
+
+def _capture(selector):
+    """Wraps `selector.initial_rows` to keep the probe's scores; asks for per-layer scores."""
+    spec_of, rows_of = selector.probe_spec, selector.initial_rows
+
+    def probe_spec(num_layers):
+        return dataclasses.replace(spec_of(num_layers), per_layer=True)
+
+    def initial_rows(ctx):
+        selector.seen = (dict(ctx.probe_layer_scores), ctx.probe_scores.clone())
+        return rows_of(ctx)
+
+    selector.probe_spec, selector.initial_rows = probe_spec, initial_rows
+    return selector
+
+
+@pytest.mark.parametrize("view", ["anchors", "full"])
+def test_profile_recall_equals_single_layer_probes_and_picks_the_best_layers(adapter, view):
+    engine = make_engine(adapter)
+    items, references = [], []
+    for seed in (1, 2, 3):
+        case = make_case(adapter.shape.vocab_size, seed=seed)
+        a_start, a_end = case.chunks[1]
+        c_start, _ = case.chunks[3]
+        evidence = [a_start + 3, a_start + 4, c_start + 10, case.chunks[-1][1] + 2]  # the last: the question
+        item = evidence_item(case.token_ids, case.chunks, evidence)
+        assert item.evidence_rows == tuple(evidence[:3])  # only rows inside declared non-system chunks
+        items.append(item)
+        references.append((case, item))
+    profile = profile_layers(engine, items, ratio=0.1, num_critical=2, view=view)
+    num_layers = adapter.shape.num_layers
+    assert profile.num_items == 3 and len(profile.recall) == num_layers and len(profile.top_k_recall) == min(10, num_layers)
+    for layer in range(adapter.shape.num_layers):  # an independent probe per layer, the selector's own
+        recalls = []
+        for case, item in references:
+            selector = _capture(QCFuseSelector(layers="critical", critical_layers=[layer], view=view))
+            engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.0, save_holes=False)
+            segments = segment_prompt(len(case.token_ids), case.chunks)
+            candidates = torch.tensor([r for s in segments[1:] if s.is_chunk for r in range(s.start, s.end)])
+            recalls.append(recall_at(selector.seen[1], candidates, item.evidence_rows, 0.1))
+        assert profile.recall[layer] == pytest.approx(sum(recalls) / len(recalls))
+    assert profile.critical_layers == tuple(sorted(profile.ranked_layers[:2]))
+    assert profile.top_k_recall[0] == pytest.approx(max(profile.recall))
+
+
+def _profile(**changes) -> LayerProfile:
+    base = LayerProfile("fp", 4, 0.1, "anchors", 0.1, 3, (0.1, 0.5, 0.4, 0.2), (0.5, 0.6), (1, 2))
+    return dataclasses.replace(base, **changes)
+
+
+def test_a_stored_profile_serves_its_own_model_only(tmp_path, caplog):
+    profile = _profile()
+    save_profile(profile, profile_path(tmp_path, "fp"))
+    assert load_profile(tmp_path, "fp", 4) == profile
+    config = with_profiled_layers(CacheFuseConfig(), tmp_path, "fp", 4)
+    assert config.qcfuse_critical_layers == (1, 2)
+    explicit = CacheFuseConfig(qcfuse_critical_layers=(0,))
+    assert with_profiled_layers(explicit, tmp_path, "fp", 4) is explicit  # a set field wins
+    with caplog.at_level(logging.WARNING, logger="cachefuse.offline.layer_profile"):
+        assert load_profile(tmp_path, "fp", 6) is None  # another depth (the same name: a renamed copy)
+        assert load_profile(tmp_path, "other", 4) is None  # nothing stored for that model: no warning
+        save_profile(_profile(fingerprint="x"), profile_path(tmp_path, "y"))
+        assert load_profile(tmp_path, "y", 4) is None
+        profile_path(tmp_path, "broken").write_text("{not json")
+        assert load_profile(tmp_path, "broken", 4) is None
+        data = profile.to_dict() | {"critical_layers": [1, 9]}
+        profile_path(tmp_path, "oob").write_text(json.dumps(data))
+        assert load_profile(tmp_path, "oob", 4) is None
+    assert len(caplog.records) == 4 and all("ignored" in r.getMessage() for r in caplog.records)
+    assert with_profiled_layers(CacheFuseConfig(), tmp_path, "broken", 4).qcfuse_critical_layers is None
+
+
+def test_answer_evidence_rows_spell_the_answer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from cachefuse.eval.qa_set import answer_evidence_rows, eval_items, make_items
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    items = make_items("validation", 6)
+    found = 0
+    for item, eval_item in zip(items, eval_items(items, tokenizer), strict=True):
+        prompt, rows = answer_evidence_rows(item, eval_item, tokenizer)
+        text = tokenizer.decode([prompt.token_ids[r] for r in rows]).lower()
+        assert all(prompt.chunks[1][0] <= r < prompt.chunks[-1][1] for r in rows)
+        if rows:
+            found += 1
+            assert any(answer.lower().split()[0] in text for answer in item.answers), (text, item.answers)
+    assert found >= 5  # the answer is written in its document (a rare tokenizer mismatch drops one)
+
+
+def test_cli_writes_the_profile_where_an_engine_on_the_store_finds_it(tiny_model_dir, tmp_path, capsys):
+    from cachefuse.chunks import model_fingerprint
+
+    model = tiny_model_dir("llama")
+    store = tmp_path / "store"
+    status = cli_main(["profile-layers", "--model", str(model), "--store", str(store), "--items", "4",
+                       "--critical", "2", "--no-progress", "--json", "--plot", str(tmp_path / "profile.png")])
+    assert status == 0 and (tmp_path / "profile.png").stat().st_size > 0
+    printed = LayerProfile.from_dict(json.loads(capsys.readouterr().out))
+    fingerprint = model_fingerprint(model)
+    num_layers = len(printed.recall)
+    assert load_profile(store, fingerprint, num_layers) == printed and len(printed.critical_layers) == 2
+    config = with_profiled_layers(CacheFuseConfig(), store, fingerprint, num_layers)
+    assert config.qcfuse_critical_layers == printed.critical_layers
+    with pytest.raises(SystemExit):
+        cli_main(["profile-layers", "--model", str(model)])  # written nowhere: refused before the model loads
