@@ -54,6 +54,9 @@ class CacheFuseConfig:
     """Multipliers of recompute_ratio per check layer (gradual filtering); non-increasing, last 1.0."""
     cacheblend_deviation: str = "v"
     """What HKVD compares between fresh and loaded rows: "k", "v" or "kv" (squared L2, summed over heads)."""
+    cacheblend_sink_tokens: int = 0
+    """The first tokens of every loaded chunk, always among the rows HKVD keeps (within the ratio's
+    budget): a chunk's opening tokens, cached at its own start, are attention sinks out of place."""
     epic_k: int | None = None
     """EPIC: recompute the first k tokens of every chunk; None derives k = ceil(ratio * chunk length)."""
     random_seed: int = 0
@@ -361,6 +364,8 @@ class CacheFuseConfig:
         if any(b > a for a, b in zip(schedule, schedule[1:], strict=False)) or schedule[-1] != 1.0:
             _fail("cacheblend_ratio_schedule", schedule,
                   "non-increasing multipliers ending in 1.0 (gradual filtering nests the sets)")
+        if not _is_int(self.cacheblend_sink_tokens) or self.cacheblend_sink_tokens < 0:
+            _fail("cacheblend_sink_tokens", self.cacheblend_sink_tokens, "an integer >= 0 (0: none forced)")
 
     # ------------------------------------------------------------------ loading
 

@@ -30,7 +30,8 @@ def make_selector(name: str, config: CacheFuseConfig) -> Selector:
         from cachefuse.select.cacheblend import CacheBlendSelector
 
         return CacheBlendSelector(
-            config.cacheblend_check_layers, config.cacheblend_ratio_schedule, config.cacheblend_deviation)
+            config.cacheblend_check_layers, config.cacheblend_ratio_schedule, config.cacheblend_deviation,
+            config.cacheblend_sink_tokens)
     if name == "epic":
         from cachefuse.select.epic import EpicSelector
 

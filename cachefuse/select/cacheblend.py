@@ -9,6 +9,8 @@ in docs/selectors.md:
 - At check layer j the set keeps ceil(ratio * m_j * candidates) rows, m_j non-increasing and ending
   at 1.0, so the set after the last check layer is exactly the recompute ratio and the sets nest.
 - Percentages count cached rows of declared non-system chunks; holes and question are on top.
+- `sink_tokens` (default 0): the first tokens of each loaded chunk are kept at every check layer
+  ahead of any deviation, within the same budget (measured in docs/selectors.md).
 """
 
 import torch
@@ -43,11 +45,13 @@ class CacheBlendSelector(Selector):
         check_layers: tuple[int, ...] = (1,),
         ratio_schedule: tuple[float, ...] = (1.0,),
         deviation: str = "v",
+        sink_tokens: int = 0,
     ) -> None:
         assert len(check_layers) == len(ratio_schedule) and check_layers[0] >= 1, (check_layers, ratio_schedule)
         self._check_layers = check_layers
         self.ratio_schedule = ratio_schedule
         self.deviation = deviation
+        self.sink_tokens = sink_tokens
 
     def num_full_layers(self, num_layers: int) -> int:
         return min(self._check_layers[0] + 1, num_layers)
@@ -61,5 +65,9 @@ class CacheBlendSelector(Selector):
         if count == kv.rows.numel():
             return kv.rows
         deviation = kv_deviation(kv, self.deviation, ctx.reduce)
+        if self.sink_tokens:
+            sinks = torch.cat([torch.arange(seg.start, min(seg.end, seg.start + self.sink_tokens))
+                               for seg in ctx.candidate_segments] or [torch.zeros(0, dtype=torch.int64)])
+            deviation = deviation.masked_fill(torch.isin(kv.rows, sinks), float("inf"))
         top = torch.topk(deviation, count, sorted=False).indices
         return kv.rows[top].sort().values

@@ -71,6 +71,20 @@ def test_gradual_filtering_nests_and_follows_schedule():
     assert sizes[0] > sizes[1] > sizes[2]
 
 
+def test_cacheblend_sink_tokens_are_kept_within_the_budget():
+    ctx = make_ctx(0.1)
+    kv = check_kv(ctx.candidate_rows, 3)
+    plain = make_selector("cacheblend", CacheFuseConfig()).select_at_check(ctx, 0, kv)
+    sinks = make_selector("cacheblend", CacheFuseConfig(cacheblend_sink_tokens=2)).select_at_check(ctx, 0, kv)
+    assert sinks.numel() == plain.numel() == math.ceil(0.1 * 87)  # the same budget
+    assert {10, 11, 47, 48} <= set(sinks.tolist())  # each chunk's first two tokens
+    assert not {10, 11, 47, 48} <= set(plain.tolist())  # control: deviation alone picks others
+    rest = [r for r in sinks.tolist() if r not in (10, 11, 47, 48)]
+    assert set(rest) <= set(plain.tolist())  # the remaining budget by deviation, as before
+    with pytest.raises(ValueError, match="cacheblend_sink_tokens"):
+        CacheFuseConfig(cacheblend_sink_tokens=-1)
+
+
 @pytest.mark.parametrize("metric", ["k", "v", "kv"])
 def test_deviation_zero_when_identical(metric):
     kv = check_kv(torch.arange(5), 2)
