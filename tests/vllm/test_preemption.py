@@ -3,7 +3,8 @@ write its prompt's K/V again before vLLM recomputes the rest, or vLLM decodes ov
 
 A KV cache of 1,024 tokens holds two of these requests (~200 prompt + 150 generated tokens each), so a
 batch of six preempts. Every request is checked against the same request run alone (no preemption):
-at ratio 1.0 against plain vLLM, at CacheBlend's 15% against the unpreempted fused run. Each output's
+at ratio 1.0 against plain vLLM, at 15% (cacheblend, and the query-aware fusionrag and qcfuse, whose
+question probe runs again when the request is re-blended) against the unpreempted fused run. Each output's
 `preemptions` shows which requests were resumed; the test insists some were, or it proves nothing.
 """
 
@@ -44,6 +45,8 @@ def one_at_a_time(llm, prompts, params):
 @pytest.mark.parametrize(("selector", "ratio", "reference"), [
     ("cacheblend", 1.0, "plain"),
     ("cacheblend", 0.15, "fused alone"),
+    ("fusionrag", 0.15, "fused alone"),  # query-aware: the probe runs again on the resumed request
+    ("qcfuse", 0.15, "fused alone"),
 ])
 def test_preempted_fused_requests_give_the_unpreempted_output(setup, selector, ratio, reference):
     llm, pieces = setup
