@@ -57,6 +57,9 @@ class CacheFuseConfig:
     cacheblend_sink_tokens: int = 0
     """The first tokens of every loaded chunk, always among the rows HKVD keeps (within the ratio's
     budget): a chunk's opening tokens, cached at its own start, are attention sinks out of place."""
+    cacheblend_chunk_floor: float = 0.0
+    """The fraction of its proportional share of HKVD's rows each loaded chunk keeps (its own highest
+    deviations) before the rest is chosen across chunks; 0.0: one global ranking (CacheBlend)."""
     epic_k: int | None = None
     """EPIC: recompute the first k tokens of every chunk; None derives k = ceil(ratio * chunk length)."""
     random_seed: int = 0
@@ -366,6 +369,8 @@ class CacheFuseConfig:
                   "non-increasing multipliers ending in 1.0 (gradual filtering nests the sets)")
         if not _is_int(self.cacheblend_sink_tokens) or self.cacheblend_sink_tokens < 0:
             _fail("cacheblend_sink_tokens", self.cacheblend_sink_tokens, "an integer >= 0 (0: none forced)")
+        if not _is_number(self.cacheblend_chunk_floor) or not 0.0 <= self.cacheblend_chunk_floor <= 1.0:
+            _fail("cacheblend_chunk_floor", self.cacheblend_chunk_floor, "a number in 0.0..1.0 (0.0: global ranking)")
 
     # ------------------------------------------------------------------ loading
 

@@ -31,7 +31,7 @@ def make_selector(name: str, config: CacheFuseConfig) -> Selector:
 
         return CacheBlendSelector(
             config.cacheblend_check_layers, config.cacheblend_ratio_schedule, config.cacheblend_deviation,
-            config.cacheblend_sink_tokens)
+            config.cacheblend_sink_tokens, config.cacheblend_chunk_floor)
     if name == "epic":
         from cachefuse.select.epic import EpicSelector
 

@@ -11,6 +11,9 @@ in docs/selectors.md:
 - Percentages count cached rows of declared non-system chunks; holes and question are on top.
 - `sink_tokens` (default 0): the first tokens of each loaded chunk are kept at every check layer
   ahead of any deviation, within the same budget (measured in docs/selectors.md).
+- `chunk_floor` (default 0.0): each loaded chunk keeps at least that fraction of its proportional
+  share of a check layer's rows, its own highest-deviation rows, so that one chunk whose rows all
+  deviate a little is not starved by another that deviates a lot; the rest of the budget is global.
 """
 
 import torch
@@ -46,12 +49,14 @@ class CacheBlendSelector(Selector):
         ratio_schedule: tuple[float, ...] = (1.0,),
         deviation: str = "v",
         sink_tokens: int = 0,
+        chunk_floor: float = 0.0,
     ) -> None:
         assert len(check_layers) == len(ratio_schedule) and check_layers[0] >= 1, (check_layers, ratio_schedule)
         self._check_layers = check_layers
         self.ratio_schedule = ratio_schedule
         self.deviation = deviation
         self.sink_tokens = sink_tokens
+        self.chunk_floor = chunk_floor
 
     def num_full_layers(self, num_layers: int) -> int:
         return min(self._check_layers[0] + 1, num_layers)
@@ -65,9 +70,25 @@ class CacheBlendSelector(Selector):
         if count == kv.rows.numel():
             return kv.rows
         deviation = kv_deviation(kv, self.deviation, ctx.reduce)
+        forced = torch.zeros(kv.rows.numel(), dtype=torch.bool)
         if self.sink_tokens:
             sinks = torch.cat([torch.arange(seg.start, min(seg.end, seg.start + self.sink_tokens))
                                for seg in ctx.candidate_segments] or [torch.zeros(0, dtype=torch.int64)])
-            deviation = deviation.masked_fill(torch.isin(kv.rows, sinks), float("inf"))
-        top = torch.topk(deviation, count, sorted=False).indices
+            forced |= torch.isin(kv.rows, sinks)
+        if self.chunk_floor:
+            forced |= self._chunk_floors(ctx, kv.rows, deviation, count)
+        top = torch.topk(deviation.masked_fill(forced, float("inf")), count, sorted=False).indices
         return kv.rows[top].sort().values
+
+    def _chunk_floors(self, ctx: SelectionContext, rows: torch.Tensor, deviation: torch.Tensor,
+                      count: int) -> torch.Tensor:
+        """Mask over `rows`: each chunk's floor(chunk_floor x count x its share of the candidates) rows
+        of highest deviation. Rounded down, the floors sum to at most chunk_floor x count <= count."""
+        forced = torch.zeros(rows.numel(), dtype=torch.bool)
+        total = ctx.candidate_rows.numel()
+        for seg in ctx.candidate_segments:
+            inside = ((rows >= seg.start) & (rows < seg.end)).nonzero().flatten()
+            floor = min(int(self.chunk_floor * count * (seg.end - seg.start) / total), inside.numel())
+            if floor:
+                forced[inside[torch.topk(deviation[inside], floor, sorted=False).indices]] = True
+        return forced

@@ -85,6 +85,26 @@ def test_cacheblend_sink_tokens_are_kept_within_the_budget():
         CacheFuseConfig(cacheblend_sink_tokens=-1)
 
 
+@pytest.mark.parametrize("floor, chunk2_rows", [(1.0, 15), (0.5, 7)])
+def test_cacheblend_chunk_floor_gives_each_chunk_its_share(floor, chunk2_rows):
+    ctx = make_ctx(0.3)  # 27 of 87 rows: chunk 1 has 37 candidates, chunk 2 has 50
+    kv = check_kv(ctx.candidate_rows, 4)
+    in_chunk2 = ctx.candidate_rows >= 47
+    fresh_v = torch.where(in_chunk2[:, None, None], kv.loaded_v + 1e-3 * kv.fresh_v, kv.fresh_v)
+    kv = CheckLayerKV(kv.rows, kv.fresh_k_nope, fresh_v, kv.loaded_k_nope, kv.loaded_v)  # chunk 2 barely deviates
+    plain = make_selector("cacheblend", CacheFuseConfig()).select_at_check(ctx, 0, kv)
+    assert (plain < 47).all()  # control: one global ranking starves chunk 2
+    config = CacheFuseConfig(cacheblend_chunk_floor=floor)
+    chosen = make_selector("cacheblend", config).select_at_check(ctx, 0, kv)
+    assert chosen.numel() == plain.numel() == 27  # the same budget
+    assert int((chosen >= 47).sum()) == chunk2_rows  # floor(floor x 27 x 50/87) of its own best rows
+    deviation = kv_deviation(kv, "v")[in_chunk2]
+    best = ctx.candidate_rows[in_chunk2][deviation.topk(chunk2_rows).indices]
+    assert set(best.tolist()) <= set(chosen.tolist())
+    with pytest.raises(ValueError, match="cacheblend_chunk_floor"):
+        CacheFuseConfig(cacheblend_chunk_floor=1.5)
+
+
 @pytest.mark.parametrize("metric", ["k", "v", "kv"])
 def test_deviation_zero_when_identical(metric):
     kv = check_kv(torch.arange(5), 2)
