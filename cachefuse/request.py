@@ -11,7 +11,9 @@ Accepted shape (docs/architecture.md, Definitions):
     {"cachefuse": {"chunks": [[start, end], ...]}}          token offsets, sorted, non-overlapping
     {"cachefuse": {"chunk_texts": ["...", ...]}}            matched as standalone-tokenized subsequences
     optional: "selector", "recompute_ratio", "selected_rows" (debug, when allowed),
-              "sync_save" (true: the response waits until this request's holes are written; precompute)
+              "sync_save" (true: the response waits until this request's holes are written; precompute),
+              "store_variant" (true: the last declared chunk is computed in full and stored as the
+              variant for the chunks before it, the others loaded; offline neighbour fusion)
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from cachefuse.config import SELECTORS, CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 
 PARAMS_KEY = "cachefuse"
-KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows", "sync_save")
+KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows", "sync_save",
+                "store_variant")
 
 _EXCERPT = reprlib.Repr()
 _EXCERPT.maxlevel, _EXCERPT.maxstring, _EXCERPT.maxother = 3, 40, 40
@@ -44,6 +47,10 @@ class FusionRequest:
     sync_save: bool = False
     """Write this request's holes before its response (not behind it): offline precompute, which reports
     each chunk stored or failed. Costs the write on the engine's step, as `save_queue_bytes: 0` does."""
+    store_variant: bool = False
+    """Compute the last declared chunk in full, whatever is stored, so it is saved as the variant for the
+    non-system chunks before it (FusionRAG's neighbour fusion through vLLM); no other chunk is admitted.
+    It stores no more than a new chunk's hole would: one chunk per request, within the store's caps."""
 
 
 def wants_fusion(params: dict[str, Any] | None, config: CacheFuseConfig) -> bool:
@@ -107,7 +114,14 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
     sync_save = raw.get("sync_save", False)
     if not isinstance(sync_save, bool):
         raise RequestError(f"{PARAMS_KEY}.sync_save", f"{excerpt(sync_save)}; expected true or false")
-    return FusionRequest(spans, selector, float(ratio), _selected_rows(raw, len(prompt_ids), config), sync_save)
+    store_variant = raw.get("store_variant", False)
+    if not isinstance(store_variant, bool):
+        raise RequestError(f"{PARAMS_KEY}.store_variant", f"{excerpt(store_variant)}; expected true or false")
+    if store_variant and spans[-1][0] == 0:
+        raise RequestError(f"{PARAMS_KEY}.store_variant", "the last declared chunk starts the prompt (the system "
+                                                          "chunk has no variants); declare the chunk to store last")
+    return FusionRequest(spans, selector, float(ratio), _selected_rows(raw, len(prompt_ids), config), sync_save,
+                         store_variant)
 
 
 def excerpt(value: Any) -> str:

@@ -255,3 +255,18 @@ def test_sync_save_must_be_a_boolean(value):
     request = parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": True}}, list(range(8)), CacheFuseConfig())
     assert request.sync_save and not parse_request({"cachefuse": {"chunks": [[0, 4]]}}, list(range(8)),
                                                    CacheFuseConfig()).sync_save
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, [True]])
+def test_store_variant_must_be_a_boolean(value):
+    with pytest.raises(RequestError, match=r"cachefuse\.store_variant"):
+        parse_request({"cachefuse": {"chunks": [[2, 4]], "store_variant": value}}, list(range(8)), CacheFuseConfig())
+    request = parse_request({"cachefuse": {"chunks": [[0, 2], [2, 4], [4, 6]], "store_variant": True}},
+                            list(range(8)), CacheFuseConfig())
+    assert request.store_variant and not parse_request({"cachefuse": {"chunks": [[2, 4]]}}, list(range(8)),
+                                                       CacheFuseConfig()).store_variant
+
+
+def test_store_variant_needs_a_chunk_after_the_system_chunk():
+    with pytest.raises(RequestError, match=r"cachefuse\.store_variant.*system chunk"):
+        parse_request({"cachefuse": {"chunks": [[0, 4]], "store_variant": True}}, list(range(8)), CacheFuseConfig())

@@ -178,9 +178,12 @@ class SchedulerSide:
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
         keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
+        admission = None if fusion.store_variant else Admission.from_config(self.config)
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
                                  [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
-                                 Admission.from_config(self.config), self.config.max_variant_prefix_chunks)
+                                 admission, self.config.max_variant_prefix_chunks)
+        if fusion.store_variant:  # the chunk is a hole whatever is stored: saved as its prefix's variant
+            variants[-1] = None
         indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":

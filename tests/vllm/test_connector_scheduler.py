@@ -418,6 +418,25 @@ def test_cachecraft_admission_plans_one_chunk_in_full_and_its_save_serves_the_re
     assert [c.cfo for c in plan.variants] == [0.0, 0.0, 0.5]
 
 
+def test_store_variant_plans_the_last_chunk_in_full_and_admits_nothing_else(make_side):
+    """`store_variant` (offline neighbour fusion): the last declared chunk is a hole although its base
+    variant is stored, so the worker saves it for its prefix, and under cachecraft's admission no other
+    chunk is computed. Negative control: without the field, admission computes the first candidate (c,
+    CFO 0.5) and loads the last chunk."""
+    side = make_side(selector="cachecraft")
+    params = {"cachefuse": {"chunks": [[0, 10], [10, 40], [40, 60], [60, 90]], "selector": "full_reuse",
+                            "recompute_ratio": 0.0}}
+    prompt = request("p0", params=params).prompt_token_ids
+    spans = ((0, 10), (10, 40), (40, 60), (60, 90))
+    keys = [chunk_key(prompt[s:e], side.key_context, at_prompt_start=s == 0) for s, e in spans]
+    index_variants(side, *(VariantRecord.without_stats(k, (), e - s) for k, (s, e) in zip(keys, spans, strict=True)))
+    (plain,) = schedule(side, request("r0", params=params))
+    assert [c and c.cfo for c in plain.variants] == [0.0, 0.0, None, 0.5]
+    params["cachefuse"]["store_variant"] = True
+    (stores,) = schedule(side, request("r1", params=params))
+    assert [c and c.cfo for c in stores.variants] == [0.0, 0.0, 0.5, None]
+
+
 def test_a_reload_while_the_writer_is_behind_keeps_what_the_worker_announced(make_side):
     """The worker announces holes at submit and writes them later (fsyncs, a metadata transaction); the
     index refresher's reload in between (another save bumped the generation) must not drop them, or the
