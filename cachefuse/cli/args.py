@@ -62,12 +62,20 @@ alpha_list = number_list(0.0, 100.0, "alphas")
 
 
 def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: expected an integer >= 1")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: expected an integer >= {low}")
     return value
 
 

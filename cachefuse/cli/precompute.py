@@ -2,8 +2,10 @@
 
     cachefuse precompute --model M --chunks chunks.jsonl --store DIR [--system TEXT | --system-file F]
                          [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
+                         [--fuse-neighbours N [--embedder model|lexical]]
 
-The work is cachefuse.offline.precompute's; this module reads the arguments and the chunks file.
+The work is cachefuse.offline.precompute's (and, with --fuse-neighbours, neighbour_precompute's);
+this module reads the arguments and the chunks file.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cachefuse.cli.args import add_engine_args, engine_config, engine_llm, positive_int
+from cachefuse.cli.args import add_engine_args, engine_config, engine_llm, non_negative_int, positive_int
 from cachefuse.jsonl import read_jsonl
 
 NAME = "precompute"
@@ -19,8 +21,9 @@ HELP = "store each chunk's KV cache, computed after the system prompt"
 DESCRIPTION = (
     "Runs [system][chunk] prompts through vLLM with CacheFuseConnector, which stores the system "
     "prompt and each chunk (its base variant). Resumable: chunks already stored are skipped. "
-    "Serve with the same --model, --dtype and store, or the keys differ. Exit status 1 when "
-    "some chunk failed.")
+    "Serve with the same --model, --dtype and store, or the keys differ. With --fuse-neighbours N, "
+    "also stores each chunk computed after its N most similar chunks (FusionRAG's neighbour variants). "
+    "Exit status 1 when some chunk failed.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     system.add_argument("--system", default=None, help="the system prompt text (default: none)")
     system.add_argument("--system-file", type=Path, default=None, help="read the system prompt from this file")
     p.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
+    p.add_argument("--fuse-neighbours", type=non_negative_int, default=0, metavar="N",
+                   help="also store each chunk as computed after its N most similar chunks (default 0: base only; "
+                        "needs a system prompt)")
+    p.add_argument("--embedder", choices=("model", "lexical"), default="model",
+                   help="similarity for --fuse-neighbours: the model's mean-pooled hidden states (default) or "
+                        "TF-IDF over token ids")
     add_engine_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -49,12 +58,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             system = args.system_file.read_text(encoding="utf-8")
         except OSError as exc:
             parser.error(f"--system-file {str(args.system_file)!r}: {exc.strerror}")
-    extra, config = engine_config(args, parser)
+    if args.fuse_neighbours and not system:
+        parser.error("--fuse-neighbours needs --system or --system-file: neighbour variants are keyed after it")
+    # Neighbour variants carry their attention statistics (CCI, ranking), as served variants do
+    extra, config = engine_config(args, parser, **({"collect_attention_stats": True} if args.fuse_neighbours else {}))
 
     from cachefuse.offline.precompute import precompute_chunks
 
     llm = engine_llm(args, extra)
-    report = precompute_chunks(llm, llm.get_tokenizer(), system, [text for _, text in entries],
+    texts = [text for _, text in entries]
+    if args.fuse_neighbours:
+        return _run_neighbours(args, llm, system, texts, entries, config)
+    report = precompute_chunks(llm, llm.get_tokenizer(), system, texts,
                                store_dir=config.store_path, config=config, batch_size=args.batch_size,
                                progress=not args.no_progress)
     print(f"precompute: {report.num_stored} stored, {report.num_skipped} skipped, {report.num_failed} failed "
@@ -63,6 +78,29 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for failure in report.failures:
         name = "system prompt" if failure.index is None else f"chunk {entries[failure.index][0]}"
         print(f"  {name}: {failure.reason}: {failure.detail}")
+    return 0 if report.ok else 1
+
+
+def _run_neighbours(args: argparse.Namespace, llm, system: str, texts: list[str], entries, config) -> int:
+    from cachefuse.offline.neighbour_precompute import precompute_neighbours
+    from cachefuse.offline.neighbours import lexical_embedder
+
+    tokenizer = llm.get_tokenizer()
+    embedder = lexical_embedder(len(tokenizer)) if args.embedder == "lexical" else None
+    report = precompute_neighbours(llm, tokenizer, system, texts, args.fuse_neighbours, store_dir=config.store_path,
+                                   embedder=embedder, config=config, batch_size=args.batch_size,
+                                   progress=not args.no_progress)
+    base = report.base
+    per_chunk = "" if report.seconds_per_chunk is None else f"; {report.seconds_per_chunk:.2f} s per variant"
+    print(f"precompute: {base.num_stored} stored, {base.num_skipped} skipped, {base.num_failed} failed "
+          f"of {base.num_chunks} chunks; system prompt {base.system_status}; neighbour variants: "
+          f"{len(report.stored)} stored, {len(report.skipped)} skipped, {len(report.failed)} failed{per_chunk}; "
+          f"store {config.store_path}")
+    for failure in base.failures:
+        name = "system prompt" if failure.index is None else f"chunk {entries[failure.index][0]}"
+        print(f"  {name}: {failure.reason}: {failure.detail}")
+    for index, reason in sorted(report.failed.items()):
+        print(f"  chunk {entries[index][0]}: neighbour variant {reason}")
     return 0 if report.ok else 1
 
 

@@ -132,12 +132,12 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
         raise ConfigError(f"batch_size={batch_size!r} is invalid: expected an integer >= 1")
     start = time.perf_counter()
     vllm_config = llm.llm_engine.vllm_config
-    engine_config = _engine_config(vllm_config)
-    store_dir = _check_store(engine_config, store_dir)
+    engine_config = connector_config(vllm_config)
+    store_dir = check_store(engine_config, store_dir)
     config = config or engine_config
     key_context = scheduler_key_context(vllm_config, config)
     max_model_len = vllm_config.model_config.max_model_len
-    tail_id = _tail_token_id(tokenizer)
+    tail_id = tail_token_id(tokenizer)
     report, items = _plan(tokenizer, system, list(chunks), key_context, list_keys(store_dir), max_model_len,
                           tail_id)
     bar = tqdm(total=report.num_chunks, unit="chunk", desc="precompute", disable=not progress)
@@ -170,7 +170,8 @@ def scheduler_key_context(vllm_config: Any, config: CacheFuseConfig) -> KeyConte
                       vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
 
 
-def _engine_config(vllm_config: Any) -> CacheFuseConfig:
+def connector_config(vllm_config: Any) -> CacheFuseConfig:
+    """The engine's cachefuse config (its kv_connector_extra_config); ConfigError if it runs no connector."""
     from cachefuse.vllm.plugin import uses_cachefuse
 
     if not uses_cachefuse(vllm_config):
@@ -181,7 +182,8 @@ def _engine_config(vllm_config: Any) -> CacheFuseConfig:
     return CacheFuseConfig.from_dict(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
 
 
-def _check_store(config: CacheFuseConfig, store_dir: str | Path) -> Path:
+def check_store(config: CacheFuseConfig, store_dir: str | Path) -> Path:
+    """`store_dir`, checked to be the engine's disk tier; ConfigError naming the fix if not."""
     path = Path(store_dir).expanduser()
     if path.resolve() != config.store_path.resolve():
         raise ConfigError(
@@ -192,7 +194,7 @@ def _check_store(config: CacheFuseConfig, store_dir: str | Path) -> Path:
     return path
 
 
-def _tail_token_id(tokenizer: Any) -> int:
+def tail_token_id(tokenizer: Any) -> int:
     """The computed last token; any id works (see the module docstring), EOS when there is one."""
     for candidate in (getattr(tokenizer, "eos_token_id", None), *tokenize_piece(tokenizer, "\n")[-1:],
                       getattr(tokenizer, "bos_token_id", None)):

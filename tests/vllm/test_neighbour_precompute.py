@@ -1,0 +1,133 @@
+"""Neighbour variants through vLLM (cachefuse.offline.neighbour_precompute, `precompute --fuse-neighbours`).
+
+- the run stores the base variants and each chunk computed after its neighbour, as the variant whose
+  prefix is that neighbour, with attention statistics; the K/V equal what the reference engine's
+  `fuse_neighbours` stores for the same neighbours (negative control: the base variant differs);
+- a second run sends nothing;
+- a served prompt that holds the neighbour before the chunk loads the variant at CFO 0; with the
+  chunks the other way round it does not;
+- the CLI runs it end to end with the lexical embedder.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cachefuse.chunks import build_rag_prompt, tokenize_piece
+from cachefuse.config import CacheFuseConfig
+from cachefuse.metadata.base import variant_store_key
+from cachefuse.metadata.sqlite import SqliteMetaStore
+from tests.helpers.tolerances import TOL
+from tests.helpers.vllm_engines import generate, start_engine, stop_engine, worker_side
+
+SYSTEM = "You answer from the documents below.\n"
+CHUNKS = [f"Document {i}: the {thing} of Kalo is {i + 3} miles from the harbour of Minteh.\n"
+          for i, thing in enumerate(["river", "bridge", "tower", "market"])]
+PAIRS = np.array([[1.0, 0.1], [1.0, 0.0], [0.0, 1.0], [0.1, 1.0]])  # 0 <-> 1 and 2 <-> 3 are neighbours
+
+
+def pairs_embedder(chunks):
+    assert len(chunks) == len(PAIRS)
+    return PAIRS
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    store = tmp_path_factory.mktemp("neighbour-store")
+    llm = start_engine(model_dir, store, collect_attention_stats=True, memory_capacity_bytes=0)
+    yield llm, store
+    stop_engine(llm)
+
+
+def test_neighbour_variants_are_stored_equal_the_reference_and_are_served(engine, model_dir, tokenizer, monkeypatch):
+    from cachefuse.eval.harness import reference_engine
+    from cachefuse.offline.neighbour_precompute import precompute_neighbours
+    from cachefuse.offline.neighbours import fuse_neighbours
+
+    llm, store = engine
+    report = precompute_neighbours(llm, tokenizer, SYSTEM, CHUNKS, 1, store_dir=store, embedder=pairs_embedder,
+                                   batch_size=2, progress=False)
+    assert report.ok and report.base.num_stored == len(CHUNKS), (report.base.failures, report.failed)
+    assert report.neighbours == [[1], [0], [3], [2]] and report.stored == [0, 1, 2, 3]
+    assert report.seconds_per_chunk > 0
+
+    worker_engine = worker_side().engine
+    keys = [worker_engine.meta_key(tokenize_piece(tokenizer, text)) for text in CHUNKS]
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        for index, (neighbour,) in enumerate(report.neighbours):
+            variant = next(r for r in meta.variants(keys[index]) if r.prefix)
+            assert variant.prefix == (keys[neighbour],) and variant.has_stats and variant.ranked_tokens
+
+    # The same variant from the reference engine: the chunk computed after [system][neighbour's base]
+    reference, _ = reference_engine(model_dir, CacheFuseConfig())
+    system_ids = build_rag_prompt(tokenizer, SYSTEM, [], "").token_ids
+    ids = [tokenize_piece(tokenizer, text) for text in CHUNKS]
+    fuse_neighbours(reference, system_ids, ids, 1, embedder=pairs_embedder, progress=False)
+    target = variant_store_key(keys[0], (keys[1],))
+    served, expected, base = worker_engine.store.get(target), reference.store.get(target), reference.store.get(keys[0])
+    for layer in range(1, expected.num_layers):  # layer 0 sees no other token's K/V
+        torch.testing.assert_close(served.k_nope[layer], expected.k_nope[layer], **TOL[torch.float32])
+        torch.testing.assert_close(served.v[layer], expected.v[layer], **TOL[torch.float32])
+    assert (served.v[-1] - base.v[-1]).abs().max() > 1e-3  # negative control: the base variant differs
+
+    calls = []
+    monkeypatch.setattr(llm, "generate", lambda *args, **kwargs: calls.append(args) or [])
+    again = precompute_neighbours(llm, tokenizer, SYSTEM, CHUNKS, 1, store_dir=store, embedder=pairs_embedder,
+                                  progress=False)
+    monkeypatch.undo()
+    assert calls == [] and again.stored == [] and sorted(again.skipped) == [0, 1, 2, 3]
+
+    question = "Question: how far is the river?"
+    after, before = (build_rag_prompt(tokenizer, SYSTEM, order, question)
+                     for order in ([CHUNKS[1], CHUNKS[0]], [CHUNKS[0], CHUNKS[2]]))
+    outputs = generate(llm, [after.token_ids, before.token_ids],
+                       [{"cachefuse": {**after.kv_transfer_params()["cachefuse"], "selector": "cachecraft"}},
+                        {"cachefuse": {**before.kv_transfer_params()["cachefuse"], "selector": "cachecraft"}}])
+    with_neighbour, without = (output.kv_transfer_params["cachefuse"] for output in outputs)
+    assert with_neighbour["status"] == "fused" and with_neighbour["chunk_cfo"][2] == 0.0, with_neighbour
+    assert without["chunk_cfo"][2] > 0.0, without  # control: 2's neighbour is 3, not 0
+
+
+def test_cli_fuse_neighbours_with_the_lexical_embedder(model_dir, tmp_path):
+    chunks = tmp_path / "chunks.jsonl"
+    chunks.write_text("".join(json.dumps({"text": text, "id": f"doc{i}"}) + "\n" for i, text in enumerate(CHUNKS)))
+    store = tmp_path / "store"
+    args = [sys.executable, "-m", "cachefuse.cli", "precompute", "--model", str(model_dir), "--chunks", str(chunks),
+            "--store", str(store), "--system", SYSTEM, "--fuse-neighbours", "2", "--embedder", "lexical",
+            "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20), "--no-progress"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4 stored, 0 skipped, 0 failed of 4 chunks" in done.stdout, done.stdout
+    assert "neighbour variants: 4 stored, 0 skipped, 0 failed" in done.stdout, done.stdout
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        prefixes = [r.prefix for r in meta.all_records() if r.prefix]
+    assert len(prefixes) == 4 and all(len(p) == 2 for p in prefixes)
+
+
+def test_cli_fuse_neighbours_needs_a_system_prompt(model_dir, tmp_path, capsys):
+    from cachefuse.cli import main
+
+    chunks = tmp_path / "chunks.jsonl"
+    chunks.write_text(json.dumps({"text": CHUNKS[0]}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["precompute", "--model", str(model_dir), "--chunks", str(chunks), "--store", str(tmp_path / "s"),
+              "--fuse-neighbours", "1"])
+    assert "--fuse-neighbours needs --system" in capsys.readouterr().err
