@@ -54,6 +54,41 @@ def rows_attention(
     return rows_attention_at(q, q_positions, k, v, key_positions, scale, block_rows)
 
 
+def varlen_rows_attention(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    cu_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_keys: torch.Tensor,
+    scale: float,
+    block_rows: int = 64,
+) -> torch.Tensor:
+    """`rows_attention` for several requests packed together, one request at a time.
+
+    Request b owns query rows [cu_rows[b], cu_rows[b+1]) and keys [cu_keys[b], cu_keys[b+1]); its
+    q_positions are relative to its first key. The specification of the kernel's varlen launch.
+
+    Args:
+        q: [total_rows, num_heads, head_dim]; q_positions: int64 [total_rows], sorted within a request.
+        cu_rows, cu_keys: int [B+1] offsets, non-decreasing, starting at 0.
+        k, v: [total_keys, num_kv_heads, head_dim].
+        scale: softmax scale.
+        block_rows: rows per SDPA call.
+
+    Returns:
+        [total_rows, num_heads, head_dim]
+    """
+    out = q.new_empty(q.shape)
+    rows, keys = cu_rows.tolist(), cu_keys.tolist()
+    for row_begin, row_end, key_begin, key_end in zip(rows[:-1], rows[1:], keys[:-1], keys[1:], strict=True):
+        if row_end > row_begin:
+            out[row_begin:row_end] = rows_attention(
+                q[row_begin:row_end], q_positions[row_begin:row_end],
+                k[key_begin:key_end], v[key_begin:key_end], scale, block_rows)
+    return out
+
+
 def rows_attention_at(
     q: torch.Tensor,
     q_positions: torch.Tensor,
@@ -75,9 +110,10 @@ def rows_attention_at(
         [num_rows, num_heads, head_dim]; key j is visible to row i iff key_positions[j] <= q_positions[i].
     """
     out = q.new_empty(q.shape)
-    for begin in range(0, q.shape[0], block_rows):
-        end = min(begin + block_rows, q.shape[0])
-        num_keys = int(torch.searchsorted(key_positions, q_positions[end - 1], right=True))
+    ends = _block_ends(q.shape[0], block_rows)
+    # Keys each block sees, read to the host once per call (on a GPU: one sync, not one per block).
+    block_keys = torch.searchsorted(key_positions, q_positions[[e - 1 for e in ends]], right=True).tolist()
+    for begin, end, num_keys in zip(range(0, q.shape[0], block_rows), ends, block_keys, strict=True):
         mask = key_positions[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
         block = F.scaled_dot_product_attention(
             q[begin:end].transpose(0, 1)[None],
@@ -86,6 +122,11 @@ def rows_attention_at(
             attn_mask=mask[None, None], scale=scale, enable_gqa=True)
         out[begin:end] = block[0].transpose(0, 1)
     return out
+
+
+def _block_ends(num_rows: int, block_rows: int) -> list[int]:
+    """Exclusive end of each block of `block_rows` rows."""
+    return [min(begin + block_rows, num_rows) for begin in range(0, num_rows, block_rows)]
 
 
 def segment_attention_mass(
@@ -118,9 +159,9 @@ def segment_attention_mass(
     k_heads = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, num_tokens, head_dim]
     key_ids = torch.arange(k.shape[0], device=k.device)
     mass = torch.zeros(q.shape[0], num_heads, num_segments, dtype=torch.float32, device=q.device)
-    for begin in range(0, q.shape[0], block_rows):
-        end = min(begin + block_rows, q.shape[0])
-        num_keys = int(q_positions[end - 1]) + 1
+    ends = _block_ends(q.shape[0], block_rows)
+    block_keys = (q_positions[[e - 1 for e in ends]] + 1).tolist()  # one host read per call
+    for begin, end, num_keys in zip(range(0, q.shape[0], block_rows), ends, block_keys, strict=True):
         scores = torch.einsum("rhd,hkd->hrk", q[begin:end].float(), k_heads[:, :num_keys]) * scale
         visible = key_ids[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [heads, block, keys]

@@ -160,7 +160,7 @@ class FusionEngine:
 
     def compute_chunk(self, chunk_ids: Sequence[int], prefix_ids: Sequence[int] = ()) -> ChunkKV:
         """A chunk's RoPE-stripped K/V computed after `prefix_ids` alone (full prefill)."""
-        ids = torch.tensor([*prefix_ids, *chunk_ids], dtype=torch.int64)
+        ids = torch.tensor([*prefix_ids, *chunk_ids], dtype=torch.int64, device=self.adapter.device)
         segments = [Segment(len(prefix_ids), len(chunk_ids), is_chunk=True, is_system=not prefix_ids)]
         if prefix_ids:
             segments.insert(0, Segment(0, len(prefix_ids), is_chunk=False, is_system=False))
@@ -230,7 +230,7 @@ class FusionEngine:
         selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
         selector_name = selector_obj.name
         ratio = self.config.recompute_ratio if ratio is None else ratio
-        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.adapter.device)
         segments = segment_prompt(len(token_ids), chunks)
         chunk_indices = [i for i, s in enumerate(segments) if s.is_chunk]
         keys = {i: self.key(token_ids[segments[i].start:segments[i].end], at_prompt_start=segments[i].is_system)

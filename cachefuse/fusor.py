@@ -29,7 +29,7 @@ import torch
 
 from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
-from cachefuse.attention import causal_attention, rows_attention, segment_attention_mass
+from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.loading.loader import FetchLayer, LoadedLayers
 from cachefuse.probe import ProbeResult, run_probe
@@ -103,10 +103,10 @@ class FuseResult:
 class _RequestLayout:
     """Per-request row bookkeeping: which rows are loaded, candidates or forced."""
 
-    def __init__(self, request: FuseRequest, num_layers: int, reduce_scores=None) -> None:
+    def __init__(self, request: FuseRequest, num_layers: int, device: torch.device, reduce_scores=None) -> None:
         num_tokens = int(request.token_ids.numel())
-        is_loaded = torch.zeros(num_tokens, dtype=torch.bool)
-        is_candidate = torch.zeros(num_tokens, dtype=torch.bool)
+        is_loaded = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=device)
         candidate_segments, self.hole_segments = [], []
         for index, seg in enumerate(request.segments):
             entry = request.loaded.get(index)
@@ -126,7 +126,8 @@ class _RequestLayout:
         is_candidate[num_tokens - 1] = False  # the last token is always computed, never "selected"
         forced = ~is_loaded
         forced[num_tokens - 1] = True
-        self.num_tokens = num_tokens
+        self.num_tokens, self.device = num_tokens, device
+        self.token_ids = request.token_ids.to(device)
         self.is_candidate = is_candidate
         self.forced_rows = forced.nonzero().flatten()
         self.ctx = SelectionContext(
@@ -152,7 +153,8 @@ class Fusor:
     Args:
         adapter: the model behind the ModelAdapter protocol.
         block_rows: selected rows per attention call.
-        attention_fn: rows attention (q, q_positions, k, v, scale, block_rows); tests substitute it.
+        attention_fn: rows attention (q, q_positions, k, v, scale, block_rows): ops.rows_attention, the
+            Triton sparse-query kernel on CUDA and its torch twin elsewhere; tests substitute it.
 
     Attributes:
         reduce_scores: set under tensor parallelism to an all-reduce (sum) over the ranks, so every
@@ -163,7 +165,7 @@ class Fusor:
     """
 
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
-                 attention_fn: RowsAttention = rows_attention) -> None:
+                 attention_fn: RowsAttention = ops.rows_attention) -> None:
         self.adapter = adapter
         self.block_rows = block_rows
         self.attention_fn = attention_fn
@@ -174,12 +176,12 @@ class Fusor:
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
         shape = self.adapter.shape
-        layout = _RequestLayout(request, shape.num_layers, self.reduce_scores)
+        layout = _RequestLayout(request, shape.num_layers, self.adapter.device, self.reduce_scores)
         num_full = selector.num_full_layers(shape.num_layers)
         check_layers = selector.check_layers(shape.num_layers)
         probe = self._probe(request, selector, layout)
         with LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
-                           set(check_layers)) as loaded_kv:
+                           set(check_layers), layout.device) as loaded_kv:
             result = self._fuse(request, selector, layout, loaded_kv, num_full, check_layers)
         if probe is not None:
             result.probe_seconds, result.probe_layers, result.probe_rows = probe
@@ -194,34 +196,37 @@ class Fusor:
         if request.fetched:
             raise ValueError(f"{selector.name}: the question probe reads whole entries (preload_depth 0), "
                              "not layer-by-layer fetches")
-        start = self.clock()
+        timer = _LayerTimer(self.clock, layout.device)
+        timer.start()
         anchors = {index: selector.probe_anchors(request.segments[index], entry.k_nope, entry.meta)
                    for index, entry in request.loaded.items()
                    if spec.anchors_only and not request.segments[index].is_system}
-        result: ProbeResult = run_probe(self.adapter, request.token_ids, request.segments, request.loaded,
+        result: ProbeResult = run_probe(self.adapter, layout.token_ids, request.segments, request.loaded,
                                         layout.forced_rows, layout.ctx, spec, anchors, self.block_rows)
         layout.ctx = dataclasses.replace(layout.ctx, probe_scores=result.scores, probe_layer_scores=result.layer_scores)
-        return self.clock() - start, result.num_layers_run, result.num_probe_rows
+        timer.stop()
+        return timer.seconds()[0], result.num_layers_run, result.num_probe_rows
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
               loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...]) -> FuseResult:
         """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`."""
         adapter, num_layers = self.adapter, self.adapter.shape.num_layers
-        positions = torch.arange(layout.num_tokens, dtype=torch.int64)
+        positions = torch.arange(layout.num_tokens, dtype=torch.int64, device=layout.device)
         rows: torch.Tensor | None = None  # rows whose K/V this layer computes; None: every row
         num_selected = layout.ctx.candidate_rows.numel()
         if num_full == 0:
             initial = selector.initial_rows(layout.ctx)
             assert initial is not None, f"{selector.name}: no full layers needs initial_rows"
             rows, num_selected = layout.with_forced(initial), initial.numel()
-        hidden = adapter.embed(request.token_ids if rows is None else request.token_ids[rows])
+        hidden = adapter.embed(layout.token_ids if rows is None else layout.token_ids[rows])
         residual = None
-        out_k, out_v, rows_per_layer, layer_seconds = [], [], [], []
+        out_k, out_v, rows_per_layer = [], [], []
+        timer = _LayerTimer(self.clock, layout.device)
         stats = (_HoleStats(request.segments, layout) if request.collect_attention_stats and layout.hole_segments
                  else None)
         question = _QuestionAttention.of(request.segments, layout) if selector.tracks_question_attention() else None
         for layer in range(num_layers):
-            layer_start = self.clock()
+            timer.start()
             loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
             row_positions = positions if rows is None else rows
             x, residual = adapter.attention_input(layer, hidden, residual)
@@ -264,7 +269,7 @@ class Fusor:
             attn = self._attend(layer, q, next_rows, k_merged, v_merged)
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
             rows = next_rows
-            layer_seconds.append(self.clock() - layer_start)
+            timer.stop()
 
         logits = adapter.final_logits(hidden, residual)[0]  # the last row, position N-1
         if num_full >= num_layers:
@@ -273,7 +278,7 @@ class Fusor:
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
-            layer_seconds=layer_seconds, hole_token_mass={} if stats is None else stats.result(num_layers))
+            layer_seconds=timer.seconds(), hole_token_mass={} if stats is None else stats.result(num_layers))
 
     def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
@@ -295,19 +300,52 @@ class Fusor:
         return selector.select_at_check(layout.ctx, check_layers.index(layer), kv)
 
 
+class _LayerTimer:
+    """Each layer's time: the fusor's clock on a CPU; CUDA events on a GPU, where a host clock would time
+    kernel launches, not kernels. `seconds()` waits for the last layer (the pass's one sync at its end)."""
+
+    def __init__(self, clock: Callable[[], float], device: torch.device) -> None:
+        self.clock = clock
+        # An injected clock (tests) is kept on every device; the default one is replaced by events.
+        self.events = device.type == "cuda" and clock is time.perf_counter
+        self.spans: list[tuple[Any, Any]] = []
+        self._start: Any = None
+
+    def _now(self) -> Any:
+        if not self.events:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self) -> None:
+        self.spans.append((self._start, self._now()))
+
+    def seconds(self) -> list[float]:
+        if not self.events:
+            return [end - start for start, end in self.spans]
+        if self.spans:
+            self.spans[-1][1].synchronize()
+        return [start.elapsed_time(end) / 1000.0 for start, end in self.spans]
+
+
 class _HoleStats:
     """Accumulates, per hole, the attention mass its rows put on each segment, layer by layer."""
 
     def __init__(self, segments: Sequence[Segment], layout: _RequestLayout) -> None:
         self.segments, self.holes = list(segments), list(layout.hole_segments)
-        self.segment_of_key = torch.cat([torch.full((s.length,), i, dtype=torch.int64)
-                                         for i, s in enumerate(self.segments)])
-        self.per_token = {h: torch.zeros(self.segments[h].length, len(self.segments)) for h in self.holes}
+        self.segment_of_key = _segment_of_key(self.segments, layout.device)
+        self.per_token = {h: torch.zeros(self.segments[h].length, len(self.segments), device=layout.device)
+                          for h in self.holes}
 
     def add_layer(self, q, row_positions, k_merged, scale, block_rows) -> None:
         for h in self.holes:
             seg = self.segments[h]
-            index = torch.searchsorted(row_positions, torch.arange(seg.start, seg.end))  # holes are always rows
+            hole_rows = torch.arange(seg.start, seg.end, device=row_positions.device)
+            index = torch.searchsorted(row_positions, hole_rows)  # holes are always rows
             mass = segment_attention_mass(q[index], row_positions[index], k_merged, self.segment_of_key,
                                           len(self.segments), scale, block_rows, per_row=True)
             self.per_token[h] += mass.mean(dim=1)  # [tokens, segments], averaged over heads
@@ -323,31 +361,36 @@ class _QuestionAttention:
     they are forced rows, computed in every layer (| ... | chunk C | glue, question, last |).
     """
 
-    def __init__(self, segments: Sequence[Segment], num_tokens: int, question_start: int) -> None:
-        self.rows = torch.arange(question_start, num_tokens)
+    def __init__(self, segments: Sequence[Segment], num_tokens: int, question_start: int,
+                 device: torch.device) -> None:
+        self.rows = torch.arange(question_start, num_tokens, device=device)
         self.num_segments = len(segments)
-        self.segment_of_key = torch.cat([torch.full((s.length,), i, dtype=torch.int64)
-                                         for i, s in enumerate(segments)])
+        self.segment_of_key = _segment_of_key(segments, device)
 
     @classmethod
     def of(cls, segments: Sequence[Segment], layout: _RequestLayout) -> _QuestionAttention | None:
         """None when the prompt has no declared chunk or ends inside one (no question rows)."""
         start = max((s.end for s in segments if s.is_chunk), default=layout.num_tokens)
-        return cls(segments, layout.num_tokens, start) if start < layout.num_tokens else None
+        return cls(segments, layout.num_tokens, start, layout.device) if start < layout.num_tokens else None
 
     def mass(self, q, row_positions, k_merged, scale, block_rows, ctx: SelectionContext) -> torch.Tensor:
         """[num_segments] fp32: summed over the question rows, averaged over heads (of every TP rank)."""
         index = torch.searchsorted(row_positions, self.rows)  # question rows are always computed
-        device = k_merged.device
-        mass = segment_attention_mass(q[index], self.rows.to(device), k_merged, self.segment_of_key.to(device),
+        mass = segment_attention_mass(q[index], self.rows, k_merged, self.segment_of_key,
                                       self.num_segments, scale, block_rows)  # [num_heads, num_segments]
         total = ctx.reduce(torch.cat([mass.sum(dim=0), mass.new_tensor([mass.shape[0]])]))  # one all-reduce
         return total[:-1] / total[-1]
 
 
+def _segment_of_key(segments: Sequence[Segment], device: torch.device) -> torch.Tensor:
+    """int64 [num_tokens]: the index of the segment each row belongs to."""
+    lengths = torch.tensor([s.length for s in segments], device=device)
+    return torch.repeat_interleave(torch.arange(len(segments), device=device), lengths)
+
+
 def extract_chunk_kv(result: FuseResult, segment: Segment, rope_spec, meta: dict[str, str] | None = None) -> ChunkKV:
     """A segment's fused K/V as a storable entry: RoPE stripped at the segment's positions, copied."""
-    positions = torch.arange(segment.start, segment.end, dtype=torch.int64)
+    positions = torch.arange(segment.start, segment.end, dtype=torch.int64, device=result.k[0].device)
     return ChunkKV(
         k_nope=[ops.strip_rope(k[segment.start:segment.end], positions, rope_spec) for k in result.k],
         v=[v[segment.start:segment.end].clone() for v in result.v],

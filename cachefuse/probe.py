@@ -55,45 +55,56 @@ class ProbeResult:
     """Score layer -> its scores alone (summing to `scores`), when `spec.per_layer`."""
 
 
-def question_rows(segments: Sequence[Segment], num_tokens: int) -> torch.Tensor:
+def question_rows(segments: Sequence[Segment], num_tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Rows after the last declared chunk; the last token alone when the prompt ends inside a chunk."""
     start = max((s.end for s in segments if s.is_chunk), default=num_tokens)
-    return torch.arange(min(start, num_tokens - 1), num_tokens)
+    return torch.arange(min(start, num_tokens - 1), num_tokens, device=device)
 
 
-def _view_offsets(index: int, seg: Segment, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor]) -> torch.Tensor:
+def _view_offsets(index: int, seg: Segment, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor],
+                  device: torch.device) -> torch.Tensor:
+    """Chunk-local offsets of the rows the probe attends over, on `device` (where the entry's tensors are)."""
     if seg.is_system or not spec.anchors_only:
-        return torch.arange(seg.length)
-    return anchors[index]
+        return torch.arange(seg.length, device=device)
+    return anchors[index].to(device)
 
 
 class _CachedContext:
     """The loaded rows of one request, per layer: the view's K/V and, at score layers, every row's K."""
 
     def __init__(self, segments: Sequence[Segment], loaded: Mapping[int, ChunkKV], spec: ProbeSpec,
-                 anchors: Mapping[int, torch.Tensor], rope_spec) -> None:
-        self.rope_spec = rope_spec
-        self.parts = []  # (entry, chunk-local view offsets, view positions, all positions)
+                 anchors: Mapping[int, torch.Tensor], rope_spec, device: torch.device) -> None:
+        self.rope_spec, self.device = rope_spec, device
+        self.parts = []  # (entry, chunk-local view offsets on the entry's device, view positions, all positions)
         for index in sorted(loaded):
-            seg = segments[index]
-            offsets = _view_offsets(index, seg, spec, anchors)
-            self.parts.append((loaded[index], offsets, seg.start + offsets, torch.arange(seg.start, seg.end)))
+            seg, entry = segments[index], loaded[index]
+            offsets = _view_offsets(index, seg, spec, anchors, entry.k_nope[0].device)
+            self.parts.append((entry, offsets, seg.start + offsets.to(device),
+                               torch.arange(seg.start, seg.end, device=device)))
         self.view_positions = (torch.cat([p[2] for p in self.parts]) if self.parts
-                               else torch.zeros(0, dtype=torch.int64))
+                               else torch.zeros(0, dtype=torch.int64, device=device))
         self.all_positions = (torch.cat([p[3] for p in self.parts]) if self.parts
-                              else torch.zeros(0, dtype=torch.int64))
+                              else torch.zeros(0, dtype=torch.int64, device=device))
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated at request positions) and V of the view rows, in `view_positions` order."""
         if not self.parts:
-            return torch.zeros(0), torch.zeros(0)
-        k_nope = torch.cat([entry.k_nope[layer][offsets] for entry, offsets, _, _ in self.parts])
-        v = torch.cat([entry.v[layer][offsets] for entry, offsets, _, _ in self.parts])
+            return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
+        k_nope = torch.cat([self._rows(entry.k_nope[layer], offsets) for entry, offsets, _, _ in self.parts])
+        v = torch.cat([self._rows(entry.v[layer], offsets) for entry, offsets, _, _ in self.parts])
         return ops.apply_rope(k_nope, self.view_positions, self.rope_spec), v
+
+    def _rows(self, layer_tensor: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The view's rows of one chunk's layer on the model's device. Only those rows travel (anchors:
+        ~r_a of the chunk); a view of the whole chunk (system, full view) is copied as it is stored,
+        with no gather on the host."""
+        if offsets.numel() == layer_tensor.shape[0]:  # offsets are sorted and distinct: every row
+            return layer_tensor.to(self.device, non_blocking=True)
+        return layer_tensor[offsets].to(self.device, non_blocking=True)
 
     def all_keys(self, layer: int) -> torch.Tensor:
         """K of every loaded row, rotated at its request position, in `all_positions` order."""
-        k_nope = torch.cat([entry.k_nope[layer] for entry, _, _, _ in self.parts])
+        k_nope = torch.cat([entry.k_nope[layer].to(self.device, non_blocking=True) for entry, _, _, _ in self.parts])
         return ops.apply_rope(k_nope, self.all_positions, self.rope_spec)
 
     def layer(self, layer: int, view: bool, scored: bool):
@@ -121,11 +132,12 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
             `spec.anchors_only`.
     """
     shape, num_tokens = adapter.shape, int(token_ids.numel())
-    context = _CachedContext(segments, loaded, spec, anchors, adapter.rope_spec)
+    device = token_ids.device
+    context = _CachedContext(segments, loaded, spec, anchors, adapter.rope_spec, device)
     key_positions, order = torch.cat([context.view_positions, forced_rows]).sort()
-    question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens))
+    question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens, device))
     score_layers = set(spec.score_layers)
-    scores = torch.zeros(num_tokens, dtype=torch.float32)
+    scores = torch.zeros(num_tokens, dtype=torch.float32, device=device)
     layer_scores: dict[int, torch.Tensor] | None = {} if spec.per_layer else None
     hidden, residual = adapter.embed(token_ids[forced_rows]), None
     for layer in range(spec.depth):
@@ -158,6 +170,7 @@ def _question_scores(q_question, question_positions, fresh_k, forced_rows, loade
     if loaded_k is not None:
         k_full[loaded_positions] = loaded_k.to(fresh_k.dtype)
     k_full[forced_rows] = fresh_k  # every row is loaded or forced: k_full is fully written
-    mass = segment_attention_mass(q_question, question_positions, k_full, torch.arange(num_tokens), num_tokens,
+    key_ids = torch.arange(num_tokens, device=fresh_k.device)  # every key is its own "segment"
+    mass = segment_attention_mass(q_question, question_positions, k_full, key_ids, num_tokens,
                                   scale, block_rows)  # [num_heads, num_tokens]
     return mass.sum(dim=0)

@@ -1,4 +1,5 @@
-"""RoPE geometry and strip / apply / shift in pure torch: the specification for csrc_triton/rope.py.
+"""RoPE geometry and strip / apply / shift / gather_rotate in pure torch: the specification for
+csrc_triton/rope.py and csrc_triton/gather_rotate.py.
 
 Imports only torch and cachefuse.errors (never transformers or vllm: the constructors read the live
 rotary module by duck typing). `apply_rope(k_nope, positions, spec)` equals the engine's own rotary
@@ -272,3 +273,37 @@ def shift_rope(k: torch.Tensor, offsets: torch.Tensor | int, spec: RopeSpec) -> 
     _check_positions(offsets)
     cos, sin = rope_cos_sin(offsets, spec)  # [num_tokens, rotary_dim // 2]
     return _rotate(k, cos, sin, spec)
+
+
+def gather_rotate(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, dst_positions: torch.Tensor,
+                  spec: RopeSpec, src_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes `src` rotated at `dst_positions` into rows `dst_rows` of `dst` (the loader's gather).
+
+    `dst[dst_rows[i]] = apply_rope(src, dst_positions)[i]` for RoPE-free `src`; with `src_positions`
+    (keys stored rotated, e.g. read back from a paged cache) `src` is first stripped at
+    `src_positions`: `apply_rope(strip_rope(src, src_positions), dst_positions)`, both turns in fp32
+    and one rounding to dst's dtype at the end. Strip + apply rather than shift_rope by
+    `dst_positions - src_positions`: its angles are the engine's own (see shift_rope), and it
+    undoes attention_scaling before applying it again.
+
+    Args:
+        src: `[num_tokens, num_heads, head_dim]` keys, any float dtype; not modified.
+        dst: `[num_dst_rows, num_heads, head_dim]`, any float dtype and strides; written in place,
+            rows outside `dst_rows` untouched.
+        dst_rows: int64 `[num_tokens]`, distinct, in [0, num_dst_rows).
+        dst_positions: int64 `[num_tokens]`, the absolute positions row i is rotated to.
+        spec: the geometry.
+        src_positions: None (src is RoPE-free), or int64 `[num_tokens]`, the positions src is rotated at.
+
+    Returns:
+        dst.
+    """
+    _check_positions(dst_rows)
+    if src_positions is None and src.dtype == dst.dtype:
+        k = apply_rope(src, dst_positions, spec)  # the fp32 path's bits: apply_rope rounds once
+    else:
+        k = src.to(torch.float32)  # [num_tokens, num_heads, head_dim]
+        if src_positions is not None:
+            k = strip_rope(k, src_positions, spec)
+        k = apply_rope(k, dst_positions, spec).to(dst.dtype)
+    return dst.index_copy_(0, dst_rows, k)

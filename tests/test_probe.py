@@ -89,7 +89,7 @@ def test_full_view_scores_equal_attention_of_a_full_reuse_pass(adapter, loaded_c
     request = FuseRequest(ids, segments, loaded, 0.15)
     from cachefuse.fusor import _RequestLayout
 
-    layout = _RequestLayout(request, num_layers)
+    layout = _RequestLayout(request, num_layers, adapter.device)
     spec = ProbeSpec((1, num_layers - 2))  # the pass's last layer attends from the last row only
     probe = run_probe(adapter, ids, segments, loaded, layout.forced_rows, layout.ctx, spec, {})
 
@@ -140,7 +140,7 @@ def test_anchor_view_with_every_token_equals_the_full_view(adapter, loaded_case)
     ids, num_layers = torch.tensor(case.token_ids), adapter.shape.num_layers
     from cachefuse.fusor import _RequestLayout
 
-    layout = _RequestLayout(FuseRequest(ids, segments, loaded, 0.15), num_layers)
+    layout = _RequestLayout(FuseRequest(ids, segments, loaded, 0.15), num_layers, torch.device("cpu"))
     layers = (1, num_layers - 1)
     every = {i: torch.arange(segments[i].length) for i in loaded if not segments[i].is_system}
     full = run_probe(adapter, ids, segments, loaded, layout.forced_rows, layout.ctx, ProbeSpec(layers), {})

@@ -40,6 +40,9 @@ class ModelShape:
 class ModelAdapter(Protocol):
     shape: ModelShape
     rope_spec: RopeSpec
+    """The model's RoPE, `inv_freq` on `device`."""
+    device: torch.device
+    """Where the model's weights live: the fusor, selectors and loader allocate every tensor of a pass here."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> hidden [num_tokens, hidden_size]."""

@@ -59,20 +59,24 @@ class HFAdapter:
             scaling=float(first_attn.scaling),
             dtype=next(model.parameters()).dtype,
         )
-        self.rope_spec = RopeSpec.from_hf(model)
+        self.device = next(model.parameters()).device
+        self.rope_spec = RopeSpec.from_hf(model).to(self.device)
         # The family's own RoPE application (rotate-half), used for freshly computed rows.
         self._apply_rotary = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
         self._qkv = [_fuse_linears(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in self.layers]
         self._gate_up = [_fuse_linears(b.mlp.gate_proj, b.mlp.up_proj) for b in self.layers]
         self._q_size = self.shape.num_heads * head_dim
         self._kv_size = self.shape.num_kv_heads * head_dim
+        self._rotary_cache: tuple | None = None  # (positions, dtype, cos, sin) of the last rotate
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> HFAdapter:
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> HFAdapter:
+        """Loads a checkpoint directory onto `device` in `dtype` (fp32 on CPU; bf16 or fp16 on a GPU)."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        return cls(model)
+        return cls(model.to(device))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(input_ids)
@@ -94,9 +98,20 @@ class HFAdapter:
         return q, k, v
 
     def rotate(self, layer, positions, q_nope, k_nope):
-        cos, sin = self.decoder.rotary_emb(q_nope, positions[None])  # [1, T, head_dim]
+        cos, sin = self._cos_sin(positions, q_nope)  # [1, T, head_dim]
         q, k = self._apply_rotary(q_nope.transpose(0, 1)[None], k_nope.transpose(0, 1)[None], cos, sin)
         return q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T, heads, head_dim]
+
+    def _cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's cos/sin at `positions`, computed once per positions tensor: the blend pass
+        rotates every layer at the same rows until a selection changes them (the module's own ~10
+        kernels per layer were a visible share of a GPU pass's launch overhead). The cache holds the
+        tensor itself, so an identical object is the same positions."""
+        cached = self._rotary_cache
+        if cached is None or cached[0] is not positions or cached[1] != like.dtype:
+            cos, sin = self.decoder.rotary_emb(like, positions[None])
+            self._rotary_cache = cached = (positions, like.dtype, cos, sin)
+        return cached[2], cached[3]
 
     def attention_output(self, layer, attn, residual):
         block = self.layers[layer]

@@ -295,6 +295,9 @@ class _Layer:
     v: torch.Tensor
     k: torch.Tensor | None
     """k_nope rotated at its target positions; None until a layer that merges needs it."""
+    ready: torch.cuda.Event | None = None
+    """On a GPU: recorded on the loader's copy stream after the layer's copies and rotation; the pass's
+    stream waits on it before the first read (None: on the CPU, nothing to wait for)."""
 
 
 class LoadedLayers:
@@ -307,16 +310,21 @@ class LoadedLayers:
     """
 
     def __init__(self, request: FuseRequest, num_tokens: int, shape, rope_spec,
-                 first_merged_layer: int, check_layers: set[int] | frozenset[int] = frozenset()) -> None:
+                 first_merged_layer: int, check_layers: set[int] | frozenset[int] = frozenset(),
+                 device: torch.device | str = "cpu") -> None:
         self.num_tokens, self.shape, self.rope_spec = num_tokens, shape, rope_spec
+        self.device = torch.device(device)
+        # On a GPU, host-to-device copies and re-rotation run on a side stream (the loader thread's),
+        # so layer i+1 travels while layer i computes on the pass's stream.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.first_merged_layer = first_merged_layer  # layers before it compute every row: no rotation
         # A full layer that is no check layer never reads loaded K/V (CacheBlend's layer 0): not fetched.
         self.unread_layers = set(range(first_merged_layer)) - set(check_layers)
         indices = sorted({*request.loaded, *request.fetched})
         self.sources = [(request.segments[i], request.loaded.get(i), request.fetched.get(i)) for i in indices]
         # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
-        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end) for s, _, _ in self.sources])
-                            if self.sources else torch.zeros(0, dtype=torch.int64))
+        self.loaded_rows = (torch.cat([torch.arange(s.start, s.end, device=self.device) for s, _, _ in self.sources])
+                            if self.sources else torch.zeros(0, dtype=torch.int64, device=self.device))
         self.fetch = request.fetch_layer if request.fetched else None
         self.loader: SerialLoader | PipelinedLoader | None = None
         if self.fetch is not None:
@@ -341,8 +349,17 @@ class LoadedLayers:
     def _work(self, layer: int) -> _Layer:
         """Gather (and from the first merged layer on, re-rotate) one layer; the loader thread's work."""
         if not self.sources or layer in self.unread_layers:
-            empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype)
+            empty = torch.zeros((0, self.shape.num_kv_heads, self.shape.head_dim), dtype=self.shape.dtype,
+                                device=self.device)
             return _Layer(empty, empty, empty)
+        if self.copy_stream is None:
+            return self._gather(layer)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            data = self._gather(layer)
+            data.ready = self.copy_stream.record_event()
+        return data
+
+    def _gather(self, layer: int) -> _Layer:
         fetched: LayerKV = self.fetch(layer) if self.fetch is not None else {}
         parts = []
         for seg, entry, key in self.sources:
@@ -350,10 +367,29 @@ class LoadedLayers:
             if k_nope.shape[0] != seg.length or v.shape[0] != seg.length:
                 raise LayerUnavailable(key, layer, "length_mismatch")
             parts.append((k_nope, v))
-        k_nope = torch.cat([k for k, _ in parts])  # [num_loaded, num_kv_heads, head_dim]
-        v = torch.cat([v for _, v in parts])
-        k = self._rotate(k_nope) if layer >= self.first_merged_layer else None
+        k_nope = self._stage([k for k, _ in parts])  # [num_loaded, num_kv_heads, head_dim] on the device
+        v = self._stage([v for _, v in parts])
+        # On a CPU the loader thread rotates ahead (overlapping the pass); on a GPU `rotated()` gathers
+        # and rotates in one kernel straight into the merged K (no rotated copy to write and re-read).
+        rotate_here = layer >= self.first_merged_layer and self.device.type != "cuda"
+        k = self._rotate(k_nope) if rotate_here else None
         return _Layer(k_nope, v, k)
+
+    def _stage(self, parts: list[Tensor]) -> Tensor:
+        """The parts concatenated on the model's device. Host parts are copied straight into their slice of
+        one device buffer: from page-locked memory (the host tier's `pin_memory`) each copy is an
+        asynchronous DMA on the copy stream, with no host-side concatenation (a host memcpy of every
+        loaded byte, measured slower than PCIe itself); entries of the device tier are concatenated
+        where they are."""
+        if self.device.type != "cuda" or all(t.device == self.device for t in parts):
+            return torch.cat(parts).to(self.device)
+        out = torch.empty((sum(t.shape[0] for t in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
+                          device=self.device)
+        offset = 0
+        for part in parts:
+            out[offset:offset + part.shape[0]].copy_(part, non_blocking=True)
+            offset += part.shape[0]
+        return out
 
     def _rotate(self, k_nope: torch.Tensor) -> torch.Tensor:
         return ops.apply_rope(k_nope, self.loaded_rows, self.rope_spec)
@@ -363,14 +399,21 @@ class LoadedLayers:
             raise RuntimeError(f"layer {layer} asked for while layer {self._layer} is current")
         if self._current is None:
             self._current = self._work(layer)  # whole entries: gathered here, on first use
+        if self._current.ready is not None:  # the copy stream's work for this layer, before any read
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self._current.ready)
+            for tensor in (self._current.k_nope, self._current.v, self._current.k):
+                if tensor is not None:  # allocated on the copy stream, read on this one
+                    tensor.record_stream(stream)
+            self._current.ready = None
         return self._current
 
     def stripped(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, num_kv_heads, head_dim] K (RoPE stripped) and V, zeros where nothing is loaded."""
         data = self._data(layer)
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
-        k_nope = torch.zeros(shape, dtype=self.shape.dtype)
-        v = torch.zeros(shape, dtype=self.shape.dtype)
+        k_nope = torch.zeros(shape, dtype=self.shape.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.shape.dtype, device=self.device)
         k_nope[self.loaded_rows], v[self.loaded_rows] = data.k_nope, data.v
         return k_nope, v
 
@@ -382,8 +425,11 @@ class LoadedLayers:
         """
         data = self._data(layer)
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
-        k = torch.empty(shape, dtype=self.shape.dtype)
-        v = torch.empty(shape, dtype=self.shape.dtype)
-        k[self.loaded_rows] = data.k if data.k is not None else self._rotate(data.k_nope)
+        k = torch.empty(shape, dtype=self.shape.dtype, device=self.device)
+        v = torch.empty(shape, dtype=self.shape.dtype, device=self.device)
+        if data.k is not None:  # rotated on the loader thread
+            k[self.loaded_rows] = data.k
+        else:  # gathered and rotated in one pass, no rotated copy in between
+            ops.gather_rotate(data.k_nope, k, self.loaded_rows, self.loaded_rows, self.rope_spec)
         v[self.loaded_rows] = data.v
         return k, v

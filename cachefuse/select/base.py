@@ -60,6 +60,11 @@ class SelectionContext:
     def reduce(self, scores: torch.Tensor) -> torch.Tensor:
         return scores if self.reduce_scores is None else self.reduce_scores(scores)
 
+    @property
+    def device(self) -> torch.device:
+        """The model's device: every tensor a selector returns lives here."""
+        return self.candidate_rows.device
+
 
 @dataclass(frozen=True)
 class CheckLayerKV:

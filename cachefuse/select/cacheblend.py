@@ -18,17 +18,20 @@ in docs/selectors.md:
 
 import torch
 
+from cachefuse import ops
 from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector, num_rows_for_ratio
 
 
 def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
     """Per-row deviation [R] between fresh and loaded K/V; computed in fp32.
 
-    `reduce` sums a per-row partial score over tensor-parallel ranks (SelectionContext.reduce).
+    Each tensor pair's reduction is `ops.row_sq_dist` (a Triton kernel on CUDA, its twin
+    cachefuse.deviation.row_sq_dist elsewhere). `reduce` sums a per-row partial score over
+    tensor-parallel ranks (SelectionContext.reduce).
     """
 
     def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        partial = (a.float() - b.float()).pow(2).sum(dim=(1, 2))  # [R], this rank's heads
+        partial = ops.row_sq_dist(a, b)  # [R], this rank's heads
         return partial if reduce is None else reduce(partial)
 
     if metric == "k":
@@ -70,13 +73,15 @@ class CacheBlendSelector(Selector):
         if count == kv.rows.numel():
             return kv.rows
         deviation = kv_deviation(kv, self.deviation, ctx.reduce)
-        forced = torch.zeros(kv.rows.numel(), dtype=torch.bool)
+        forced = torch.zeros(kv.rows.numel(), dtype=torch.bool, device=ctx.device)
         if self.sink_tokens:
-            sinks = torch.cat([torch.arange(seg.start, min(seg.end, seg.start + self.sink_tokens))
-                               for seg in ctx.candidate_segments] or [torch.zeros(0, dtype=torch.int64)])
+            sinks = torch.cat([torch.arange(seg.start, min(seg.end, seg.start + self.sink_tokens), device=ctx.device)
+                               for seg in ctx.candidate_segments]
+                              or [torch.zeros(0, dtype=torch.int64, device=ctx.device)])
             forced |= torch.isin(kv.rows, sinks)
         if self.chunk_floor:
             forced |= self._chunk_floors(ctx, kv.rows, deviation, count)
+        # NOTE: top-k stays torch.topk: one library call over [R] scores, already a fused kernel on CUDA.
         top = torch.topk(deviation.masked_fill(forced, float("inf")), count, sorted=False).indices
         return kv.rows[top].sort().values
 
@@ -84,7 +89,7 @@ class CacheBlendSelector(Selector):
                       count: int) -> torch.Tensor:
         """Mask over `rows`: each chunk's floor(chunk_floor x count x its share of the candidates) rows
         of highest deviation. Rounded down, the floors sum to at most chunk_floor x count <= count."""
-        forced = torch.zeros(rows.numel(), dtype=torch.bool)
+        forced = torch.zeros(rows.numel(), dtype=torch.bool, device=ctx.device)
         total = ctx.candidate_rows.numel()
         for seg in ctx.candidate_segments:
             inside = ((rows >= seg.start) & (rows < seg.end)).nonzero().flatten()

@@ -89,15 +89,16 @@ class CacheCraftSelector(Selector):
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
         index_of = {seg.start: i for i, seg in enumerate(ctx.segments)}
         self._chunk_indices = [index_of[seg.start] for seg in ctx.candidate_segments]
-        is_candidate = torch.zeros(ctx.num_tokens, dtype=torch.bool)
+        is_candidate = torch.zeros(ctx.num_tokens, dtype=torch.bool, device=ctx.device)
         is_candidate[ctx.candidate_rows] = True
-        picked = [torch.zeros(0, dtype=torch.int64)]
+        is_candidate = is_candidate.tolist()  # one host copy: the per-chunk walk below is Python
+        picked: list[int] = []
         for index, seg in zip(self._chunk_indices, ctx.candidate_segments, strict=True):
             reuse = ctx.reuse.get(index)
             ranked = reuse.ranked_tokens if reuse is not None else ()
-            picked.append(self._chunk_rows(seg.start, seg.length, ranked, self.chunk_cfo(ctx, index),
-                                           is_candidate[seg.start:seg.end].tolist()))
-        self._selected = torch.cat(picked).sort().values
+            picked += self._chunk_rows(seg.start, seg.length, ranked, self.chunk_cfo(ctx, index),
+                                       is_candidate[seg.start:seg.end])
+        self._selected = torch.tensor(sorted(picked), dtype=torch.int64, device=ctx.device)
         self.focus_layer, self.focused_segments = None, tuple(self._chunk_indices)
         self._tracker = (FocusTracker(len(self._chunk_indices), self.window)
                          if self.early_termination and self._chunk_indices else None)
@@ -105,14 +106,14 @@ class CacheCraftSelector(Selector):
 
     @staticmethod
     def _chunk_rows(start: int, length: int, ranked: tuple[int, ...], cfo: float,
-                    is_candidate: list[bool]) -> torch.Tensor:
+                    is_candidate: list[bool]) -> list[int]:
         """The first ceil(cfo * length) candidate offsets of the ranking (or of the chunk), as rows."""
         order = list(dict.fromkeys(t for t in ranked if 0 <= t < length))  # deduplicated, in rank order
         seen = set(order)
         order += [t for t in range(length) if t not in seen]  # no ranking: the chunk's first tokens
         order = [t for t in order if is_candidate[t]]  # candidate offsets only; is_candidate: [length]
         count = max(0, min(num_rows_for_ratio(cfo, length), len(order)))
-        return torch.tensor(order[:count], dtype=torch.int64) + start
+        return [t + start for t in order[:count]]
 
     def tracks_question_attention(self) -> bool:
         return self.early_termination
@@ -129,7 +130,7 @@ class CacheCraftSelector(Selector):
         self.focused_segments = tuple(self._chunk_indices[i] for i in sorted(focused))
         if len(focused) == len(self._chunk_indices):
             return None  # every chunk focused: nothing to drop
-        keep = torch.zeros(ctx.num_tokens, dtype=torch.bool)
+        keep = torch.zeros(ctx.num_tokens, dtype=torch.bool, device=ctx.device)
         for index in self.focused_segments:
             seg = ctx.segments[index]
             keep[seg.start:seg.end] = True

@@ -30,7 +30,8 @@ class EpicSelector(Selector):
         picked = []
         for seg in ctx.candidate_segments:
             k = self.k if self.k is not None else math.ceil(ctx.ratio * seg.length - 1e-9)
-            picked.append(torch.arange(seg.start, seg.start + min(k, seg.length), dtype=torch.int64))
+            picked.append(torch.arange(seg.start, seg.start + min(k, seg.length), dtype=torch.int64,
+                                       device=ctx.device))
         if not picked:
             return ctx.candidate_rows[:0]
         return torch.cat(picked)

@@ -22,5 +22,5 @@ class FixedSelector(Selector):
         return min(self._num_full_layers, num_layers)
 
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
-        is_candidate = torch.isin(self.rows, ctx.candidate_rows)
-        return self.rows[is_candidate]
+        rows = self.rows.to(ctx.device)
+        return rows[torch.isin(rows, ctx.candidate_rows)]

@@ -45,7 +45,7 @@ def rank_anchors(token_scores: torch.Tensor, ratio: float, sink_tokens: int) -> 
     count = anchor_count(num_tokens, ratio)
     sinks = min(sink_tokens, count)
     rest = torch.topk(token_scores[sinks:].float(), count - sinks, sorted=False).indices + sinks
-    return torch.cat([torch.arange(sinks), rest]).sort().values
+    return torch.cat([torch.arange(sinks, device=rest.device), rest]).sort().values
 
 
 def key_norm_scores(k_nope: Sequence[torch.Tensor]) -> torch.Tensor:

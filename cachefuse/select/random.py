@@ -16,6 +16,8 @@ class RandomSelector(Selector):
 
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
         count = num_rows_for_ratio(ctx.ratio, ctx.candidate_rows.numel())
-        generator = torch.Generator().manual_seed(self.seed)
-        order = torch.randperm(ctx.candidate_rows.numel(), generator=generator)[:count]
+        # Drawn on the host's generator: the same seed picks the same rows on every device.
+        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        order = torch.randperm(ctx.candidate_rows.numel(), generator=generator, device="cpu")[:count]
+        order = order.to(ctx.device)
         return ctx.candidate_rows[order].sort().values

@@ -1,4 +1,9 @@
-"""Host-memory tier: ChunkKV objects in a dict, LRU by access, a byte capacity, pinned entries kept.
+"""Memory tiers: ChunkKV objects in a dict, LRU by access, a byte capacity, pinned entries kept.
+
+One class, two tiers: host memory (the default; `pin_memory=True` on a GPU machine keeps entries in
+page-locked memory, so a load is one asynchronous DMA with no staging copy) and device memory
+(`device="cuda"`: the hot-chunk tier, whose loads never cross PCIe), with the same LRU and pinning
+rules.
 
 Imports only `cachefuse.store.base` and `cachefuse.errors`. Follows the rules in base.py; in particular
 `get` hands out the stored tensors themselves (no copy): callers must never write into them, and the
@@ -11,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+
+import torch
 
 from cachefuse.errors import ConfigError
 from cachefuse.store.base import (
@@ -29,20 +36,29 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryStore(PinnedKeysMixin):
-    """LRU host-memory tier (see module docstring for the no-copy contract).
+    """LRU memory tier (see module docstring for the no-copy contract).
 
-    `name` ("memory") labels the tier in measured load figures.
+    `name` ("memory", or "device" for a GPU's memory) labels the tier in measured load figures.
 
     Args:
         identity: what every entry must match; `put` rejects others.
         capacity_bytes: budget of tensor bytes (ChunkKV.nbytes summed over entries).
+        device: where entries live: "cpu" (host memory) or a CUDA device (the device tier).
+        pin_memory: host entries in page-locked memory (needs CUDA; ignored for a device tier).
     """
 
     name = "memory"
 
-    def __init__(self, identity: StoreIdentity, capacity_bytes: int) -> None:
+    def __init__(self, identity: StoreIdentity, capacity_bytes: int, device: torch.device | str = "cpu",
+                 pin_memory: bool = False) -> None:
         if capacity_bytes < 0:
             raise ConfigError(f"memory capacity_bytes={capacity_bytes!r}, expected >= 0")
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            self.name = "device"
+        self.pin_memory = pin_memory and self.device.type == "cpu"
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ConfigError("memory pin_memory=True needs a CUDA device; leave it False on a CPU-only machine")
         self.identity = identity
         self.capacity_bytes = capacity_bytes
         self.stats = StoreStats()
@@ -81,8 +97,8 @@ class MemoryStore(PinnedKeysMixin):
         mismatch = entry_mismatch(entry, self.identity)
         if mismatch is not None:
             return self._fail(key, "foreign entry ({}: {})".format(*mismatch))
-        # Host tier: device tensors are copied once here; host tensors are kept as given.
-        entry = ChunkKV([t.cpu() for t in entry.k_nope], [t.cpu() for t in entry.v], dict(entry.meta))
+        # Tensors elsewhere are copied once here; tensors already where the tier keeps them are kept as given.
+        entry = ChunkKV([self._place(t) for t in entry.k_nope], [self._place(t) for t in entry.v], dict(entry.meta))
         nbytes = entry.nbytes
         with self._lock:
             victims = plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
@@ -102,6 +118,10 @@ class MemoryStore(PinnedKeysMixin):
 
     def contains(self, key: str) -> bool:
         return key in self._entries
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self.device)
+        return tensor.pin_memory() if self.pin_memory and not tensor.is_pinned() else tensor
 
     def remove(self, key: str) -> None:
         """Drop `key` if present (pinned or not: pins only guard against eviction)."""

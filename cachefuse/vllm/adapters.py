@@ -86,7 +86,8 @@ class VLLMAdapter:
             # Norm weights are never emptied and carry the model dtype (linear weights may be empty).
             dtype=self.decoder.norm.weight.dtype,
         )
-        self.rope_spec = _rope_spec(self.layers)
+        self.device = self.decoder.norm.weight.device
+        self.rope_spec = _rope_spec(self.layers).to(self.device)
         _check_uniform(self.layers, self.shape)
         self._embed = getattr(model, "embed_input_ids", None) or self.decoder.embed_tokens
 

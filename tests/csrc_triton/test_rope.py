@@ -1,10 +1,8 @@
 """csrc_triton.rope.apply_rope against its torch twin, cachefuse.rope.apply_rope.
 
-"cpu" runs under TRITON_INTERPRET=1 (set by `make test` before triton is imported); "cuda" runs when
-a GPU is present (marker gpu, `make test-gpu`). Without either, the module skips.
+Devices: tests/helpers/triton_devices.py (interpreted on the CPU, compiled on a GPU).
 """
 
-import os
 
 import pytest
 import torch
@@ -12,14 +10,9 @@ import torch
 from cachefuse import ops, rope
 from cachefuse.rope import RopeSpec
 from tests.helpers.tolerances import TOL
+from tests.helpers.triton_devices import kernel_devices
 
-DEVICES = []
-if os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICES.append("cpu")
-if torch.cuda.is_available():
-    DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
-if not DEVICES:
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICES = kernel_devices()
 tri_rope = pytest.importorskip("csrc_triton.rope")
 
 DTYPES = [torch.float32, torch.bfloat16]

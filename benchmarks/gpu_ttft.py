@@ -1,0 +1,240 @@
+"""Fused prefill vs full prefill on a GPU: a random-weight model of Llama-3-8B's shape in bf16.
+
+Prompt: a 32-token system prompt, 16 chunks of 512 tokens and a 64-token question (8,288 tokens).
+Chunks are precomputed after the system prompt (offline, not timed) into one of two tiers:
+`host` (page-locked host memory: each layer's K/V crosses PCIe during the pass, pipelined
+`--preload-depth` layers ahead on a side stream) or `device` (the GPU-memory tier for hot chunks).
+
+Measured, each the median of `--repeats` runs after `--warmup`, with a device synchronisation on
+both sides of every run (TTFT as a caller sees it, host overheads included):
+- `hf_forward`: the model's own transformers forward (SDPA), logits of the last position only;
+- `full_prefill`: the blend pass computing every row (the engine's own path, no reuse);
+- per tier, `cacheblend` at each `--ratios` (one full layer, then HKVD's rows), `full_reuse` (0%, no
+  full layer), and the query-aware selectors at 15% (`fusionrag`, `qcfuse`; their probe's share of TTFT).
+
+The compute bound of a setting is 1 / (rows computed over all layers / (layers x tokens)), the speed-up
+if time were proportional to computed rows (loading free); the ratio column is hf_forward / fused.
+
+    python benchmarks/gpu_ttft.py                                  # H100: ~4 min, writes docs/benchmarks/gpu/
+    python benchmarks/gpu_ttft.py --shape small --device cpu --repeats 1 --out /tmp/gpu_smoke   # a smoke run
+
+Writes gpu_ttft.json and gpu_ttft.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cachefuse.adapters.hf import HFAdapter  # noqa: E402
+from cachefuse.chunks import KeyContext  # noqa: E402
+from cachefuse.config import CacheFuseConfig  # noqa: E402
+from cachefuse.engine import FusionEngine  # noqa: E402
+from cachefuse.store.base import StoreIdentity  # noqa: E402
+from cachefuse.store.memory import MemoryStore  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=4096, rope_theta=10000.0),
+}
+SYSTEM_LEN = 32
+QUERY_AWARE = ("fusionrag", "qcfuse")
+
+
+def build_model(shape: str, dtype: torch.dtype, device: str):
+    """Random weights (std 0.02, norms 1) of the named shape, built directly on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=32768, tie_word_embeddings=False,
+                         initializer_range=0.02, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def timed(fn, device: str, warmup: int, repeats: int) -> tuple[float, list[float], object]:
+    """Median seconds of `fn()` with a device sync on both sides; also the last return value."""
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times, out
+
+
+def make_engine(adapter: HFAdapter, tier: str, device: str) -> FusionEngine:
+    identity = StoreIdentity("gpu-bench", adapter.shape.num_layers, adapter.shape.dtype)
+    cuda = device.startswith("cuda")
+    store = MemoryStore(identity, capacity_bytes=64 << 30, device=device if tier == "device" else "cpu",
+                        pin_memory=cuda and tier == "host")
+    kv_dtype = str(adapter.shape.dtype).removeprefix("torch.")
+    return FusionEngine(adapter, store, KeyContext("gpu-bench", kv_dtype), CacheFuseConfig())
+
+
+def compute_bound(layer_rows: list[int], num_tokens: int) -> float:
+    return len(layer_rows) * num_tokens / sum(layer_rows)
+
+
+def run(args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    model = build_model(args.shape, dtype, args.device)
+    adapter = HFAdapter(model)
+    vocab = adapter.shape.vocab_size
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(10, vocab, (SYSTEM_LEN,), generator=g).tolist()
+    chunks = [torch.randint(10, vocab, (args.chunk_tokens,), generator=g).tolist() for _ in range(args.chunks)]
+    question = torch.randint(10, vocab, (args.question_tokens,), generator=g).tolist()
+    token_ids = system + [t for c in chunks for t in c] + question
+    spans, start = [(0, SYSTEM_LEN)], SYSTEM_LEN
+    for chunk in chunks:
+        spans.append((start, start + len(chunk)))
+        start += len(chunk)
+    num_tokens = len(token_ids)
+    ids = torch.tensor([token_ids], device=args.device)
+
+    results = {"settings": {}}
+    with torch.inference_mode():
+        med, times, _ = timed(lambda: model(ids, logits_to_keep=1).logits, args.device, args.warmup, args.repeats)
+    results["settings"]["hf_forward"] = {"seconds": med, "samples": times}
+    baseline = med
+    print(f"hf_forward {med * 1e3:.1f} ms", flush=True)
+
+    for tier in args.tiers:
+        engine = make_engine(adapter, tier, args.device)
+        started = time.perf_counter()
+        engine.precompute([system])
+        engine.precompute(chunks, prefix_ids=system)
+        precompute_s = time.perf_counter() - started
+        settings = [("full_prefill", 1.0)] if tier == args.tiers[0] else []
+        settings += [("cacheblend", r) for r in args.ratios] + [("full_reuse", 0.0)]
+        settings += [(name, 0.15) for name in QUERY_AWARE]
+        for selector, ratio in settings:
+            def call(selector=selector, ratio=ratio, engine=engine):
+                return engine.prefill(token_ids, spans, selector=selector, ratio=ratio, save_holes=False,
+                                      preload_depth=args.preload_depth)
+            med, times, (result, stats) = timed(call, args.device, args.warmup, args.repeats)
+            name = "full_prefill" if selector == "full_prefill" else f"{tier}/{selector}@{ratio:g}"
+            entry = {
+                "seconds": med, "samples": times, "speedup_vs_hf": baseline / med,
+                "compute_bound": compute_bound(stats.layer_rows, num_tokens),
+                "chunks_hit": stats.chunks_hit, "bytes_loaded": stats.bytes_loaded,
+                "probe_seconds": stats.probe_time_s, "probe_share": stats.probe_time_s / med,
+                "pass_layer_seconds_sum": sum(stats.layer_seconds),
+            }
+            if selector != "full_prefill":
+                entry["precompute_seconds"] = precompute_s
+            results["settings"][name] = entry
+            probe = f", probe {entry['probe_share']:.0%} of TTFT" if stats.probe_time_s else ""
+            print(f"{name}: {med * 1e3:.1f} ms, {entry['speedup_vs_hf']:.2f}x "
+                  f"(bound {entry['compute_bound']:.2f}x){probe}", flush=True)
+        if args.profile and tier == args.tiers[0]:
+            profile(engine, token_ids, spans, args)
+        del engine
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    results.update({
+        "prompt": {"system_tokens": SYSTEM_LEN, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
+                   "question_tokens": args.question_tokens, "num_tokens": num_tokens},
+        "model": {"shape": args.shape, **SHAPES[args.shape], "dtype": args.dtype, "weights": "random"},
+        "repeats": args.repeats, "warmup": args.warmup, "preload_depth": args.preload_depth,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__,
+        "peak_device_memory_gib": (torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda")
+                                   else None),
+    })
+    return results
+
+
+def profile(engine: FusionEngine, token_ids, spans, args) -> None:
+    """torch.profiler over a few runs of `--profile SELECTOR@RATIO`: where a fused pass spends its time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    selector, ratio = args.profile.split("@")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(3):
+            engine.prefill(token_ids, spans, selector=selector, ratio=float(ratio), save_holes=False,
+                           preload_depth=args.preload_depth)
+    sort = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40)
+    table += "\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_ttft_profile.txt").write_text(table)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for tier in ("host", "device"):
+        points = sorted((float(k.split("@")[1]), v) for k, v in results["settings"].items()
+                        if k.startswith(f"{tier}/cacheblend@"))
+        if points:
+            ax.plot([100 * r for r, _ in points], [v["speedup_vs_hf"] for _, v in points], "o-",
+                    label=f"cacheblend, {tier} tier")
+            ax.plot([100 * r for r, _ in points], [v["compute_bound"] for _, v in points], ":",
+                    label=f"compute bound ({tier})")
+    ax.set_xlabel("recompute ratio (%)")
+    ax.set_ylabel("TTFT speed-up vs the model's own forward")
+    ax.set_title(f"{results['model']['shape']} ({results['model']['dtype']}, random weights), "
+                 f"{results['prompt']['num_tokens']} tokens, {results['device']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--question-tokens", type=int, default=64)
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.05, 0.15, 0.30])
+    parser.add_argument("--tiers", nargs="+", choices=("host", "device"), default=["host", "device"])
+    parser.add_argument("--preload-depth", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile", metavar="SELECTOR@RATIO", help="also profile this setting on the first tier")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "gpu")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run this on a GPU machine, or pass --device cpu --shape small for a smoke run")
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_ttft.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "gpu_ttft.png")
+    print(f"wrote {args.out / 'gpu_ttft.json'}")
+
+
+if __name__ == "__main__":
+    main()
