@@ -82,6 +82,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/smollm2/query_aware.json"))
     parser.add_argument("--layer-profile", type=Path, default=None,
                         help="a `cachefuse profile-layers --out` JSON: qcfuse scores at its critical layers")
+    parser.add_argument("--anchor-ranking", choices=("key_norm", "attention"), default=None,
+                        help="store QCFuse's anchors with each chunk offline, ranked this way (default: none "
+                             "stored, key-norm anchors derived per request)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = CacheFuseConfig()
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     items = eval_items(make_items("test", args.test_items), tokenizer)
     spec = EvalSpec(selectors=tuple(args.selectors), ratios=tuple(args.ratios), metric="f1",
-                    max_new_tokens=MAX_NEW_TOKENS)
+                    max_new_tokens=MAX_NEW_TOKENS, anchor_ranking=args.anchor_ranking)
     test = summarize(run_eval(engine, tokenizer, items, spec, desc="test"))
     head = {}
     for name in args.selectors:
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
     report = {
         "benchmark": "query_aware", "model": str(args.model), "threads": args.threads,
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
-        "num_layers": engine.adapter.shape.num_layers,
+        "num_layers": engine.adapter.shape.num_layers, "anchor_ranking": args.anchor_ranking,
         "qcfuse_score_layers": list(selector_at(engine, "qcfuse", TARGET_RATIO).probe_spec(
             engine.adapter.shape.num_layers).score_layers),
         "at_15": head,

@@ -167,14 +167,19 @@ class FusionEngine:
         result = self.fusor.fuse(FuseRequest(ids, segments, {}, 1.0), FullPrefillSelector())
         return extract_chunk_kv(result, segments[-1], self.adapter.rope_spec, meta={"variant": "base"})
 
-    def precompute(self, chunks: Sequence[Sequence[int]], prefix_ids: Sequence[int] = ()) -> list[str]:
+    def precompute(self, chunks: Sequence[Sequence[int]], prefix_ids: Sequence[int] = (),
+                   annotate: Callable[[Sequence[int], ChunkKV], ChunkKV] | None = None) -> list[str]:
         """Stores each chunk's base variant (computed after `prefix_ids`, e.g. the system prompt); with
-        no `prefix_ids`, each chunk's entry as a system chunk (computed at the prompt's start)."""
+        no `prefix_ids`, each chunk's entry as a system chunk (computed at the prompt's start).
+        `annotate(chunk_ids, entry)` may return the entry with metadata added before it is stored
+        (e.g. QCFuse's anchors, cachefuse.offline.anchors.anchor_annotator)."""
         keys = []
         for chunk_ids in chunks:
             key = self.key(chunk_ids, at_prompt_start=not prefix_ids)
             if not self.store.contains(key):
                 entry = self.compute_chunk(chunk_ids, prefix_ids)
+                if annotate is not None:
+                    entry = annotate(chunk_ids, entry)
                 if self.store.put(key, entry):
                     record = VariantRecord.without_stats(key, (), len(chunk_ids), size_bytes=entry.nbytes,
                                                          tier=self._home_tier())

@@ -38,6 +38,7 @@ from cachefuse.engine import FusionEngine
 from cachefuse.eval.fidelity import greedy_continuation, kv_deviation_per_layer, logits_kl, matching_prefix
 from cachefuse.eval.metrics import best_score, normalize_answer, qa_f1_score, rouge_l_score
 from cachefuse.fusor import FuseResult
+from cachefuse.offline.anchors import anchor_annotator
 from cachefuse.select import Selector, make_selector
 
 BASELINES = ("full_prefill", "full_reuse")
@@ -78,6 +79,9 @@ class EvalSpec:
     ratios: tuple[float, ...] = DEFAULT_RATIOS
     metric: str = "em"
     max_new_tokens: int = 1
+    anchor_ranking: str | None = None
+    """QCFuse's anchors stored offline with each chunk ("key_norm" or "attention",
+    cachefuse.offline.anchors); None: none stored, the selector derives key-norm anchors per request."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -153,15 +157,22 @@ def reference_engine(model_dir: str | Path, config: CacheFuseConfig) -> tuple[Fu
 
 
 
-def store_base_variants(engine: FusionEngine, prompt: RagPrompt) -> None:
+def store_base_variants(engine: FusionEngine, prompt: RagPrompt, anchor_ranking: str | None = None) -> None:
     """The system chunk alone; each retrieved chunk after everything before the first retrieved one
-    (the system prompt, or BOS when there is none): what `cachefuse precompute` stores."""
+    (the system prompt, or BOS when there is none): what `cachefuse precompute` stores. With
+    `anchor_ranking`, each retrieved chunk carries QCFuse's anchors chosen that way."""
     retrieved = [(start, ids) for (start, _), ids in zip(prompt.chunks, prompt.chunk_token_ids, strict=True)
                  if start != 0]  # a chunk at offset 0 is the system chunk (cachefuse.chunks.segment_prompt)
     if prompt.chunks[0][0] == 0:
         engine.precompute([prompt.chunk_token_ids[0]])
     if retrieved:
-        engine.precompute([ids for _, ids in retrieved], prefix_ids=prompt.token_ids[:retrieved[0][0]])
+        prefix = prompt.token_ids[:retrieved[0][0]]
+        annotate = None
+        if anchor_ranking is not None:
+            config = engine.config
+            annotate = anchor_annotator(engine.adapter, prefix, anchor_ranking, config.qcfuse_anchor_ratio,
+                                        config.qcfuse_sink_tokens)
+        engine.precompute([ids for _, ids in retrieved], prefix_ids=prefix, annotate=annotate)
 
 
 @torch.inference_mode()
@@ -261,7 +272,7 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
     """Every setting on one item (the item's base variants are stored first)."""
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
     _fresh_store(engine)
-    store_base_variants(engine, prompt)
+    store_base_variants(engine, prompt, spec.anchor_ranking)
     reference = None
     out = {}
     for name, ratio in spec.settings():

@@ -15,8 +15,8 @@ through every layer. The ablations are configurations of this one class (docs/se
 Anchors of a chunk: its first `sink_tokens` tokens, then the highest-ranked others, ceil(r_a x |c|) in
 all (QCFuse Eq. 14). Ranking "key_norm": the mean L2 norm of the token's stored (RoPE-free) keys over
 layers and KV heads, a pure function of the stored entry. An entry may carry anchors chosen otherwise
-in its metadata (`ANCHORS_META`; no offline step writes them yet, see docs/selectors.md); without them
-the key-norm anchors are derived from the loaded entry.
+in its metadata (`ANCHORS_META`, written offline by cachefuse.offline.anchors: key-norm or attention
+ranking); without them the key-norm anchors are derived from the loaded entry.
 """
 
 from __future__ import annotations
