@@ -29,7 +29,14 @@ from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
+from cachefuse.loading.loader import (
+    FetchLayer,
+    LayerKV,
+    LayerUnavailable,
+    StoreProbeReads,
+    store_layer_fetcher,
+    supports_probe_reads,
+)
 from cachefuse.metadata.base import MetaStore, VariantRecord, record_to_dict
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
@@ -331,8 +338,9 @@ class FusionEngine:
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if self.rank_agreement is not None:
             depth = 0  # serial: every miss is known before the first layer (see rank_agreement)
-        if selector.probe_spec(self.adapter.shape.num_layers) is not None:
-            depth = 0  # the question probe reads every layer it needs before the pass starts
+        probes = selector.probe_spec(self.adapter.shape.num_layers) is not None
+        if probes and not supports_probe_reads(self.store):
+            depth = 0  # the question probe reads whole entries before the pass starts
         if depth == 0:
             load = self._load if self.rank_agreement is None else self._load_agreed
             loaded, miss_reasons = load(segments, keys, load_seconds, load_bytes)
@@ -348,10 +356,16 @@ class FusionEngine:
                 miss_reasons["not_stored"] += 1
         fetch = self._timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())),
                             load_seconds, load_bytes)
+        # A query-aware selector's probe reads its view and score-layer keys first, straight from the
+        # store (counted in bytes_loaded); the pass then fetches every layer.
+        probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers) if probes else None
         request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
-                              preload_depth=depth, reuse=reuse or {}, collect_attention_stats=stats)
+                              preload_depth=depth, reuse=reuse or {}, collect_attention_stats=stats,
+                              probe_source=probe_reads)
         try:
-            return self.fusor.fuse(request, selector), fetched, miss_reasons, sum(load_bytes.values())
+            result = self.fusor.fuse(request, selector)
+            probe_bytes = 0 if probe_reads is None else probe_reads.bytes_read
+            return result, fetched, miss_reasons, sum(load_bytes.values()) + probe_bytes
         except LayerUnavailable as exc:
             logger.warning("chunk %s missed at layer %d mid-pass (%s): re-running the pass with it as a hole",
                            exc.key, exc.layer, exc.reason)

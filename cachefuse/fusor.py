@@ -32,7 +32,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.loading.loader import FetchLayer, LoadedLayers
-from cachefuse.probe import ProbeResult, run_probe
+from cachefuse.probe import EntrySource, ProbeResult, ProbeSource, run_probe
 from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
@@ -60,6 +60,9 @@ class FuseRequest:
     """Layers `fetch_layer` may run ahead on a loader thread; 0 fetches in the pass's own thread."""
     reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
     """Segment index -> the chosen variant's CFO and recompute ranking (SelectionContext.reuse)."""
+    probe_source: Any = None
+    """With `fetched`: where the question probe reads before selection (loader.StoreProbeReads: the
+    anchors' rows and the score layers' keys only); whole `loaded` entries need none."""
     collect_attention_stats: bool = False
     """Gather each hole's attention mass per segment (FuseResult.hole_token_mass): one extra softmax
     pass over the holes' rows, for the statistics a saved variant carries."""
@@ -180,9 +183,12 @@ class Fusor:
         num_full = selector.num_full_layers(shape.num_layers)
         check_layers = selector.check_layers(shape.num_layers)
         probe = self._probe(request, selector, layout)
+        # With no full layer the selection needs nothing the pass computes: it is made before any layer is
+        # fetched (a query-aware selector selects, then loads, as QCFuse does).
+        initial = selector.initial_rows(layout.ctx) if num_full == 0 else None
         with LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
                            set(check_layers), layout.device) as loaded_kv:
-            result = self._fuse(request, selector, layout, loaded_kv, num_full, check_layers)
+            result = self._fuse(request, selector, layout, loaded_kv, num_full, check_layers, initial)
         if probe is not None:
             result.probe_seconds, result.probe_layers, result.probe_rows = probe
         return result
@@ -193,29 +199,34 @@ class Fusor:
         spec = selector.probe_spec(self.adapter.shape.num_layers)
         if spec is None:
             return None
+        source: ProbeSource = EntrySource(request.loaded)
         if request.fetched:
-            raise ValueError(f"{selector.name}: the question probe reads whole entries (preload_depth 0), "
-                             "not layer-by-layer fetches")
+            if request.probe_source is None:
+                raise ValueError(f"{selector.name}: a layer-by-layer fetch needs FuseRequest.probe_source "
+                                 "for the question probe (or whole entries, preload_depth 0)")
+            source = request.probe_source
         timer = _LayerTimer(self.clock, layout.device)
         timer.start()
-        anchors = {index: selector.probe_anchors(request.segments[index], entry.k_nope, entry.meta)
-                   for index, entry in request.loaded.items()
+        anchors = {index: selector.probe_anchors(request.segments[index], source.layer_keys(index),
+                                                 source.meta(index))
+                   for index in source.indices()
                    if spec.anchors_only and not request.segments[index].is_system}
-        result: ProbeResult = run_probe(self.adapter, layout.token_ids, request.segments, request.loaded,
+        result: ProbeResult = run_probe(self.adapter, layout.token_ids, request.segments, source,
                                         layout.forced_rows, layout.ctx, spec, anchors, self.block_rows)
         layout.ctx = dataclasses.replace(layout.ctx, probe_scores=result.scores, probe_layer_scores=result.layer_scores)
         timer.stop()
         return timer.seconds()[0], result.num_layers_run, result.num_probe_rows
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
-              loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...]) -> FuseResult:
-        """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`."""
+              loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...],
+              initial: torch.Tensor | None) -> FuseResult:
+        """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`; `initial`: the
+        selection of a selector with no full layer, made before the loop."""
         adapter, num_layers = self.adapter, self.adapter.shape.num_layers
         positions = torch.arange(layout.num_tokens, dtype=torch.int64, device=layout.device)
         rows: torch.Tensor | None = None  # rows whose K/V this layer computes; None: every row
         num_selected = layout.ctx.candidate_rows.numel()
         if num_full == 0:
-            initial = selector.initial_rows(layout.ctx)
             assert initial is not None, f"{selector.name}: no full layers needs initial_rows"
             rows, num_selected = layout.with_forced(initial), initial.numel()
         hidden = adapter.embed(layout.token_ids if rows is None else layout.token_ids[rows])

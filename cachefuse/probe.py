@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -61,26 +62,76 @@ def question_rows(segments: Sequence[Segment], num_tokens: int, device: torch.de
     return torch.arange(min(start, num_tokens - 1), num_tokens, device=device)
 
 
-def _view_offsets(index: int, seg: Segment, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor],
-                  device: torch.device) -> torch.Tensor:
-    """Chunk-local offsets of the rows the probe attends over, on `device` (where the entry's tensors are)."""
+class ProbeSource(Protocol):
+    """Where the probe reads the loaded chunks: whole entries already loaded (`EntrySource`), or the store
+    itself, only what the probe needs (`cachefuse.loading.loader.StoreProbeReads`)."""
+
+    def indices(self) -> list[int]:
+        """Segment indices of the loaded chunks, sorted."""
+        ...
+
+    def meta(self, index: int) -> Mapping[str, str]: ...
+
+    def rows(self, index: int, layer: int, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (RoPE-free) and V of the chunk's `offsets` rows (None: every row) at `layer`."""
+        ...
+
+    def keys(self, index: int, layer: int) -> torch.Tensor:
+        """K (RoPE-free) of every row of the chunk at `layer`."""
+        ...
+
+    def layer_keys(self, index: int) -> Sequence[torch.Tensor]:
+        """Every layer's K of the chunk, as a sequence (read on access by a store source)."""
+        ...
+
+
+class EntrySource:
+    """A ProbeSource over whole entries already loaded (preload_depth 0)."""
+
+    def __init__(self, loaded: Mapping[int, ChunkKV]) -> None:
+        self.loaded = loaded
+
+    def indices(self) -> list[int]:
+        return sorted(self.loaded)
+
+    def meta(self, index: int) -> Mapping[str, str]:
+        return self.loaded[index].meta
+
+    def rows(self, index: int, layer: int, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self.loaded[index]
+        k_nope, v = entry.k_nope[layer], entry.v[layer]
+        if offsets is None:
+            return k_nope, v
+        offsets = offsets.to(k_nope.device)
+        return k_nope[offsets], v[offsets]
+
+    def keys(self, index: int, layer: int) -> torch.Tensor:
+        return self.loaded[index].k_nope[layer]
+
+    def layer_keys(self, index: int) -> Sequence[torch.Tensor]:
+        return self.loaded[index].k_nope
+
+
+def _view_offsets(index: int, seg: Segment, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
+    """Chunk-local offsets of the rows the probe attends over (None: every row of the chunk)."""
     if seg.is_system or not spec.anchors_only:
-        return torch.arange(seg.length, device=device)
-    return anchors[index].to(device)
+        return None
+    return anchors[index]
 
 
 class _CachedContext:
     """The loaded rows of one request, per layer: the view's K/V and, at score layers, every row's K."""
 
-    def __init__(self, segments: Sequence[Segment], loaded: Mapping[int, ChunkKV], spec: ProbeSpec,
+    def __init__(self, segments: Sequence[Segment], source: ProbeSource, spec: ProbeSpec,
                  anchors: Mapping[int, torch.Tensor], rope_spec, device: torch.device) -> None:
-        self.rope_spec, self.device = rope_spec, device
-        self.parts = []  # (entry, chunk-local view offsets on the entry's device, view positions, all positions)
-        for index in sorted(loaded):
-            seg, entry = segments[index], loaded[index]
-            offsets = _view_offsets(index, seg, spec, anchors, entry.k_nope[0].device)
-            self.parts.append((entry, offsets, seg.start + offsets.to(device),
-                               torch.arange(seg.start, seg.end, device=device)))
+        self.source, self.rope_spec, self.device = source, rope_spec, device
+        self.parts = []  # (segment index, chunk-local view offsets or None: all, view positions, all positions)
+        for index in source.indices():
+            seg = segments[index]
+            offsets = _view_offsets(index, seg, spec, anchors)
+            every = torch.arange(seg.start, seg.end, device=device)
+            view = every if offsets is None else seg.start + offsets.to(device)
+            self.parts.append((index, offsets, view, every))
         self.view_positions = (torch.cat([p[2] for p in self.parts]) if self.parts
                                else torch.zeros(0, dtype=torch.int64, device=device))
         self.all_positions = (torch.cat([p[3] for p in self.parts]) if self.parts
@@ -90,21 +141,16 @@ class _CachedContext:
         """K (rotated at request positions) and V of the view rows, in `view_positions` order."""
         if not self.parts:
             return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
-        k_nope = torch.cat([self._rows(entry.k_nope[layer], offsets) for entry, offsets, _, _ in self.parts])
-        v = torch.cat([self._rows(entry.v[layer], offsets) for entry, offsets, _, _ in self.parts])
+        # Only the view's rows travel to the model's device (anchors: ~r_a of each chunk).
+        pairs = [self.source.rows(index, layer, offsets) for index, offsets, _, _ in self.parts]
+        k_nope = torch.cat([k.to(self.device, non_blocking=True) for k, _ in pairs])
+        v = torch.cat([v.to(self.device, non_blocking=True) for _, v in pairs])
         return ops.apply_rope(k_nope, self.view_positions, self.rope_spec), v
-
-    def _rows(self, layer_tensor: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The view's rows of one chunk's layer on the model's device. Only those rows travel (anchors:
-        ~r_a of the chunk); a view of the whole chunk (system, full view) is copied as it is stored,
-        with no gather on the host."""
-        if offsets.numel() == layer_tensor.shape[0]:  # offsets are sorted and distinct: every row
-            return layer_tensor.to(self.device, non_blocking=True)
-        return layer_tensor[offsets].to(self.device, non_blocking=True)
 
     def all_keys(self, layer: int) -> torch.Tensor:
         """K of every loaded row, rotated at its request position, in `all_positions` order."""
-        k_nope = torch.cat([entry.k_nope[layer].to(self.device, non_blocking=True) for entry, _, _, _ in self.parts])
+        k_nope = torch.cat([self.source.keys(index, layer).to(self.device, non_blocking=True)
+                            for index, _, _, _ in self.parts])
         return ops.apply_rope(k_nope, self.all_positions, self.rope_spec)
 
     def layer(self, layer: int, view: bool, scored: bool):
@@ -120,20 +166,21 @@ class _CachedContext:
 
 
 def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence[Segment],
-              loaded: Mapping[int, ChunkKV], forced_rows: torch.Tensor, ctx: SelectionContext,
+              loaded: Mapping[int, ChunkKV] | ProbeSource, forced_rows: torch.Tensor, ctx: SelectionContext,
               spec: ProbeSpec, anchors: Mapping[int, torch.Tensor], block_rows: int = 64) -> ProbeResult:
     """Scores `ctx.candidate_rows` by the question's attention at `spec.score_layers` (see the module doc).
 
     Args:
-        loaded: segment index -> its stored entry (whole; the probe reads only the view's rows of
-            layers below the deepest score layer and every row's K at the score layers).
+        loaded: segment index -> its stored entry (whole), or a ProbeSource (the probe reads only the
+            view's rows of layers below the deepest score layer and every row's K at the score layers).
         forced_rows: sorted rows computed in every layer (holes, undeclared, question, last).
         anchors: segment index -> sorted chunk-local offsets, for each loaded non-system chunk when
             `spec.anchors_only`.
     """
     shape, num_tokens = adapter.shape, int(token_ids.numel())
     device = token_ids.device
-    context = _CachedContext(segments, loaded, spec, anchors, adapter.rope_spec, device)
+    source = EntrySource(loaded) if isinstance(loaded, Mapping) else loaded
+    context = _CachedContext(segments, source, spec, anchors, adapter.rope_spec, device)
     key_positions, order = torch.cat([context.view_positions, forced_rows]).sort()
     question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens, device))
     score_layers = set(spec.score_layers)

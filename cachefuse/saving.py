@@ -36,7 +36,7 @@ from cachefuse.errors import StoreError
 from cachefuse.fusor import FuseResult, extract_chunk_kv
 from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id
 from cachefuse.rope import RopeSpec
-from cachefuse.store.base import ChunkKV, KVStore
+from cachefuse.store.base import ChunkKV, KVStore, select_rows
 
 logger = logging.getLogger(__name__)
 
@@ -411,6 +411,20 @@ class PendingReadsStore:
         kv = self.inner.get_layer(key, layer)
         self.last_hit_tier = getattr(self.inner, "last_hit_tier", None)
         return kv
+
+    def get_rows(self, key: str, layer: int, rows: torch.Tensor | None = None, values: bool = True):
+        entry = self.saver.entry(key)
+        if entry is not None:
+            return select_rows(entry.k_nope[layer], entry.v[layer], rows, values)
+        get_rows = getattr(self.inner, "get_rows", None)
+        return None if get_rows is None else get_rows(key, layer, rows, values)
+
+    def get_meta(self, key: str) -> dict[str, str] | None:
+        entry = self.saver.entry(key)
+        if entry is not None:
+            return dict(entry.meta)
+        get_meta = getattr(self.inner, "get_meta", None)
+        return None if get_meta is None else get_meta(key)
 
     def remove(self, key: str) -> None:
         self.saver.discard(key)

@@ -289,6 +289,21 @@ def plan_eviction(
     return victims if used + nbytes <= capacity_bytes else None
 
 
+RowsKV = tuple[torch.Tensor, torch.Tensor | None]
+"""`get_rows`'s answer: (K rows, V rows or None when values were not asked for)."""
+
+
+def select_rows(k_nope: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None, values: bool) -> RowsKV:
+    """The rows (all when None) of one layer's K, and of its V when `values`: views or gathers, never the
+    stored tensors written into."""
+    if rows is not None:
+        rows = rows.to(k_nope.device)
+    k = k_nope if rows is None else k_nope[rows]
+    if not values:
+        return k, None
+    return k, (v if rows is None else v[rows])
+
+
 class LayerReadsMixin:
     """`get` and `get_layer` for a tier that verifies and reads a range of layers in `_load(key, layers)`
     (returning (k_nope per layer, v per layer, meta) or None after counting the miss)."""
@@ -314,3 +329,15 @@ class LayerReadsMixin:
             raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
         loaded = self._load(key, range(layer, layer + 1))
         return None if loaded is None else (loaded[0][0], loaded[1][0])
+
+    def get_rows(self, key: str, layer: int, rows: torch.Tensor | None = None, values: bool = True) -> RowsKV | None:
+        """Some rows of one layer (the question probe's reads before selection). The tier's checksums
+        cover whole tensors, so the layer is read and verified whole and the rows handed out."""
+        kv = self.get_layer(key, layer)
+        return None if kv is None else select_rows(kv[0], kv[1], rows, values)
+
+    def get_meta(self, key: str) -> dict[str, str] | None:
+        """The entry's metadata alone (its header: no tensor is read); None on a miss."""
+        check_key(key)
+        loaded = self._load(key, range(0))
+        return None if loaded is None else loaded[2]

@@ -25,11 +25,13 @@ from cachefuse.store.base import (
     ChunkKV,
     PinnedKeysMixin,
     PinTable,
+    RowsKV,
     StoreIdentity,
     StoreStats,
     check_key,
     entry_mismatch,
     plan_eviction,
+    select_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,18 @@ class MemoryStore(PinnedKeysMixin):
 
     def contains(self, key: str) -> bool:
         return key in self._entries
+
+    def get_rows(self, key: str, layer: int, rows: torch.Tensor | None = None, values: bool = True) -> RowsKV | None:
+        """Some rows of one layer (the question probe's reads before selection); counted as a `get`."""
+        entry = self.get(key)
+        if entry is None:
+            return None
+        return select_rows(entry.k_nope[layer], entry.v[layer], rows, values)
+
+    def get_meta(self, key: str) -> dict[str, str] | None:
+        """The entry's metadata alone; None on a miss (counted)."""
+        entry = self.get(key)
+        return None if entry is None else dict(entry.meta)
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.to(self.device)

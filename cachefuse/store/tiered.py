@@ -12,8 +12,10 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from cachefuse.errors import ConfigError
-from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity, StoreStats, pinned_keys
+from cachefuse.store.base import ChunkKV, KVStore, RowsKV, StoreIdentity, StoreStats, pinned_keys
 from cachefuse.store.disk import DiskStore
 from cachefuse.store.memory import MemoryStore
 
@@ -72,6 +74,25 @@ class TieredStore:
                 for faster in self.tiers[:depth]:
                     faster.put(key, entry)
             return entry
+        return None
+
+    def get_rows(self, key: str, layer: int, rows: torch.Tensor | None = None, values: bool = True) -> RowsKV | None:
+        """Rows of one layer from the fastest tier that has the key (no promotion: a partial read)."""
+        return self._first("get_rows", key, layer, rows, values)
+
+    def get_meta(self, key: str) -> dict[str, str] | None:
+        """The entry's metadata from the fastest tier that has the key."""
+        return self._first("get_meta", key)
+
+    def _first(self, method: str, key: str, *args):
+        self.last_hit_tier = None
+        for tier in self.tiers:
+            if not tier.contains(key) or not hasattr(tier, method):
+                continue
+            found = getattr(tier, method)(key, *args)
+            if found is not None:
+                self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
+                return found
         return None
 
     def put(self, key: str, entry: ChunkKV) -> bool:
