@@ -40,6 +40,7 @@ from cachefuse.adapters.hf import HFAdapter  # noqa: E402
 from cachefuse.chunks import KeyContext  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.engine import FusionEngine  # noqa: E402
+from cachefuse.offline.anchors import anchor_annotator  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.memory import MemoryStore  # noqa: E402
 
@@ -125,7 +126,11 @@ def run(args) -> dict:
         engine = make_engine(adapter, tier, args.device)
         started = time.perf_counter()
         engine.precompute([system])
-        engine.precompute(chunks, prefix_ids=system)
+        annotate = None
+        if args.anchor_ranking:  # QCFuse's anchors stored offline, as a deployment would
+            annotate = anchor_annotator(adapter, system, args.anchor_ranking, engine.config.qcfuse_anchor_ratio,
+                                        engine.config.qcfuse_sink_tokens)
+        engine.precompute(chunks, prefix_ids=system, annotate=annotate)
         precompute_s = time.perf_counter() - started
         settings = [("full_prefill", 1.0)] if tier == args.tiers[0] else []
         settings += [("cacheblend", r) for r in args.ratios] + [("full_reuse", 0.0)]
@@ -160,6 +165,7 @@ def run(args) -> dict:
                    "question_tokens": args.question_tokens, "num_tokens": num_tokens},
         "model": {"shape": args.shape, **SHAPES[args.shape], "dtype": args.dtype, "weights": "random"},
         "repeats": args.repeats, "warmup": args.warmup, "preload_depth": args.preload_depth,
+        "anchor_ranking": args.anchor_ranking,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
         "peak_device_memory_gib": (torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda")
@@ -224,6 +230,8 @@ def main() -> None:
     parser.add_argument("--preload-depth", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--anchor-ranking", choices=("key_norm", "attention"), default=None,
+                        help="store QCFuse's anchors with each chunk (default: none, derived per request)")
     parser.add_argument("--profile", metavar="SELECTOR@RATIO", help="also profile this setting on the first tier")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "gpu")
     args = parser.parse_args()
