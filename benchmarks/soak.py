@@ -91,7 +91,24 @@ class Workload:
         return ids + question, chunks
 
 
-def start_server(model_dir: Path, store: Path | None, log: Path, kv_cache_bytes: int) -> tuple[subprocess.Popen, int]:
+ALLOCATORS = {"glibc": None, "tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
+
+
+def allocator_library(name: str) -> str | None:
+    """The shared library to LD_PRELOAD for `name`, or None for glibc's malloc; a missing library fails here."""
+    library = ALLOCATORS[name]
+    if library is None:
+        return None
+    found = [str(p) for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+             if (p := Path(d) / library).exists()]
+    if not found:
+        raise SystemExit(f"--allocator {name}: {library} not found; install it (Debian: "
+                         f"libtcmalloc-minimal4 or libjemalloc2) or pass --allocator glibc")
+    return found[0]
+
+
+def start_server(model_dir: Path, store: Path | None, log: Path, kv_cache_bytes: int,
+                 allocator: str | None = None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -105,6 +122,8 @@ def start_server(model_dir: Path, store: Path | None, log: Path, kv_cache_bytes:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0-1", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1")
+    if allocator:  # vLLM's CPU guide preloads tcmalloc; under glibc's malloc even plain vLLM's RSS grows ~29%
+        env["LD_PRELOAD"] = ":".join(filter(None, [allocator, env.get("LD_PRELOAD")]))
     with open(log, "wb") as out:
         process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
@@ -274,7 +293,8 @@ def scrape(port: int) -> dict:
 def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: dict) -> tuple[dict, Phase]:
     root = Path(tempfile.mkdtemp(prefix=f"cachefuse-soak-{name}-"))
     store = root / "store" if name == "cachefuse" else None
-    process, port = start_server(model_dir, store, root / "server.log", args.kv_cache_bytes)
+    process, port = start_server(model_dir, store, root / "server.log", args.kv_cache_bytes,
+                                 args.allocator_library)
     try:
         phase = Phase(port, workload, name == "cachefuse", reference)
         if store is not None:  # the 12 documents stored once, as `cachefuse precompute` would
@@ -340,7 +360,7 @@ def plot(result: dict, path: Path) -> None:
     right.set_ylabel("server RSS (MiB)")
     right.legend(fontsize=8)
     fig.suptitle(f"Soak: {result['clients']} clients, {result['duration_s']:.0f} s per phase, model "
-                 f"{result['model_size']}, KV cache {result['kv_cache_bytes'] >> 20} MiB (preempting), 2 CPU threads",
+                 f"{result['model_size']}, {result.get('allocator', 'glibc')} malloc, KV cache {result['kv_cache_bytes'] >> 20} MiB (preempting), 2 CPU threads",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -353,8 +373,12 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=200_000, help="a bound on requests per phase")
     parser.add_argument("--model-size", choices=sorted(MODELS), default="bench",
                         help="bench: benchmarks/vllm_ttft.py's 12-layer model (default); tiny: the test model")
+    parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="tcmalloc",
+                        help="the server's malloc, the same for both phases (default tcmalloc, as vLLM's CPU "
+                             "guide deploys it)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     args = parser.parse_args()
+    args.allocator_library = allocator_library(args.allocator)
     config, doc_lengths, args.kv_cache_bytes = MODELS[args.model_size]
     model_dir = cached_tiny_model("llama", REPO / ".cache" / "test-models", **config)
     workload = Workload(doc_lengths)
@@ -363,7 +387,7 @@ def main() -> None:
     fused, _ = run_phase("cachefuse", model_dir, workload, args, reference=reference)
     result = {"benchmark": "soak", "clients": args.clients, "duration_s": args.duration, "threads": 2,
               "machine": platform.machine(), "model_size": args.model_size, "model": str(model_dir.name),
-              "kv_cache_bytes": args.kv_cache_bytes,
+              "kv_cache_bytes": args.kv_cache_bytes, "allocator": args.allocator,
               "phases": {"plain": plain, "cachefuse": fused},
               "ratios": {"ttft_p50_plain_over_cachefuse": (plain["ttft_p50_s"] or 0) / (fused["ttft_p50_s"] or 1),
                          "requests_per_s_cachefuse_over_plain":
