@@ -19,7 +19,9 @@ client's own hang-ups are not), wrong exact outputs, TTFT p50/p99 of the streame
 the server's RSS after warm-up and at the end, the store's bytes against its cap, fallbacks by reason
 and preemptions (from /metrics). Threads are pinned alike in both phases (VLLM_CPU_OMP_THREADS_BIND).
 
-    python benchmarks/soak.py [--duration 600] [--clients 64] [--model-size bench|tiny] [--out docs/benchmarks]
+    python benchmarks/soak.py [--duration 600] [--clients 64] [--model-size bench|tiny] [--allocator tcmalloc|glibc|jemalloc] [--out docs/benchmarks]
+
+The server runs under tcmalloc by default (LD_PRELOAD, as vLLM's CPU guide deploys it; Debian: libtcmalloc-minimal4).
 
 Writes soak.json and soak.png under --out.
 """
