@@ -3,7 +3,6 @@
 Devices: tests/helpers/triton_devices.py (interpreted on the CPU, compiled on a GPU).
 """
 
-
 import pytest
 import torch
 
