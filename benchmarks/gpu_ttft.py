@@ -101,7 +101,7 @@ def compute_bound(layer_rows: list[int], num_tokens: int) -> float:
 def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     model = build_model(args.shape, dtype, args.device)
-    adapter = HFAdapter(model)
+    adapter = HFAdapter(model, compile=args.compile)
     vocab = adapter.shape.vocab_size
     g = torch.Generator().manual_seed(1)
     system = torch.randint(10, vocab, (SYSTEM_LEN,), generator=g).tolist()
@@ -165,7 +165,7 @@ def run(args) -> dict:
                    "question_tokens": args.question_tokens, "num_tokens": num_tokens},
         "model": {"shape": args.shape, **SHAPES[args.shape], "dtype": args.dtype, "weights": "random"},
         "repeats": args.repeats, "warmup": args.warmup, "preload_depth": args.preload_depth,
-        "anchor_ranking": args.anchor_ranking,
+        "anchor_ranking": args.anchor_ranking, "compile": args.compile,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
         "peak_device_memory_gib": (torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda")
@@ -230,6 +230,8 @@ def main() -> None:
     parser.add_argument("--preload-depth", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true",
+                        help="HFAdapter(compile=True): the per-layer elementwise work through torch.compile")
     parser.add_argument("--anchor-ranking", choices=("key_norm", "attention"), default=None,
                         help="store QCFuse's anchors with each chunk (default: none, derived per request)")
     parser.add_argument("--profile", metavar="SELECTOR@RATIO", help="also profile this setting on the first tier")

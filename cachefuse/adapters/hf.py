@@ -41,7 +41,10 @@ def _check_supported(config) -> None:
 class HFAdapter:
     """Wraps a loaded transformers `*ForCausalLM` in eval mode."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, compile: bool | str = False) -> None:
+        """`compile`: run the per-layer elementwise work (residual adds and norms, RoPE, the MLP's
+        activation) through `torch.compile` (True: inductor; a string: that backend), dynamic in the row
+        count, so a GPU pass launches fewer kernels; off by default (its first calls compile)."""
         config = model.config
         _check_supported(config)
         self.model = model.eval()
@@ -68,6 +71,11 @@ class HFAdapter:
         self._q_size = self.shape.num_heads * head_dim
         self._kv_size = self.shape.num_kv_heads * head_dim
         self._rotary_cache: tuple | None = None  # (positions, dtype, cos, sin) of the last rotate
+        backend = "inductor" if compile is True else compile
+        wrap = (lambda fn: torch.compile(fn, dynamic=True, backend=backend)) if backend else (lambda fn: fn)
+        self._residual_norm = wrap(_residual_norm)
+        self._mlp_block = wrap(_mlp_block)
+        self._rotate_pair = wrap(_rotate_pair)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
@@ -82,8 +90,9 @@ class HFAdapter:
         return self.decoder.embed_tokens(input_ids)
 
     def attention_input(self, layer, hidden, residual):
-        residual = hidden if residual is None else hidden + residual
-        return self.layers[layer].input_layernorm(residual), residual
+        if residual is None:
+            return self.layers[layer].input_layernorm(hidden), hidden
+        return self._residual_norm(self.layers[layer].input_layernorm, hidden, residual)
 
     def project_qkv(self, layer, x):
         attn = self.layers[layer].self_attn
@@ -99,8 +108,7 @@ class HFAdapter:
 
     def rotate(self, layer, positions, q_nope, k_nope):
         cos, sin = self._cos_sin(positions, q_nope)  # [1, T, head_dim]
-        q, k = self._apply_rotary(q_nope.transpose(0, 1)[None], k_nope.transpose(0, 1)[None], cos, sin)
-        return q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T, heads, head_dim]
+        return self._rotate_pair(self._apply_rotary, q_nope, k_nope, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary module's cos/sin at `positions`, computed once per positions tensor: the blend pass
@@ -114,14 +122,30 @@ class HFAdapter:
         return cached[2], cached[3]
 
     def attention_output(self, layer, attn, residual):
-        block = self.layers[layer]
-        residual = block.self_attn.o_proj(attn) + residual
-        x = block.post_attention_layernorm(residual)
-        gate, up = torch.nn.functional.linear(x, *self._gate_up[layer]).chunk(2, dim=-1)
-        return block.mlp.down_proj(block.mlp.act_fn(gate) * up), residual
+        return self._mlp_block(self.layers[layer], *self._gate_up[layer], attn, residual)
 
     def final_logits(self, hidden, residual):
         return self.model.lm_head(self.decoder.norm(hidden + residual)).float()
+
+
+def _residual_norm(norm: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor):
+    residual = hidden + residual
+    return norm(residual), residual
+
+
+def _rotate_pair(apply_rotary, q_nope: torch.Tensor, k_nope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The family's own RoPE on [T, heads, head_dim] rows -> (q, k), same layout."""
+    q, k = apply_rotary(q_nope.transpose(0, 1)[None], k_nope.transpose(0, 1)[None], cos, sin)
+    return q[0].transpose(0, 1), k[0].transpose(0, 1)
+
+
+def _mlp_block(block: torch.nn.Module, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+               attn: torch.Tensor, residual: torch.Tensor):
+    """o_proj, residual add, post-attention norm, MLP (gate and up as one GEMM) -> (hidden, residual)."""
+    residual = block.self_attn.o_proj(attn) + residual
+    x = block.post_attention_layernorm(residual)
+    gate, up = torch.nn.functional.linear(x, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
+    return block.mlp.down_proj(block.mlp.act_fn(gate) * up), residual
 
 
 def _fuse_linears(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

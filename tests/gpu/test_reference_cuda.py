@@ -31,7 +31,11 @@ def model_dir(tiny_model_dir):
 
 
 def _engine(model_dir, dtype, device, store_device="cpu", pin=False):
-    adapter = HFAdapter.from_pretrained(model_dir, dtype=dtype, device=device)
+    return _engine_over(HFAdapter.from_pretrained(model_dir, dtype=dtype, device=device), store_device, pin)
+
+
+def _engine_over(adapter, store_device="cpu", pin=False):
+    dtype = adapter.shape.dtype
     identity = StoreIdentity("test-model", adapter.shape.num_layers, adapter.shape.dtype)
     store = MemoryStore(identity, capacity_bytes=1 << 30, device=store_device, pin_memory=pin)
     return FusionEngine(adapter, store, KeyContext("test-model", str(dtype).removeprefix("torch.")), CacheFuseConfig())
@@ -106,3 +110,17 @@ def test_layer_times_come_from_cuda_events(model_dir):
     assert len(stats.layer_seconds) == engine.adapter.shape.num_layers
     assert all(0.0 < s < 10.0 for s in stats.layer_seconds)
     assert stats.blend_time_s >= sum(stats.layer_seconds) * 0.5  # the pass ends synchronised
+
+
+def test_inductor_compiled_layers_equal_eager_on_cuda(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for compile in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+        engine = _engine_over(HFAdapter(model.to("cuda"), compile=compile))
+        case = make_case(engine.adapter.shape.vocab_size, seed=11, lengths=(16, 96, 40, 128, 12))
+        precompute_case(engine, case)
+        results.append(engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15,
+                                      save_holes=False)[0])
+    torch.testing.assert_close(results[1].logits, results[0].logits, **BF16_LOGIT_TOL)
