@@ -40,7 +40,14 @@ from cachefuse.loading.loader import (
 from cachefuse.metadata.base import MetaStore, VariantRecord, record_to_dict
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
-from cachefuse.saving import BackgroundSaver, HoleWriter, PendingReadsStore, SaveReport, hole_saves
+from cachefuse.saving import (
+    BackgroundSaver,
+    HoleWriter,
+    PendingReadsStore,
+    SaveReport,
+    hole_saves,
+    with_key_norm_anchors,
+)
 from cachefuse.select import ChunkReuse, Selector, make_selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.store.base import ChunkKV, KVStore
@@ -178,15 +185,15 @@ class FusionEngine:
                    annotate: Callable[[Sequence[int], ChunkKV], ChunkKV] | None = None) -> list[str]:
         """Stores each chunk's base variant (computed after `prefix_ids`, e.g. the system prompt); with
         no `prefix_ids`, each chunk's entry as a system chunk (computed at the prompt's start).
-        `annotate(chunk_ids, entry)` may return the entry with metadata added before it is stored
-        (e.g. QCFuse's anchors, cachefuse.offline.anchors.anchor_annotator)."""
+        Each entry carries QCFuse's key-norm anchors, unless `annotate(chunk_ids, entry)` returns the entry
+        to store instead (e.g. attention-ranked anchors, cachefuse.offline.anchors.anchor_annotator)."""
         keys = []
         for chunk_ids in chunks:
             key = self.key(chunk_ids, at_prompt_start=not prefix_ids)
             if not self.store.contains(key):
                 entry = self.compute_chunk(chunk_ids, prefix_ids)
-                if annotate is not None:
-                    entry = annotate(chunk_ids, entry)
+                entry = annotate(chunk_ids, entry) if annotate is not None else with_key_norm_anchors(
+                    entry, *self._anchors())
                 if self.store.put(key, entry):
                     record = VariantRecord.without_stats(key, (), len(chunk_ids), size_bytes=entry.nbytes,
                                                          tier=self._home_tier())
@@ -463,7 +470,11 @@ class FusionEngine:
 
     def _hole_writer(self) -> HoleWriter:
         """A writer into this engine's own store (before `save_in_background` wraps it, or without it)."""
-        return HoleWriter(self.store, self.metastore, self.writes_metadata, self._home_tier())
+        return HoleWriter(self.store, self.metastore, self.writes_metadata, self._home_tier(), self._anchors())
+
+    def _anchors(self) -> tuple[float, int]:
+        """QCFuse's anchor ratio and sink count: every stored entry carries its key-norm anchors."""
+        return self.config.qcfuse_anchor_ratio, self.config.qcfuse_sink_tokens
 
     def save_in_background(self, max_bytes: int, flush_timeout_s: float = 30.0) -> None:
         """From now on holes are written by a BackgroundSaver whose queue holds at most `max_bytes`;

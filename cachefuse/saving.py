@@ -36,6 +36,7 @@ from cachefuse.errors import StoreError
 from cachefuse.fusor import FuseResult, extract_chunk_kv
 from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id
 from cachefuse.rope import RopeSpec
+from cachefuse.select.qcfuse import ANCHORS_META, anchors_meta, key_norm_scores, rank_anchors
 from cachefuse.store.base import ChunkKV, KVStore, select_rows
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,15 @@ def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str]
     return saves
 
 
+def with_key_norm_anchors(entry: ChunkKV, ratio: float, sink_tokens: int) -> ChunkKV:
+    """The same tensors with QCFuse's key-norm anchors in the metadata (kept if the entry has anchors)."""
+    if ANCHORS_META in entry.meta or entry.num_tokens == 0:
+        return entry
+    offsets = rank_anchors(key_norm_scores(entry.k_nope), ratio, sink_tokens).cpu()
+    return ChunkKV(entry.k_nope, entry.v, {**entry.meta, ANCHORS_META: anchors_meta(offsets, "key_norm", ratio,
+                                                                                    sink_tokens)})
+
+
 def variant_record(result: FuseResult, index: int, prefix_ids: list[int], segments: list[Segment],
                    keys: dict[int, str], ratio: float) -> VariantRecord:
     """The hole's metadata, in cachefuse.metadata.scores.Variant's terms. With the pass's attention statistics:
@@ -147,9 +157,13 @@ class HoleWriter:
         home_tier: the tier a saved variant persists in, for the row's `tier`.
     """
 
-    def __init__(self, store: KVStore, metastore: MetaStore, writes_metadata: bool, home_tier: str) -> None:
+    def __init__(self, store: KVStore, metastore: MetaStore, writes_metadata: bool, home_tier: str,
+                 anchors: tuple[float, int] | None = None) -> None:
         self.store, self.metastore = store, metastore
         self.writes_metadata, self.home_tier = writes_metadata, home_tier
+        self.anchors = anchors
+        """QCFuse's (anchor ratio, sink tokens): key-norm anchors join each entry's metadata as it is
+        written, on the writer's thread, so a qcfuse request reads them instead of every layer's keys."""
 
     def stored_record(self, save: HoleSave) -> VariantRecord:
         """The row as written: the entry's size, and the tier it persists in."""
@@ -168,7 +182,8 @@ class HoleWriter:
             return SaveReport(failures=1)
         if save.ready is not None:
             save.ready.synchronize()
-        if not self.store.put(store_key, save.entry):
+        entry = save.entry if self.anchors is None else with_key_norm_anchors(save.entry, *self.anchors)
+        if not self.store.put(store_key, entry):
             return SaveReport(failures=1)
         record = self.stored_record(save)
         if not self.writes_metadata:

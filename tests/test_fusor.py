@@ -24,6 +24,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, Fusor
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.select import make_selector
+from cachefuse.select.qcfuse import ANCHORS_META
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.models import ALL_FAMILIES
 from tests.test_attention import bottom_right_attention
@@ -254,7 +255,8 @@ def test_holes_are_saved_and_hit_next_time(adapters):
     hole_key, prefix = engine.key(case.pieces[1]), (engine.key(case.pieces[0]),)
     assert first.saved_keys == (variant_store_key(hole_key, prefix),) and not engine.store.contains(hole_key)
     entry = engine.store.get(first.saved_keys[0])
-    assert entry.meta == {"variant": "fused", "prefix": prefix[0]}
+    assert {k: v for k, v in entry.meta.items() if k != ANCHORS_META} == {"variant": "fused", "prefix": prefix[0]}
+    assert ANCHORS_META in entry.meta  # QCFuse's key-norm anchors, written with the entry
     (record,) = engine.metastore.variants(hole_key)  # the variant for its prefix, with its ratio
     assert record.prefix == prefix and record.recompute_ratio == 0.15 and record.access_count == 1
     assert first.saved_variants == (dataclasses.replace(record, access_count=0, f_r=0.0,

@@ -77,7 +77,8 @@ def _setup(adapter, with_anchors: bool):
     case = make_case(adapter.shape.vocab_size, seed=4, lengths=(10, 40, 30, 50, 8))
     engine.precompute([case.system])
     annotate = (anchor_annotator(adapter, case.system, "key_norm", CONFIG.qcfuse_anchor_ratio,
-                                 CONFIG.qcfuse_sink_tokens) if with_anchors else None)
+                                 CONFIG.qcfuse_sink_tokens) if with_anchors
+                else lambda chunk_ids, entry: entry)  # stored as computed, without the default anchors
     engine.precompute(case.pieces, prefix_ids=case.system, annotate=annotate)
     return engine, case
 

@@ -60,7 +60,7 @@ def anchors_from_meta(meta: Mapping[str, str], num_tokens: int, ratio: float, si
         return None
     try:
         stored = json.loads(raw)
-        offsets = torch.tensor(sorted({int(x) for x in stored["offsets"]}), dtype=torch.int64)
+        offsets = torch.tensor(sorted({int(x) for x in stored["offsets"]}), dtype=torch.int64, device="cpu")
         fits = (float(stored["ratio"]) == ratio and int(stored["sink_tokens"]) == sink_tokens
                 and offsets.numel() == anchor_count(num_tokens, ratio)
                 and (offsets.numel() == 0 or 0 <= int(offsets[0]) and int(offsets[-1]) < num_tokens))
