@@ -60,7 +60,7 @@ class FuseRequest:
     """Layers `fetch_layer` may run ahead on a loader thread; 0 fetches in the pass's own thread."""
     reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
     """Segment index -> the chosen variant's CFO and recompute ranking (SelectionContext.reuse)."""
-    probe_source: Any = None
+    probe_source: ProbeSource | None = None
     """With `fetched`: where the question probe reads before selection (loader.StoreProbeReads: the
     anchors' rows and the score layers' keys only); whole `loaded` entries need none."""
     collect_attention_stats: bool = False

@@ -39,7 +39,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import rows_attention_at, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.select.base import ProbeSpec, SelectionContext
-from cachefuse.store.base import ChunkKV
+from cachefuse.store.base import ChunkKV, select_rows
 
 
 @dataclass
@@ -99,11 +99,7 @@ class EntrySource:
 
     def rows(self, index: int, layer: int, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.loaded[index]
-        k_nope, v = entry.k_nope[layer], entry.v[layer]
-        if offsets is None:
-            return k_nope, v
-        offsets = offsets.to(k_nope.device)
-        return k_nope[offsets], v[offsets]
+        return select_rows(entry.k_nope[layer], entry.v[layer], offsets, values=True)
 
     def keys(self, index: int, layer: int) -> torch.Tensor:
         return self.loaded[index].k_nope[layer]

@@ -35,8 +35,9 @@ from cachefuse.chunks import Segment
 from cachefuse.errors import StoreError
 from cachefuse.fusor import FuseResult, extract_chunk_kv
 from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id
+from cachefuse.offline.anchors import choose_anchors, with_anchors
 from cachefuse.rope import RopeSpec
-from cachefuse.select.qcfuse import ANCHORS_META, anchors_meta, key_norm_scores, rank_anchors
+from cachefuse.select.qcfuse import ANCHORS_META
 from cachefuse.store.base import ChunkKV, KVStore, select_rows
 
 logger = logging.getLogger(__name__)
@@ -106,9 +107,8 @@ def with_key_norm_anchors(entry: ChunkKV, ratio: float, sink_tokens: int) -> Chu
     """The same tensors with QCFuse's key-norm anchors in the metadata (kept if the entry has anchors)."""
     if ANCHORS_META in entry.meta or entry.num_tokens == 0:
         return entry
-    offsets = rank_anchors(key_norm_scores(entry.k_nope), ratio, sink_tokens).cpu()
-    return ChunkKV(entry.k_nope, entry.v, {**entry.meta, ANCHORS_META: anchors_meta(offsets, "key_norm", ratio,
-                                                                                    sink_tokens)})
+    offsets = choose_anchors(entry, "key_norm", ratio, sink_tokens)
+    return with_anchors(entry, offsets, "key_norm", ratio, sink_tokens)
 
 
 def variant_record(result: FuseResult, index: int, prefix_ids: list[int], segments: list[Segment],
