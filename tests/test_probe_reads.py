@@ -166,3 +166,37 @@ def test_partial_reads_equal_slices_of_the_whole_entry(adapter, tmp_path, tier):
     assert none is None and torch.equal(k_only, entry.k_nope[4])
     assert store.get_meta(key) == entry.meta
     assert store.get_rows("absent-key", 0) is None and store.get_meta("absent-key") is None
+
+
+class FailingRowsStore(LoggingStore):
+    """Partial reads of one key miss (the entry turned unreadable after planning)."""
+
+    def __init__(self, inner, log, failing_key):
+        super().__init__(inner, log)
+        self.failing_key = failing_key
+
+    def get_rows(self, key, layer, rows=None, values=True):
+        if key == self.failing_key:
+            self.inner.stats.record_miss("corrupt")
+            return None
+        return super().get_rows(key, layer, rows, values)
+
+
+def test_a_probe_read_that_misses_reruns_with_that_chunk_as_a_hole(adapter):
+    engine, case = _setup(adapter, with_anchors=True)
+    failing = engine.key(case.pieces[1])
+    selector = make_selector("qcfuse", CONFIG)
+    inner = engine.store
+    engine.store = FailingRowsStore(inner, [], failing)
+    try:
+        result, stats = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.2,
+                                       save_holes=False, preload_depth=2)
+    finally:
+        engine.store = inner
+    assert stats.miss_reasons == {"corrupt": 1} and stats.chunks_hit == 3
+    entry = inner.get(failing)
+    inner.remove(failing)  # the same request with that chunk never stored
+    expected, _ = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.2, save_holes=False,
+                                 preload_depth=0)
+    inner.put(failing, entry)
+    assert torch.equal(result.logits, expected.logits)

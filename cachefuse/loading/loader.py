@@ -95,8 +95,7 @@ class StoreProbeReads:
         return meta
 
     def rows(self, index: int, layer: int, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
-        k, v = self._read(index, layer, offsets, values=True)
-        return k, v
+        return self._read(index, layer, offsets, values=True)
 
     def keys(self, index: int, layer: int) -> Tensor:
         return self._read(index, layer, None, values=False)[0]
