@@ -71,9 +71,10 @@ class FuseRequest:
 @dataclass
 class FuseResult:
     k: list[torch.Tensor]
-    """Per layer [num_tokens, num_kv_heads, head_dim], rotated at positions 0..num_tokens-1."""
+    """Per layer [num_tokens, num_kv_heads, head_dim], rotated at positions 0..num_tokens-1. Empty when the
+    attention backend wrote every layer into its own cache (`writes_kv`): then only `hole_kv` is kept."""
     v: list[torch.Tensor]
-    """Per layer [num_tokens, num_kv_heads, head_dim]."""
+    """Per layer [num_tokens, num_kv_heads, head_dim] (empty as `k`)."""
     logits: torch.Tensor
     """[vocab_size] fp32 at the last prompt position."""
     rows_per_layer: list[torch.Tensor | None]
@@ -95,6 +96,9 @@ class FuseResult:
     """Layers the probe ran (0: no probe)."""
     probe_rows: int = 0
     """Rows the probe computed at each of its layers (the forced rows)."""
+    hole_kv: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    """With a backend that writes K/V (`k` and `v` empty): hole segment start -> per layer (K, V) of its rows,
+    copied: what saving reads, instead of every layer's whole prompt kept to the end of the pass."""
 
     @property
     def hole_attention(self) -> dict[int, list[float]]:
@@ -164,7 +168,10 @@ class Fusor:
             rank selects the same rows from scores over all heads.
         attention_backend: an object with `causal(layer, q, k, v)` and
             `rows(layer, q, q_positions, k, v)` that replaces the torch attention (the vLLM worker
-            sets the engine's own paged kernel, cachefuse.vllm.paged). It must be exact per query.
+            sets one that writes each layer's merged K/V into vLLM's paged cache, cachefuse.vllm.paged).
+            It must be exact per query. One whose `writes_kv` is true keeps every layer's merged K/V
+            itself, so the pass keeps only the holes' rows (FuseResult.hole_kv): 1 GiB per 8K tokens on
+            Llama-3-8B would otherwise outlive the pass.
     """
 
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
@@ -232,6 +239,9 @@ class Fusor:
         hidden = adapter.embed(layout.token_ids if rows is None else layout.token_ids[rows])
         residual = None
         out_k, out_v, rows_per_layer = [], [], []
+        keep_all_kv = not getattr(self.attention_backend, "writes_kv", False)
+        hole_spans = [] if keep_all_kv else [request.segments[i] for i in layout.hole_segments]
+        hole_kv: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {s.start: ([], []) for s in hole_spans}
         timer = _LayerTimer(self.clock, layout.device)
         stats = (_HoleStats(request.segments, layout) if request.collect_attention_stats and layout.hole_segments
                  else None)
@@ -248,8 +258,12 @@ class Fusor:
             else:
                 k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
                 k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
-            out_k.append(k_merged)
-            out_v.append(v_merged)
+            if keep_all_kv:
+                out_k.append(k_merged)
+                out_v.append(v_merged)
+            for seg in hole_spans:  # the only rows saving reads after the pass
+                hole_kv[seg.start][0].append(k_merged[seg.start:seg.end].clone())
+                hole_kv[seg.start][1].append(v_merged[seg.start:seg.end].clone())
             rows_per_layer.append(rows)
             if stats is not None:  # before q is cut down to the continuing rows
                 stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows)
@@ -289,7 +303,8 @@ class Fusor:
             k=out_k, v=out_v, logits=logits, rows_per_layer=rows_per_layer,
             num_candidates=layout.ctx.candidate_rows.numel(), num_selected=num_selected,
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
-            layer_seconds=timer.seconds(), hole_token_mass={} if stats is None else stats.result(num_layers))
+            layer_seconds=timer.seconds(), hole_token_mass={} if stats is None else stats.result(num_layers),
+            hole_kv=hole_kv)
 
     def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
@@ -400,9 +415,16 @@ def _segment_of_key(segments: Sequence[Segment], device: torch.device) -> torch.
 
 
 def extract_chunk_kv(result: FuseResult, segment: Segment, rope_spec, meta: dict[str, str] | None = None) -> ChunkKV:
-    """A segment's fused K/V as a storable entry: RoPE stripped at the segment's positions, copied."""
-    positions = torch.arange(segment.start, segment.end, dtype=torch.int64, device=result.k[0].device)
-    return ChunkKV(
-        k_nope=[ops.strip_rope(k[segment.start:segment.end], positions, rope_spec) for k in result.k],
-        v=[v[segment.start:segment.end].clone() for v in result.v],
-        meta=dict(meta or {}))
+    """A segment's fused K/V as a storable entry: RoPE stripped at the segment's positions, copied.
+
+    Raises:
+        KeyError: the pass kept only the holes' K/V (FuseResult.hole_kv) and `segment` was not a hole.
+    """
+    if result.k:
+        k_rows = [k[segment.start:segment.end] for k in result.k]
+        v_rows = [v[segment.start:segment.end].clone() for v in result.v]
+    else:
+        k_rows, v_rows = result.hole_kv[segment.start]
+    positions = torch.arange(segment.start, segment.end, dtype=torch.int64, device=k_rows[0].device)
+    return ChunkKV(k_nope=[ops.strip_rope(k, positions, rope_spec) for k in k_rows], v=list(v_rows),
+                   meta=dict(meta or {}))

@@ -198,7 +198,7 @@ def last_token_attention(engine: FusionEngine, result: FuseResult, last_token_id
     return {layer: out.attentions[layer][0, :, -1].float() for layer in layers}
 
 
-def _fresh_store(engine: FusionEngine) -> None:
+def fresh_store(engine: FusionEngine) -> None:
     """An empty store and metadata for the next item: items stay independent, and a variant budget
     (max_variants) can never evict one item's base variants to admit another's (a miss would turn a
     reuse setting into a partial prefill)."""
@@ -271,7 +271,7 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
              on_setting: Callable[[], None] = lambda: None) -> dict[str, ItemRun]:
     """Every setting on one item (the item's base variants are stored first)."""
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
-    _fresh_store(engine)
+    fresh_store(engine)
     store_base_variants(engine, prompt, spec.anchor_ranking)
     reference = None
     out = {}

@@ -1,8 +1,17 @@
-"""The blend pass's attention on vLLM's own paged CPU kernel, exact per query.
+"""The blend pass's attention inside vLLM: each layer's merged K/V written into the request's slots.
 
 Each layer's merged K/V (loaded rows re-rotated, recomputed rows fresh) is written into the
 request's own blocks (the slots vLLM allocated for this prompt, which the connector must fill
-anyway), then vLLM's kernel attends from there:
+anyway) through the layer's own `impl.do_kv_cache_update`, which knows its backend's paged layout
+(`reshape_and_cache_flash` under FlashAttention). The fusor then keeps no layer's K/V past the
+layer (FuseResult.hole_kv: only the holes' rows, for saving). Two backends attend:
+
+`SlotWritingAttention`, under any vLLM attention backend (FlashAttention, FlashInfer, Triton on GPUs):
+the fusor's own kernels (cachefuse.ops) over the layer's merged K/V, still in memory: on CUDA the
+Triton sparse-query kernel, every selected row its own query over keys <= its position, one launch
+per layer; elsewhere its torch twin.
+
+`PagedAttention`, under vLLM's CPU backend, attends with vLLM's own paged kernel from the cache:
 
 - a layer that computes every row (CacheBlend's layer 0) is one causal prefill sequence;
 - selected rows are one single-token sequence each, whose context is exactly the keys at
@@ -11,25 +20,70 @@ anyway), then vLLM's kernel attends from there:
 
 On this machine the kernel runs the full causal layer 2.4x and the selected rows 1.3x faster than
 torch's SDPA (cachefuse.attention, the reference twin, which the tests compare it against).
-Only CacheFuseConnector's worker uses this, between planning and vLLM's forward of the same step.
+Only CacheFuseConnector's worker uses these, between planning and vLLM's forward of the same step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
+from cachefuse import ops
+from cachefuse.attention import causal_attention
+
 
 def supports_paged_attention(layer: Any) -> bool:
-    """True for vLLM's CPU attention backend (the one this module drives)."""
-    return type(layer.impl).__name__ == "CPUAttentionBackendImpl" and hasattr(layer, "isa")
+    """True for vLLM's CPU attention backend (the one PagedAttention drives)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except ImportError:  # a vLLM build without the CPU backend
+        return False
+    return isinstance(layer.impl, CPUAttentionBackendImpl) and hasattr(layer, "isa")
+
+
+def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions 0..T-1, in the cache's dtype."""
+    dtype = layer.kv_cache.dtype
+    # reads T*kv_heads*head_dim*2, writes the same into the paged cache
+    layer.impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), layer.kv_cache,
+                                  slot_mapping[: k.shape[0]])
+
+
+@dataclass
+class SlotWritingAttention:
+    """The fusor's attention backend for one request under any vLLM backend (Fusor.attention_backend):
+    writes each layer's merged K/V into the request's slots, attends with the fusor's kernels."""
+
+    writes_kv: ClassVar[bool] = True
+    layers: dict[str, Any]
+    """Attention layers by name (the step's forward_context.no_compile_layers)."""
+    layer_names: list[str]
+    """Attention layer name of each model layer, in order."""
+    slot_mapping: torch.Tensor
+    """int64 [num_tokens] on the cache's device: the slot of every prompt position."""
+    scale: float
+    block_rows: int = 64
+    rows_attention: Callable[..., torch.Tensor] = field(default=ops.rows_attention)
+    """(q, q_positions, k, v, scale, block_rows): the Triton sparse-query kernel on CUDA, the twin elsewhere."""
+
+    def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping)
+        return causal_attention(q, k, v, self.scale)
+
+    def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor:
+        write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping)
+        return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows)
 
 
 @dataclass
 class PagedAttention:
-    """The fusor's attention backend for one request (Fusor.attention_backend)."""
+    """The fusor's attention backend for one request on vLLM's CPU backend (Fusor.attention_backend)."""
+
+    writes_kv: ClassVar[bool] = True
 
     layers: dict[str, Any]
     """Attention layers by name (the step's forward_context.no_compile_layers)."""
@@ -61,9 +115,7 @@ class PagedAttention:
         layer = self.layers[self.layer_names[layer_index]]
         impl = layer.impl
         slots = self.slot_mapping[: k.shape[0]]
-        dtype = layer.kv_cache.dtype
-        # reads T*kv_heads*head_dim*2, writes the same into the paged cache
-        impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), layer.kv_cache, slots)
+        write_layer_kv(layer, k, v, slots)
         num_seqs = seq_lens.numel()
         scheduler_metadata = cpu_attn_get_scheduler_metadata(
             num_reqs=num_seqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,

@@ -2,8 +2,9 @@
 
 Runs in `start_load_kv`, before vLLM's forward of a step whose requests have synchronous hits.
 For each planned request it runs the FusionEngine over the vLLM model's own modules
-(VLLMAdapter), writes the fused K/V of positions 0..N-2 through each attention layer's
-`impl.do_kv_cache_update` (which handles every backend's paged layout), and stores holes. Any
+(VLLMAdapter), writes each layer's fused K/V into the request's slots as the pass goes, through the
+attention layer's own `impl.do_kv_cache_update` (which handles every backend's paged layout;
+cachefuse.vllm.paged), and stores holes. Any
 exception is caught: the request's blocks are reported as load errors, so vLLM (with
 kv_load_failure_policy="recompute", checked at start-up) recomputes it as a plain prefill.
 """
@@ -34,7 +35,7 @@ from cachefuse.vllm.adapters import VLLMAdapter
 from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
-from cachefuse.vllm.paged import PagedAttention, supports_paged_attention
+from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
 from cachefuse.vllm.plugin import captured_model
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ class WorkerSide:
             # Every rank loads its own heads: they agree on the hits (and on any failure) before the pass.
             self.engine.rank_agreement = _rank_agreement(tp_size, next(model.parameters()).device)
         self.layer_names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
-        # Full causal layers run on the engine's own paged kernel where it is vLLM's CPU backend;
-        # decided at the first blend, once vLLM's attention backends are set up.
+        # Attention on the engine's own paged kernel where it is vLLM's CPU backend, else the fusor's
+        # kernels (SlotWritingAttention); decided at the first blend, once vLLM's attention backends are set up.
         self.paged_attention: bool | None = None
         self.figures = FigureRecorder()
         self._prefill_step: tuple[int, float] | None = None  # (plain prefill tokens, start) of this step
@@ -120,21 +121,26 @@ class WorkerSide:
         if plan.selected_rows is not None:
             num_full = make_selector(plan.selector, self.config).num_full_layers(self.adapter.shape.num_layers)
             selector = FixedSelector(plan.selected_rows, num_full)
-        slot_mapping = torch.tensor(plan.slot_mapping, dtype=torch.int64)
+        first_cache = layers[self.layer_names[0]].kv_cache
+        slot_mapping = torch.tensor(plan.slot_mapping, dtype=torch.int64, device=first_cache.device)
         if self.paged_attention is None:
             self.paged_attention = all(supports_paged_attention(layers[name]) for name in self.layer_names)
-        if self.paged_attention:  # every layer's merged K/V lands in the cache as it attends
-            self.engine.fusor.attention_backend = PagedAttention(
-                layers, self.layer_names, slot_mapping, torch.tensor([plan.block_ids], dtype=torch.int32))
+        fusor = self.engine.fusor
+        if self.paged_attention:  # both write every layer's merged K/V into the slots as they attend
+            fusor.attention_backend = PagedAttention(
+                layers, self.layer_names, slot_mapping,
+                torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device))
+        else:
+            fusor.attention_backend = SlotWritingAttention(layers, self.layer_names, slot_mapping,
+                                                           self.adapter.shape.scaling, fusor.block_rows,
+                                                           fusor.attention_fn)
         try:
-            result, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
-                                                ratio=plan.recompute_ratio, save_holes=self.config.save_holes,
-                                                preload_depth=plan.preload_depth, choices=plan.variants,
-                                                save_inline=plan.sync_save)
+            _, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
+                                           ratio=plan.recompute_ratio, save_holes=self.config.save_holes,
+                                           preload_depth=plan.preload_depth, choices=plan.variants,
+                                           save_inline=plan.sync_save)
         finally:
-            self.engine.fusor.attention_backend = None
-        if not self.paged_attention:
-            self._write_kv(result, layers, slot_mapping[: len(plan.token_ids) - 1])
+            fusor.attention_backend = None
         self._meta.evict(stats.evicted_variants)
         self._meta.announce(stats.saved_keys, [record_to_dict(r) for r in stats.saved_variants])
         self.figures.observe_blend(stats, len(plan.token_ids))
@@ -146,16 +152,6 @@ class WorkerSide:
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
         figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
         return figures
-
-    def _write_kv(self, result: Any, layers: dict[str, Any], slot_mapping: torch.Tensor) -> None:
-        """The fused K/V of positions 0..N-2 into vLLM's paged cache (backends other than CPU's)."""
-        num_written = slot_mapping.numel()
-        for index, name in enumerate(self.layer_names):
-            layer = layers[name]
-            dtype = layer.kv_cache.dtype
-            k = result.k[index][:num_written].to(dtype).contiguous()  # [N-1, num_kv_heads, head_size]
-            v = result.v[index][:num_written].to(dtype).contiguous()
-            layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slot_mapping)
 
     def on_step_start(self, metadata: CacheFuseMetadata) -> None:
         """Before vLLM's forward: a step of plain prefills only is timed (vLLM's own prefill speed)."""

@@ -2,8 +2,8 @@
 
 On vLLM's CPU backend the blend pass attends with the engine's own paged kernel and writes each layer's
 merged K/V into the cache as it goes (cachefuse.vllm.paged). Under any other backend it takes the
-generic path: the torch twins (the Triton kernels on CUDA) over the merged K/V, then every layer
-written through `do_kv_cache_update`. Forced here on the CPU, the two paths must give the same
+generic path (SlotWritingAttention): each layer's merged K/V written through `do_kv_cache_update` as it
+attends with the torch twins (the Triton kernels on CUDA) over them. Forced here on the CPU, the two paths must give the same
 first-token logprobs and greedy tokens for the same fused request, at 15% and with a hole; the
 negative control is full reuse, which differs.
 """
