@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -288,3 +289,33 @@ def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):
     after = digests()
     assert len(after) == 4
     assert all(after[name] == digest for name, digest in before.items())
+
+
+@pytest.mark.parametrize("schedule,mean_multiplier", [((1.0,), 1.0), ((2.0, 1.0), 1.5)])
+def test_cacheblend_row_estimate_prices_the_rows_the_pass_computes(adapters, schedule, mean_multiplier):
+    """The controller's row estimate (Selector.estimate_rows) against the candidate rows a real pass computes
+    in its selective layers, with and without gradual filtering (check layers 1 and 2 of 4: layer 2 keeps
+    2r, layer 3 r). Negative control: the ratio alone (the estimate before gradual filtering was priced)
+    misses the gradual pass's rows."""
+    from cachefuse.select.base import PlannedChunk, num_rows_for_ratio
+
+    adapter = adapters("llama")
+    num_layers = adapter.shape.num_layers
+    checks = (1, 2)[:len(schedule)]
+    config = CacheFuseConfig(cacheblend_check_layers=checks, cacheblend_ratio_schedule=schedule)
+    engine = make_engine(adapter, config)
+    case = make_case(adapter.shape.vocab_size, seed=6)
+    precompute_case(engine, case)
+    ratio = 0.2
+    result, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=ratio, save_holes=False)
+    selector = make_selector("cacheblend", config)
+    estimate = selector.estimate_rows([PlannedChunk(len(case.pieces[0])), PlannedChunk(len(case.pieces[2]))],
+                                      num_layers)
+    selective = range(selector.num_full_layers(num_layers), num_layers)
+    computed = sum(result.rows_per_layer[layer].numel() - result.num_forced for layer in selective)
+    estimated = num_rows_for_ratio(ratio, estimate.num_ratio_candidates) * len(selective)
+    assert estimate.num_ratio_candidates == math.ceil(result.num_candidates * mean_multiplier)
+    assert abs(computed - estimated) <= 2 * len(selective)  # ceil per layer against ceil of the mean
+    if schedule != (1.0,):
+        ratio_only = num_rows_for_ratio(ratio, result.num_candidates) * len(selective)
+        assert computed - ratio_only > 2 * len(selective)

@@ -129,10 +129,11 @@ class Selector(ABC):
     def num_full_layers(self, num_layers: int) -> int:
         """How many leading layers compute every row."""
 
-    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
-        """The rows this selector will pick per selective layer over `chunks`, before the pass.
+    def estimate_rows(self, chunks: Sequence[PlannedChunk], num_layers: int) -> RowEstimate:
+        """The rows this selector will pick per selective layer over `chunks` (on average over a model's
+        `num_layers`' selective layers), before the pass.
 
-        The default is a ratio-driven selector (cacheblend, random): ceil(ratio x every candidate).
+        The default is a ratio-driven selector (random): ceil(ratio x every candidate).
         """
         return RowEstimate(0, sum(chunk.num_tokens for chunk in chunks))
 

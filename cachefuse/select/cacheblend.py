@@ -16,10 +16,20 @@ in docs/selectors.md:
   deviate a little is not starved by another that deviates a lot; the rest of the budget is global.
 """
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from cachefuse import ops
-from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector, num_rows_for_ratio
+from cachefuse.select.base import (
+    CheckLayerKV,
+    PlannedChunk,
+    RowEstimate,
+    SelectionContext,
+    Selector,
+    num_rows_for_ratio,
+)
 
 
 def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
@@ -66,6 +76,20 @@ class CacheBlendSelector(Selector):
 
     def check_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(layer for layer in self._check_layers if layer < num_layers)
+
+    def estimate_rows(self, chunks: Sequence[PlannedChunk], num_layers: int) -> RowEstimate:
+        """ceil(ratio x m x candidates) rows, m the schedule's multiplier averaged over the selective
+        layers: with gradual filtering the layers between the first check layers compute m_j x ratio
+        (layer l > c_0 keeps the set of the last check layer before it), so pricing them at the ratio
+        alone would underestimate the pass. Per layer the set is capped at every candidate; the
+        estimate is not (it prices a schedule above 1/ratio high)."""
+        candidates = sum(chunk.num_tokens for chunk in chunks)
+        checks = self.check_layers(num_layers)
+        selective = range(self.num_full_layers(num_layers), num_layers)
+        if not checks or not selective:
+            return RowEstimate(0, candidates)
+        multipliers = [self.ratio_schedule[max(j for j, c in enumerate(checks) if c < layer)] for layer in selective]
+        return RowEstimate(0, math.ceil(candidates * sum(multipliers) / len(multipliers) - 1e-9))
 
     def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor:
         target = num_rows_for_ratio(ctx.ratio * self.ratio_schedule[check_index], ctx.candidate_rows.numel())

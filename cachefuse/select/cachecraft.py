@@ -74,7 +74,7 @@ class CacheCraftSelector(Selector):
         reuse = ctx.reuse.get(index)
         return float(reuse.cfo) if reuse is not None else float(ctx.ratio)
 
-    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
+    def estimate_rows(self, chunks: Sequence[PlannedChunk], num_layers: int) -> RowEstimate:
         """ceil(CFO x tokens) per chunk, as `initial_rows` picks them; a chunk without a CFO follows the
         ratio. An upper bound with `early_termination`: unfocused chunks stop after the focus layer."""
         planned = by_ratio = 0

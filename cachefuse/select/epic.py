@@ -20,7 +20,7 @@ class EpicSelector(Selector):
     def num_full_layers(self, num_layers: int) -> int:
         return 0
 
-    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
+    def estimate_rows(self, chunks: Sequence[PlannedChunk], num_layers: int) -> RowEstimate:
         """k per chunk when k is set; else ratio-driven (ceil per chunk: up to one row more per chunk)."""
         if self.k is None:
             return RowEstimate(0, sum(chunk.num_tokens for chunk in chunks))

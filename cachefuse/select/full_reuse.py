@@ -14,7 +14,7 @@ class FullReuseSelector(Selector):
     def num_full_layers(self, num_layers: int) -> int:
         return 0
 
-    def estimate_rows(self, chunks: Sequence[PlannedChunk]) -> RowEstimate:
+    def estimate_rows(self, chunks: Sequence[PlannedChunk], num_layers: int) -> RowEstimate:
         return RowEstimate(0, 0)
 
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:

@@ -219,7 +219,7 @@ class SchedulerSide:
         loaded_tokens = sum(n for n, _, _ in loaded)
         tiers = [TierFigures(name, bps) for name, bps in figures["tiers"].items()]
         selector = make_selector(fusion.selector, self.config)
-        rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, system, c in loaded if not system])
+        rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, system, c in loaded if not system], num_layers)
         probe = selector.probe_spec(num_layers)
         shape = RequestShape(
             num_tokens=num_tokens, num_layers=num_layers, num_full_layers=selector.num_full_layers(num_layers),

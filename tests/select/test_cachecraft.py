@@ -89,12 +89,12 @@ def test_estimated_rows_are_the_rows_it_picks(reuse, ratio, force_cfo):
     initial_rows then picks: ceil(CFO x tokens) per chunk, not ratio x tokens."""
     selector = CacheCraftSelector(force_cfo=force_cfo)
     chunks = [PlannedChunk(SEGMENTS[i].length, reuse[i].cfo if i in reuse else None) for i in (1, 2)]
-    estimate = selector.estimate_rows(chunks)
+    estimate = selector.estimate_rows(chunks, 8)
     picked = selector.initial_rows(make_ctx(ratio, reuse)).numel()
     assert estimate.num_planned_rows + math.ceil(ratio * estimate.num_ratio_candidates - 1e-9) == picked
     if force_cfo is None and len(reuse) == 2:
         assert estimate.num_ratio_candidates == 0  # no row depends on the ratio
-    assert selector.estimate_rows([]) == RowEstimate(0, 0)
+    assert selector.estimate_rows([], 8) == RowEstimate(0, 0)
 
 
 def test_last_token_is_never_selected():

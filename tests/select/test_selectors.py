@@ -136,14 +136,14 @@ def test_estimated_rows_match_the_rows_picked():
     ctx = make_ctx(0.3)
     for name, config in (("cacheblend", CacheFuseConfig()), ("random", CacheFuseConfig()),
                          ("epic", CacheFuseConfig(epic_k=3))):
-        estimate = make_selector(name, config).estimate_rows(chunks)
+        estimate = make_selector(name, config).estimate_rows(chunks, 8)
         rows = num_rows_for_ratio(0.3, estimate.num_ratio_candidates) + estimate.num_planned_rows
         if name == "cacheblend":
             assert estimate == RowEstimate(0, 87) and rows == num_rows_for_ratio(0.3, 87)  # kept after its check
         else:
             assert rows == make_selector(name, config).initial_rows(ctx).numel()
-    assert make_selector("full_reuse", CacheFuseConfig()).estimate_rows(chunks) == RowEstimate(0, 0)
-    ratio_epic = make_selector("epic", CacheFuseConfig()).estimate_rows(chunks)
+    assert make_selector("full_reuse", CacheFuseConfig()).estimate_rows(chunks, 8) == RowEstimate(0, 0)
+    ratio_epic = make_selector("epic", CacheFuseConfig()).estimate_rows(chunks, 8)
     # ceil per chunk (12 + 15) can exceed ceil over all (27): at most one row per chunk
     assert 0 <= make_selector("epic", CacheFuseConfig()).initial_rows(ctx).numel() - num_rows_for_ratio(
         0.3, ratio_epic.num_ratio_candidates) <= len(chunks)
