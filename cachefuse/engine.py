@@ -29,14 +29,8 @@ from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loading.loader import (
-    FetchLayer,
-    LayerKV,
-    LayerUnavailable,
-    StoreProbeReads,
-    store_layer_fetcher,
-    supports_probe_reads,
-)
+from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
+from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
 from cachefuse.metadata.base import MetaStore, VariantRecord, record_to_dict
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore

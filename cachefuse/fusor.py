@@ -61,7 +61,7 @@ class FuseRequest:
     reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
     """Segment index -> the chosen variant's CFO and recompute ranking (SelectionContext.reuse)."""
     probe_source: ProbeSource | None = None
-    """With `fetched`: where the question probe reads before selection (loader.StoreProbeReads: the
+    """With `fetched`: where the question probe reads before selection (probe_reads.StoreProbeReads: the
     anchors' rows and the score layers' keys only); whole `loaded` entries need none."""
     collect_attention_stats: bool = False
     """Gather each hole's attention mass per segment (FuseResult.hole_token_mass): one extra softmax

@@ -64,7 +64,7 @@ def question_rows(segments: Sequence[Segment], num_tokens: int, device: torch.de
 
 class ProbeSource(Protocol):
     """Where the probe reads the loaded chunks: whole entries already loaded (`EntrySource`), or the store
-    itself, only what the probe needs (`cachefuse.loading.loader.StoreProbeReads`)."""
+    itself, only what the probe needs (`cachefuse.loading.probe_reads.StoreProbeReads`)."""
 
     def indices(self) -> list[int]:
         """Segment indices of the loaded chunks, sorted."""

@@ -60,78 +60,11 @@ class LayerUnavailable(StoreError):
         self.key, self.layer, self.reason = key, layer, reason
 
 
-def _miss_reason(store: KVStore, before: dict[str, int]) -> str:
+def miss_reason(store: KVStore, before: dict[str, int]) -> str:
     """The miss reason whose counter grew since `before` (best effort: counters are shared)."""
     after = store.stats.misses
     grown = [reason for reason, count in after.items() if count > before.get(reason, 0)]
     return grown[0] if grown else "miss"
-
-
-class StoreProbeReads:
-    """The question probe's reads, straight from the store, before selection (a ProbeSource,
-    cachefuse.probe): each chunk's metadata (where its anchors are stored), its view rows of the layers
-    the probe runs, and every row's K at the score layers; the rest of each entry is fetched layer by
-    layer for the blend pass that follows. A miss raises LayerUnavailable, as a fetch does.
-
-    Args:
-        store: a store with `get_rows` and `get_meta` (every tier here; `supports_probe_reads`).
-        keys: segment index -> chunk key.
-        num_layers: the model's layers (the length of `layer_keys`).
-    """
-
-    def __init__(self, store: KVStore, keys: dict[int, str], num_layers: int) -> None:
-        self.store, self.keys_by_index, self.num_layers = store, dict(keys), num_layers
-        self.bytes_read = 0
-
-    def indices(self) -> list[int]:
-        return sorted(self.keys_by_index)
-
-    def meta(self, index: int) -> dict[str, str]:
-        key = self.keys_by_index[index]
-        before = dict(self.store.stats.misses)
-        meta = self.store.get_meta(key)
-        if meta is None:
-            raise LayerUnavailable(key, 0, _miss_reason(self.store, before))
-        return meta
-
-    def rows(self, index: int, layer: int, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
-        return self._read(index, layer, offsets, values=True)
-
-    def keys(self, index: int, layer: int) -> Tensor:
-        return self._read(index, layer, None, values=False)[0]
-
-    def layer_keys(self, index: int) -> _LayerKeys:
-        return _LayerKeys(self, index)
-
-    def _read(self, index: int, layer: int, offsets: Tensor | None, values: bool):
-        key = self.keys_by_index[index]
-        before = dict(self.store.stats.misses)
-        kv = self.store.get_rows(key, layer, offsets, values)
-        if kv is None:
-            raise LayerUnavailable(key, layer, _miss_reason(self.store, before))
-        self.bytes_read += sum(t.nbytes for t in kv if t is not None)
-        return kv
-
-
-class _LayerKeys:
-    """Every layer's K of one chunk, each read from the store when asked (QCFuse's key-norm anchors of
-    a chunk that has none stored read them all)."""
-
-    def __init__(self, reads: StoreProbeReads, index: int) -> None:
-        self.reads, self.index = reads, index
-
-    def __len__(self) -> int:
-        return self.reads.num_layers
-
-    def __getitem__(self, layer: int) -> Tensor:
-        if not 0 <= layer < len(self):
-            raise IndexError(layer)
-        return self.reads.keys(self.index, layer)
-
-
-def supports_probe_reads(store: KVStore) -> bool:
-    """Whether the question probe can read `store` partially (StoreProbeReads)."""
-    return hasattr(store, "get_rows") and hasattr(store, "get_meta")
 
 
 def store_layer_fetcher(store: KVStore, keys: Iterable[str]) -> FetchLayer:
@@ -153,7 +86,7 @@ def store_layer_fetcher(store: KVStore, keys: Iterable[str]) -> FetchLayer:
                 before = dict(store.stats.misses)
                 kv = get_layer(key, layer)
                 if kv is None:
-                    raise LayerUnavailable(key, layer, _miss_reason(store, before))
+                    raise LayerUnavailable(key, layer, miss_reason(store, before))
                 out[key] = kv
             return out
         return fetch
@@ -170,7 +103,7 @@ def store_layer_fetcher(store: KVStore, keys: Iterable[str]) -> FetchLayer:
                     before = dict(store.stats.misses)
                     entry = store.get(key)
                     if entry is None:
-                        raise LayerUnavailable(key, layer, _miss_reason(store, before))
+                        raise LayerUnavailable(key, layer, miss_reason(store, before))
                     entries[key] = entry
                 if not 0 <= layer < entry.num_layers:
                     raise LayerUnavailable(key, layer, MISS_SHAPE_MISMATCH)
