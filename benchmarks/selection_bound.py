@@ -87,12 +87,16 @@ def attention_oracle_scores(attention: dict[int, torch.Tensor], rows: torch.Tens
 
 def top_rows(rows: torch.Tensor, score: torch.Tensor, count: int, first: tuple[int, ...] = ()) -> list[int]:
     """`first` (those among `rows`, up to `count`), then the highest-scoring rows up to `count`."""
-    chosen = [r for r in first if r in set(rows.tolist())][:count]
+    candidates = rows.tolist()
+    allowed = set(candidates)
+    chosen = [r for r in first if r in allowed][:count]
+    taken = set(chosen)
     for index in torch.argsort(score, descending=True, stable=True).tolist():
         if len(chosen) >= count:
             break
-        if int(rows[index]) not in chosen:
-            chosen.append(int(rows[index]))
+        if candidates[index] not in taken:
+            chosen.append(candidates[index])
+            taken.add(candidates[index])
     return chosen
 
 

@@ -115,7 +115,7 @@ class PagedAttention:
         layer = self.layers[self.layer_names[layer_index]]
         impl = layer.impl
         slots = self.slot_mapping[: k.shape[0]]
-        write_layer_kv(layer, k, v, slots)
+        write_layer_kv(layer, k, v, self.slot_mapping)
         num_seqs = seq_lens.numel()
         scheduler_metadata = cpu_attn_get_scheduler_metadata(
             num_reqs=num_seqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
