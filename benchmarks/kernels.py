@@ -1,6 +1,8 @@
 """Triton kernels on a GPU: sparse-query attention (TFLOP/s) and gather_rotate (GB/s), against torch.
 
-sparse_attention: csrc_triton.sparse_attention.rows_attention against (a) torch SDPA with one dense
+sparse_attention: csrc_triton.sparse_attention.rows_attention, and slot_rows_attention reading the
+same keys from a paged cache in vLLM's FlashAttention layout (16-token pages in a shuffled block
+table, as the blend pass reads them inside vLLM), against (a) torch SDPA with one dense
 boolean [R, N] mask (the twin's approach in a single call), (b) the twin itself
 (cachefuse.attention.rows_attention: SDPA over blocks of 64 rows, keys truncated per block) and
 (c) FlexAttention (torch.compile'd, a block mask built from the same positions; skipped where it
@@ -105,12 +107,28 @@ def flex(q, positions, k, v, scale, compile_it: bool):
     return lambda: fn(q4, k4, v4, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
+def paged_copy(k, v, page_size: int = 16, seed: int = 0):
+    """k, v [N, Hkv, D] in a FlashAttention-layout cache at shuffled pages -> (k_cache, v_cache, key_slots)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_pages = -(-num_tokens // page_size)
+    physical = torch.zeros(num_pages, page_size, num_kv_heads, 2 * head_dim, dtype=k.dtype, device=k.device)
+    k_cache, v_cache = physical.permute(0, 2, 1, 3).transpose(1, 2).split(head_dim, dim=-1)
+    pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    positions = torch.arange(num_tokens, device=k.device)
+    key_slots = pages[positions // page_size] * page_size + positions % page_size
+    k_cache[key_slots // page_size, key_slots % page_size] = k
+    v_cache[key_slots // page_size, key_slots % page_size] = v
+    return k_cache, v_cache, key_slots
+
+
 def attention_methods(q, positions, k, v, scale, device: str) -> tuple[dict, str | None]:
     """{name: zero-argument call} for one case, and why FlexAttention was skipped (None if it runs)."""
     from csrc_triton import sparse_attention as tri_attn
 
+    k_cache, v_cache, key_slots = paged_copy(k, v)
     methods = {
         "triton": lambda: tri_attn.rows_attention(q, positions, k, v, scale),
+        "triton_paged": lambda: tri_attn.slot_rows_attention(q, positions, k_cache, v_cache, key_slots, scale),
         "sdpa_dense_mask": dense_mask_sdpa(q, positions, k, v, scale),
         "twin": lambda: attention.rows_attention(q, positions, k, v, scale),
     }
@@ -129,9 +147,11 @@ def bench_attention_case(args, sizes: dict, num_tokens: int, ratio: float) -> di
     q, positions, k, v, scale = attention_case(num_tokens, ratio, sizes, args.device)
     flops = 4 * sizes["head_dim"] * sizes["num_heads"] * int((positions + 1).sum())
     methods, flex_skipped = attention_methods(q, positions, k, v, scale, args.device)
-    err = (methods["triton"]().float() - methods["twin"]().float()).abs().max().item()
+    twin = methods["twin"]().float()
+    err = (methods["triton"]().float() - twin).abs().max().item()
+    err_paged = (methods["triton_paged"]().float() - twin).abs().max().item()
     row = dict(num_tokens=num_tokens, ratio=ratio, num_rows=q.shape[0], flops=flops,
-               max_abs_diff_triton_vs_twin=err, results={})
+               max_abs_diff_triton_vs_twin=err, max_abs_diff_triton_paged_vs_twin=err_paged, results={})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, fn in methods.items():

@@ -89,6 +89,32 @@ def varlen_rows_attention(
     return out
 
 
+def slot_rows_attention(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_slots: torch.Tensor,
+    scale: float,
+    block_rows: int = 64,
+) -> torch.Tensor:
+    """`rows_attention` over keys that live in a paged cache: key j (position j) is in slot `key_slots[j]`,
+    page `key_slots[j] // page_size`, offset `key_slots[j] % page_size` (vLLM's slot numbering).
+
+    Args:
+        q: [num_rows, num_heads, head_dim]; q_positions: sorted int64 [num_rows], each < num_keys.
+        k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], any strides.
+        key_slots: int64 [num_keys], distinct.
+
+    Returns:
+        [num_rows, num_heads, head_dim]
+    """
+    page_size = k_cache.shape[1]
+    pages, offsets = key_slots // page_size, key_slots % page_size
+    # gathers num_keys rows of k and v into contiguous copies; the kernel reads them in place
+    return rows_attention(q, q_positions, k_cache[pages, offsets], v_cache[pages, offsets], scale, block_rows)
+
+
 def rows_attention_at(
     q: torch.Tensor,
     q_positions: torch.Tensor,

@@ -125,3 +125,14 @@ def varlen_rows_attention(q: torch.Tensor, q_positions: torch.Tensor, cu_rows: t
         if tri_sparse_attention is not None:
             return tri_sparse_attention.varlen_rows_attention(q, q_positions, cu_rows, k, v, cu_keys, scale)
     return attention.varlen_rows_attention(q, q_positions, cu_rows, k, v, cu_keys, scale, block_rows)
+
+
+def slot_rows_attention(q: torch.Tensor, q_positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        key_slots: torch.Tensor, scale: float, block_rows: int = 64) -> torch.Tensor:
+    """`rows_attention` with each key read from a paged cache through its slot
+    (see cachefuse.attention.slot_rows_attention for shapes)."""
+    if q.is_cuda:
+        tri_sparse_attention = _triton_sparse_attention()
+        if tri_sparse_attention is not None:
+            return tri_sparse_attention.slot_rows_attention(q, q_positions, k_cache, v_cache, key_slots, scale)
+    return attention.slot_rows_attention(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows)

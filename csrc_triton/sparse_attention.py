@@ -1,5 +1,6 @@
 """Sparse-query attention as a Triton kernel; its torch twin and specification is
-cachefuse.attention.rows_attention (and varlen_rows_attention for several requests).
+cachefuse.attention.rows_attention (varlen_rows_attention for several requests, slot_rows_attention
+for keys read from a paged cache through their slots).
 
 Imports torch and triton only. Nothing runs at import time. CPU tensors need TRITON_INTERPRET=1 set
 before this module is imported (triton.jit reads it when decorating).
@@ -18,7 +19,7 @@ keys  | unmasked: j <= min pos of block | masked band        | never read       
 ```
 
 Traffic per (row block, head): reads BLOCK_M*D of q and (max pos + 1)*D each of k and v, writes
-BLOCK_M*D. K/V tiles are shared through L2 by the GROUP query heads of one KV head and by the row
+BLOCK_M*D (slotted: plus max pos + 1 int64 slots, each key row gathered from its page). K/V tiles are shared through L2 by the GROUP query heads of one KV head and by the row
 blocks of a request.
 """
 
@@ -38,19 +39,29 @@ def _attend_tile(
     acc, m_i, l_i, q, offs_m, pos, start_n,
     k_base, v_base, num_keys,
     stride_k_tok, stride_v_tok,
+    slots_base, page_size, stride_k_page, stride_v_page,
     qk_scale,
     offs_d, d_mask,
+    SLOTTED: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # reads BLOCK_N*D of k and of v; one [BLOCK_M, BLOCK_N] score tile in registers.
+    # reads BLOCK_N*D of k and of v (and BLOCK_N slots); one [BLOCK_M, BLOCK_N] score tile in registers.
     keys = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     key_mask = keys < num_keys
     kv_mask = key_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_base + keys[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + keys[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0)
+    if SLOTTED:  # key j lives in page slots[j] // page_size at offset slots[j] % page_size
+        slot = tl.load(slots_base + keys, mask=key_mask, other=0)
+        page, in_page = slot // page_size, slot % page_size
+        k_rows = page * stride_k_page + in_page * stride_k_tok
+        v_rows = page * stride_v_page + in_page * stride_v_tok
+    else:
+        k_rows = keys.to(tl.int64) * stride_k_tok
+        v_rows = keys.to(tl.int64) * stride_v_tok
+    k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     qk = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_FP32)  # [BLOCK_M, BLOCK_N]
     qk = qk * qk_scale  # log2 domain: exp2(x * log2e) == exp(x)
     if MASKED:
@@ -77,15 +88,17 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 @triton.jit
 def _rows_attention_kernel(
     q_ptr, pos_ptr, k_ptr, v_ptr, out_ptr,
-    cu_rows_ptr, cu_keys_ptr,
+    cu_rows_ptr, cu_keys_ptr, slots_ptr,
     num_rows, num_keys, group,
     stride_q_tok, stride_q_head,
     stride_k_tok, stride_k_head,
     stride_v_tok, stride_v_head,
     stride_out_tok, stride_out_head,
+    page_size, stride_k_page, stride_v_page,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    SLOTTED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -122,8 +135,12 @@ def _rows_attention_kernel(
     q_rows = q_ptr + (row_start + offs_m)[:, None].to(tl.int64) * stride_q_tok + head * stride_q_head
     q = tl.load(q_rows + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     kv_head = head // group
-    k_base = k_ptr + key_start.to(tl.int64) * stride_k_tok + kv_head * stride_k_head
-    v_base = v_ptr + key_start.to(tl.int64) * stride_v_tok + kv_head * stride_v_head
+    if SLOTTED:  # the request's keys are wherever its slots say; slots_ptr is indexed by key
+        k_base = k_ptr + kv_head * stride_k_head
+        v_base = v_ptr + kv_head * stride_v_head
+    else:
+        k_base = k_ptr + key_start.to(tl.int64) * stride_k_tok + kv_head * stride_k_head
+        v_base = v_ptr + key_start.to(tl.int64) * stride_v_tok + kv_head * stride_v_head
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -131,13 +148,13 @@ def _rows_attention_kernel(
     for start_n in range(0, end_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_m, pos, start_n, k_base, v_base, num_keys,
-            stride_k_tok, stride_v_tok, qk_scale, offs_d, d_mask,
-            MASKED=False, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+            stride_k_tok, stride_v_tok, slots_ptr, page_size, stride_k_page, stride_v_page, qk_scale,
+            offs_d, d_mask, SLOTTED=SLOTTED, MASKED=False, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     for start_n in range(end_full, end_n, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_m, pos, start_n, k_base, v_base, num_keys,
-            stride_k_tok, stride_v_tok, qk_scale, offs_d, d_mask,
-            MASKED=True, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+            stride_k_tok, stride_v_tok, slots_ptr, page_size, stride_k_page, stride_v_page, qk_scale,
+            offs_d, d_mask, SLOTTED=SLOTTED, MASKED=True, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     out = acc / l_i[:, None]
     out_rows = out_ptr + (row_start + offs_m)[:, None].to(tl.int64) * stride_out_tok + head * stride_out_head
@@ -218,6 +235,50 @@ def varlen_rows_attention(
     return out
 
 
+def slot_rows_attention(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`rows_attention` over keys read from a paged cache; twin: cachefuse.attention.slot_rows_attention.
+
+    Key j (at position j) lives in the cache's slot `key_slots[j]`: page `key_slots[j] // page_size`,
+    offset `key_slots[j] % page_size`, vLLM's slot numbering. Each selected row reads its keys
+    straight from the request's blocks; no contiguous copy of the prompt's K/V is made.
+
+    Args:
+        q: [num_rows, num_heads, head_dim], fp32 / fp16 / bf16, last dim contiguous.
+        q_positions: int64 [num_rows], sorted ascending, each in [0, num_keys).
+        k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] of q's dtype, any page, token
+            and head strides (vLLM's FlashAttention layout is a strided view), last dim contiguous.
+        key_slots: int64 [num_keys] on q's device, distinct slots of the request's keys.
+        scale: softmax scale.
+
+    Returns:
+        A new contiguous [num_rows, num_heads, head_dim] tensor of q's dtype.
+    """
+    _check_paged(q, q_positions, k_cache, v_cache, key_slots)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return out
+    paged = (key_slots.contiguous(), k_cache.shape[1], k_cache.stride(0), v_cache.stride(0))
+    _launch(q, q_positions, k_cache, v_cache, out, scale, None, None, q.shape[0], paged)
+    return out
+
+
+def _check_paged(q, q_positions, k_cache, v_cache, key_slots) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"expected k_cache and v_cache [pages, page_size, Hkv, D], got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    _check(q, q_positions, k_cache[0], v_cache[0])
+    if key_slots.dim() != 1 or key_slots.dtype != torch.int64 or key_slots.device != q.device:
+        raise ValueError(f"expected int64 key_slots [num_keys] on {q.device}, got {key_slots.dtype} "
+                         f"{tuple(key_slots.shape)} on {key_slots.device}")
+
+
 def _check(q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"expected q [R, Hq, D], k and v [N, Hkv, D], got q {tuple(q.shape)}, "
@@ -239,20 +300,25 @@ def _check(q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, v: torch
             raise ValueError(f"{name} on {x.device}, q on {q.device}")
 
 
-def _launch(q, q_positions, k, v, out, scale, cu_rows, cu_keys, max_rows) -> None:
+def _launch(q, q_positions, k, v, out, scale, cu_rows, cu_keys, max_rows, paged=None) -> None:
+    """`paged`: (key_slots, page_size, stride_k_page, stride_v_page) when k and v are paged caches."""
     head_dim = q.shape[2]
     block_m, block_n, num_warps, num_stages = _tiles(head_dim, max_rows, q.is_cuda)
     is_varlen = cu_rows is not None
+    key_slots, page_size, stride_k_page, stride_v_page = paged if paged is not None else (None, 1, 0, 0)
+    num_keys = key_slots.shape[0] if paged is not None else k.shape[0]
     grid = (triton.cdiv(max_rows, block_m), q.shape[1], cu_rows.shape[0] - 1 if is_varlen else 1)
     _rows_attention_kernel[grid](
         q, q_positions.contiguous(), k, v, out,
-        cu_rows, cu_keys,
-        q.shape[0], k.shape[0], q.shape[1] // k.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        cu_rows, cu_keys, key_slots,
+        q.shape[0], num_keys, q.shape[1] // k.shape[-2],
+        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
+        v.stride(-3), v.stride(-2), out.stride(0), out.stride(1),
+        page_size, stride_k_page, stride_v_page,
         float(scale) * LOG2E,
         HEAD_DIM=head_dim,
         IS_VARLEN=is_varlen,
+        SLOTTED=paged is not None,
         DOT_FP32=q.dtype == torch.float32 or _interpreted(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
