@@ -7,9 +7,12 @@ anyway) through the layer's own `impl.do_kv_cache_update`, which knows its backe
 layer (FuseResult.hole_kv: only the holes' rows, for saving). Two backends attend:
 
 `SlotWritingAttention`, under any vLLM attention backend (FlashAttention, FlashInfer, Triton on GPUs):
-the fusor's own kernels (cachefuse.ops) over the layer's merged K/V, still in memory: on CUDA the
-Triton sparse-query kernel, every selected row its own query over keys <= its position, one launch
-per layer; elsewhere its torch twin.
+the selected rows attend from the request's blocks, as vLLM's own backends do: each selected row its
+own query over the keys at positions <= its own, read in place through the slots just written
+(cachefuse.ops.slot_rows_attention: on CUDA the Triton sparse-query kernel, one launch per layer;
+elsewhere its torch twin). A backend whose cache is not proven to hold plain K|V rows
+(cachefuse.vllm.cache_views: the CPU backend's packed keys) attends over the layer's merged K/V in
+memory instead (cachefuse.ops.rows_attention), with the same result.
 
 `PagedAttention`, under vLLM's CPU backend, attends with vLLM's own paged kernel from the cache:
 
@@ -33,6 +36,7 @@ import torch
 
 from cachefuse import ops
 from cachefuse.attention import causal_attention
+from cachefuse.vllm.cache_views import paged_kv_views
 
 
 def supports_paged_attention(layer: Any) -> bool:
@@ -67,7 +71,11 @@ class SlotWritingAttention:
     scale: float
     block_rows: int = 64
     rows_attention: Callable[..., torch.Tensor] = field(default=ops.rows_attention)
-    """(q, q_positions, k, v, scale, block_rows): the Triton sparse-query kernel on CUDA, the twin elsewhere."""
+    """(q, q_positions, k, v, scale, block_rows) over contiguous K/V, for caches not read in place."""
+    slot_rows_attention: Callable[..., torch.Tensor] = field(default=ops.slot_rows_attention)
+    """(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows): the rows over the paged cache."""
+    read_in_place: dict[str, bool] = field(default_factory=dict, init=False)
+    """Per layer name, once it has attended: whether its rows read the paged cache in place."""
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping)
@@ -75,8 +83,16 @@ class SlotWritingAttention:
 
     def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
-        write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping)
-        return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows)
+        name = self.layer_names[layer_index]
+        layer = self.layers[name]
+        write_layer_kv(layer, k, v, self.slot_mapping)
+        views = paged_kv_views(layer)
+        in_place = views is not None and views[0].dtype == q.dtype
+        self.read_in_place[name] = in_place
+        if not in_place:
+            return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows)
+        return self.slot_rows_attention(q, q_positions, views[0], views[1], self.slot_mapping[: k.shape[0]],
+                                        self.scale, self.block_rows)
 
 
 @dataclass

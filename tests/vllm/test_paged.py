@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cachefuse.attention import causal_attention, rows_attention
-from cachefuse.vllm.paged import PagedAttention, supports_paged_attention
+from cachefuse.vllm.cache_views import paged_kv_views
+from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
 from tests.helpers.vllm_engines import start_engine, stop_engine, worker_side
 
 
@@ -70,3 +71,18 @@ def test_one_multi_row_sequence_would_leak_future_keys(paged):
         leaky = backend._attend(1, q[positions], k, v, torch.tensor([0, num_rows], dtype=torch.int32),
                                 torch.tensor([301], dtype=torch.int32), backend.block_table)
     assert not torch.allclose(leaky, exact, atol=1e-3)  # end-aligned: row 3 would see keys up to 297
+
+
+def test_cpu_backend_packs_its_keys_so_slot_writing_reads_contiguous(paged):
+    """vLLM's CPU backend stores keys in its kernel's own order, so cache_views' probe must refuse to read
+    them in place; SlotWritingAttention then attends over the contiguous K/V and still equals the twin."""
+    backend, layer = paged
+    assert paged_kv_views(layer) is None
+    slot_writing = SlotWritingAttention(backend.layers, backend.layer_names, backend.slot_mapping, layer.impl.scale)
+    q, k, v, scale = make_qkv(layer, seed=4)
+    positions = torch.tensor([3, 40, 170, 300])
+    with torch.inference_mode():
+        expected = rows_attention(q[positions], positions, k, v, scale)
+        actual = slot_writing.rows(1, q[positions], positions, k, v)
+    assert slot_writing.read_in_place == {backend.layer_names[1]: False}
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
