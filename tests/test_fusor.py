@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_question_first_and_reordered_chunks_ratio_one(adapters, family):
 def reference_full_reuse(adapter: HFAdapter, case) -> torch.Tensor:
     """Independent of the fusor: transformers prefill per chunk, transformers RoPE shift, its own attention."""
     model, rotary = adapter.model, adapter.decoder.rotary_emb
-    apply_rotary = adapter._apply_rotary
+    apply_rotary = sys.modules[type(adapter.layers[0].self_attn).__module__].apply_rotary_pos_emb  # the family's own
     system, (a, b, c), question = case.system, case.pieces, case.question
 
     def prefill(ids: list[int]):

@@ -1,22 +1,28 @@
 """HFAdapter: the ModelAdapter protocol over a transformers CausalLM (the reference engine).
 
-Imports torch, transformers (lazily, through the model object) and cachefuse.rope. Supports the
-Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm) families without sliding windows; norms,
-rotary, activation and the LM head are the model's own modules, so results match `model(...)` to
-fp rounding.
+Imports torch, transformers (lazily, through the model object), cachefuse.ops and cachefuse.rope.
+Supports the Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm) families without sliding windows.
 
-The q/k/v and gate/up projections run as one GEMM each over concatenated weights: the blend pass
-multiplies a few hundred rows at a time, where one wide GEMM is markedly faster than three narrow
-ones. The modules' own weights become views into the concatenated tensors, so memory is not
-doubled and `model(...)` still reads the same bytes.
+A GPU pass over a few hundred selected rows is launch-bound, so each layer's work is a few large
+calls rather than the modules' many small ones, with the model's own weights and constants:
+
+- q/k/v and gate/up each run as one GEMM over concatenated weights (the modules' weights become views
+  into them, so memory is not doubled and `model(...)` reads the same bytes);
+- RMSNorm is `torch.nn.functional.rms_norm` with the module's weight and epsilon (one fused kernel on
+  CUDA against the module's eight);
+- RoPE is `cachefuse.ops.apply_rope` at the model's RopeSpec, the same rotation the loaded chunks' keys
+  get (one Triton launch per tensor on CUDA against the module's cos/sin and rotate-half's ten).
+
+On a CPU in fp32 both give the modules' results bit for bit (tests/adapters/test_hf_fused_ops.py); in
+bf16 on a GPU they round once where the modules round two to four times, so they agree with
+`model(...)` to bf16 rounding. Activation, projections and the LM head are the model's own modules.
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from cachefuse import ops
 from cachefuse.adapters.base import ModelShape
 from cachefuse.errors import UnsupportedModelError
 from cachefuse.rope import RopeSpec
@@ -42,9 +48,9 @@ class HFAdapter:
     """Wraps a loaded transformers `*ForCausalLM` in eval mode."""
 
     def __init__(self, model: torch.nn.Module, compile: bool | str = False) -> None:
-        """`compile`: run the per-layer elementwise work (residual adds and norms, RoPE, the MLP's
-        activation) through `torch.compile` (True: inductor; a string: that backend), dynamic in the row
-        count, so a GPU pass launches fewer kernels; off by default (its first calls compile)."""
+        """`compile`: run the per-layer elementwise work (residual adds and norms, the MLP's activation)
+        through `torch.compile` (True: inductor; a string: that backend), dynamic in the row count, so a
+        GPU pass launches fewer kernels; off by default (its first calls compile)."""
         config = model.config
         _check_supported(config)
         self.model = model.eval()
@@ -64,18 +70,14 @@ class HFAdapter:
         )
         self.device = next(model.parameters()).device
         self.rope_spec = RopeSpec.from_hf(model).to(self.device)
-        # The family's own RoPE application (rotate-half), used for freshly computed rows.
-        self._apply_rotary = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
         self._qkv = [_fuse_linears(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in self.layers]
         self._gate_up = [_fuse_linears(b.mlp.gate_proj, b.mlp.up_proj) for b in self.layers]
         self._q_size = self.shape.num_heads * head_dim
         self._kv_size = self.shape.num_kv_heads * head_dim
-        self._rotary_cache: tuple | None = None  # (positions, dtype, cos, sin) of the last rotate
         backend = "inductor" if compile is True else compile
         wrap = (lambda fn: torch.compile(fn, dynamic=True, backend=backend)) if backend else (lambda fn: fn)
         self._residual_norm = wrap(_residual_norm)
         self._mlp_block = wrap(_mlp_block)
-        self._rotate_pair = wrap(_rotate_pair)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
@@ -91,7 +93,7 @@ class HFAdapter:
 
     def attention_input(self, layer, hidden, residual):
         if residual is None:
-            return self.layers[layer].input_layernorm(hidden), hidden
+            return rms_norm(self.layers[layer].input_layernorm, hidden), hidden
         return self._residual_norm(self.layers[layer].input_layernorm, hidden, residual)
 
     def project_qkv(self, layer, x):
@@ -103,47 +105,34 @@ class HFAdapter:
         k = k.view(x.shape[0], -1, head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(x.shape[0], -1, head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         return q, k, v
 
     def rotate(self, layer, positions, q_nope, k_nope):
-        cos, sin = self._cos_sin(positions, q_nope)  # [1, T, head_dim]
-        return self._rotate_pair(self._apply_rotary, q_nope, k_nope, cos, sin)
-
-    def _cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary module's cos/sin at `positions`, computed once per positions tensor: the blend pass
-        rotates every layer at the same rows until a selection changes them (the module's own ~10
-        kernels per layer were a visible share of a GPU pass's launch overhead). The cache holds the
-        tensor itself, so an identical object is the same positions."""
-        cached = self._rotary_cache
-        if cached is None or cached[0] is not positions or cached[1] != like.dtype:
-            cos, sin = self.decoder.rotary_emb(like, positions[None])
-            self._rotary_cache = cached = (positions, like.dtype, cos, sin)
-        return cached[2], cached[3]
+        return ops.apply_rope(q_nope, positions, self.rope_spec), ops.apply_rope(k_nope, positions, self.rope_spec)
 
     def attention_output(self, layer, attn, residual):
         return self._mlp_block(self.layers[layer], *self._gate_up[layer], attn, residual)
 
     def final_logits(self, hidden, residual):
-        return self.model.lm_head(self.decoder.norm(hidden + residual)).float()
+        return self.model.lm_head(rms_norm(self.decoder.norm, hidden + residual)).float()
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The family's RMSNorm module applied as one `F.rms_norm` call (its weight and epsilon)."""
+    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
 def _residual_norm(norm: torch.nn.Module, hidden: torch.Tensor, residual: torch.Tensor):
     residual = hidden + residual
-    return norm(residual), residual
-
-
-def _rotate_pair(apply_rotary, q_nope: torch.Tensor, k_nope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The family's own RoPE on [T, heads, head_dim] rows -> (q, k), same layout."""
-    q, k = apply_rotary(q_nope.transpose(0, 1)[None], k_nope.transpose(0, 1)[None], cos, sin)
-    return q[0].transpose(0, 1), k[0].transpose(0, 1)
+    return rms_norm(norm, residual), residual
 
 
 def _mlp_block(block: torch.nn.Module, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
                attn: torch.Tensor, residual: torch.Tensor):
     """o_proj, residual add, post-attention norm, MLP (gate and up as one GEMM) -> (hidden, residual)."""
     residual = block.self_attn.o_proj(attn) + residual
-    x = block.post_attention_layernorm(residual)
+    x = rms_norm(block.post_attention_layernorm, residual)
     gate, up = torch.nn.functional.linear(x, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
     return block.mlp.down_proj(block.mlp.act_fn(gate) * up), residual
 

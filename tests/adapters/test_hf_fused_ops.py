@@ -1,0 +1,112 @@
+"""HFAdapter's fused norms and rotation equal the model's own modules, and a layer stays a few calls.
+
+The adapter runs RMSNorm as one `F.rms_norm` call and RoPE as `ops.apply_rope` (one Triton launch per
+tensor on CUDA) in place of the transformers modules (eight and ten kernels): a GPU pass over a few
+hundred rows is launch-bound. On a CPU in fp32 the results must be the modules' bit for bit, for every
+supported family (Llama 3.1's scaled RoPE, Qwen3's q/k norms, Qwen2's biases included), and a whole
+prefill through the adapter must equal `model(...)`.
+
+The op budget: each layer's dense work (norms, projections, MLP: everything but the attention and the
+rotation, whose CUDA launch count the CPU twin does not show) dispatches at most `DENSE_OPS_PER_LAYER`
+non-view aten ops, counted with a TorchDispatchMode. The negative control counts the same layer with
+the modules' norms and sees the budget broken, so the counter sees what it claims to.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cachefuse import rope
+from cachefuse.adapters import hf
+from cachefuse.adapters.hf import HFAdapter
+
+FAMILIES = ["llama", "llama31", "mistral", "qwen2", "qwen3"]
+# add, norm, qkv GEMM, (Qwen3: q and k norms), o_proj GEMM, add, norm, gate/up GEMM, silu, mul, down GEMM;
+# the modules' norms make it 24 (40 with Qwen3's)
+DENSE_OPS_PER_LAYER = 10
+VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "expand", "slice", "select",
+            "split", "split_with_sizes", "chunk", "unbind", "permute", "alias", "detach", "as_strided",
+            "reshape", "_reshape_alias", "unflatten", "flatten"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the non-view aten ops dispatched inside it (a CUDA kernel launch each, or more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEW_OPS:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def adapter(request, tiny_model_dir):
+    return HFAdapter.from_pretrained(str(tiny_model_dir(request.param)))
+
+
+def test_norms_and_rotation_equal_the_modules_bit_for_bit(adapter):
+    g = torch.Generator().manual_seed(0)
+    block = adapter.layers[1]
+    hidden = torch.randn(37, adapter.shape.hidden_size, generator=g) * 3
+    residual = torch.randn(37, adapter.shape.hidden_size, generator=g)
+    x, new_residual = adapter.attention_input(1, hidden, residual)
+    assert torch.equal(x, block.input_layernorm(hidden + residual)) and torch.equal(new_residual, hidden + residual)
+    assert torch.equal(adapter.attention_input(0, hidden, None)[0], adapter.layers[0].input_layernorm(hidden))
+
+    positions = torch.randint(0, 5000, (37,), generator=g).sort().values
+    q_nope, k_nope, _ = adapter.project_qkv(1, x)
+    q, k = adapter.rotate(1, positions, q_nope, k_nope)
+    cos, sin = adapter.decoder.rotary_emb(q_nope, positions[None])
+    apply_rotary = sys.modules[type(block.self_attn).__module__].apply_rotary_pos_emb  # the family's own
+    q_ref, k_ref = apply_rotary(q_nope.transpose(0, 1)[None], k_nope.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(q, q_ref[0].transpose(0, 1)) and torch.equal(k, k_ref[0].transpose(0, 1))
+    # the same rotation the loaded chunks' keys get
+    assert torch.equal(k, rope.apply_rope(k_nope, positions, adapter.rope_spec))
+
+
+def test_prefill_through_the_adapter_equals_the_model(adapter):
+    ids = torch.randint(3, adapter.shape.vocab_size, (41,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = adapter.model(ids[None]).logits[0, -1].float()
+        hidden, residual = adapter.embed(ids), None
+        positions = torch.arange(ids.numel())
+        for layer in range(adapter.shape.num_layers):
+            x, residual = adapter.attention_input(layer, hidden, residual)
+            q_nope, k_nope, v = adapter.project_qkv(layer, x)
+            q, k = adapter.rotate(layer, positions, q_nope, k_nope)
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                scale=adapter.shape.scaling, enable_gqa=True)[0].transpose(0, 1)
+            hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
+        logits = adapter.final_logits(hidden, residual)[-1]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def _dense_layer_ops(adapter) -> list[str]:
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(19, adapter.shape.hidden_size, generator=g)
+    residual = torch.randn(19, adapter.shape.hidden_size, generator=g)
+    attn = torch.randn(19, adapter.shape.num_heads * adapter.shape.head_dim, generator=g)
+    with torch.inference_mode(), OpCounter() as counter:
+        x, residual = adapter.attention_input(1, hidden, residual)
+        adapter.project_qkv(1, x)
+        adapter.attention_output(1, attn, residual)
+    return counter.ops
+
+
+def test_a_layers_dense_work_stays_within_its_op_budget(adapter):
+    ops = _dense_layer_ops(adapter)
+    assert len(ops) <= DENSE_OPS_PER_LAYER + (2 if hasattr(adapter.layers[1].self_attn, "q_norm") else 0), ops
+
+
+def test_negative_control_the_modules_norms_break_the_budget(adapter, monkeypatch):
+    monkeypatch.setattr(hf, "rms_norm", lambda norm, x: norm(x))
+    assert len(_dense_layer_ops(adapter)) > DENSE_OPS_PER_LAYER + 2
