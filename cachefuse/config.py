@@ -87,8 +87,13 @@ class CacheFuseConfig:
     None: derive from measured figures (today: 2)."""
     store_dir: str = "~/.cache/cachefuse"
     """Directory of the local disk tier (the embedded default store)."""
+    device_capacity_bytes: int = 0
+    """Byte capacity of a tier in the accelerator's own memory, above host memory: hot chunks load without
+    a host-to-device copy (same LRU and pinning rules as the other tiers); 0 disables it. Only where the
+    model runs on a GPU; it is memory vLLM's KV cache does not get, so lower gpu_memory_utilization by as
+    much."""
     memory_capacity_bytes: int = 2 << 30
-    """Byte capacity of the host-memory tier; 0 disables it."""
+    """Byte capacity of the host-memory tier (page-locked when the model runs on a GPU); 0 disables it."""
     disk_capacity_bytes: int = 20 << 30
     """Byte capacity of the disk tier; 0 disables it."""
     eviction_policy: str = "f_r"
@@ -198,7 +203,7 @@ class CacheFuseConfig:
             _fail("preload_depth", self.preload_depth, "null or an integer >= 0")
         if not isinstance(self.store_dir, str) or not self.store_dir:
             _fail("store_dir", self.store_dir, "a non-empty directory path")
-        for name in ("memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):
+        for name in ("device_capacity_bytes", "memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail(name, value, "an integer number of bytes >= 0")

@@ -24,6 +24,7 @@ INVALID = [
     ("random_seed", "x"),
     ("attention_block_rows", 0),
     ("store_dir", ""),
+    ("device_capacity_bytes", -1),
     ("memory_capacity_bytes", -1),
     ("disk_capacity_bytes", 1.5),
     ("eviction_policy", "fifo"),

@@ -126,29 +126,43 @@ class TieredStore:
 def open_store(
     root: str | Path, identity: StoreIdentity, memory_capacity_bytes: int, disk_capacity_bytes: int, *,
     redis_url: str | None = None, redis_timeout_s: float = 0.5, redis_capacity_bytes: int = 0,
+    device: torch.device | str = "cpu", device_capacity_bytes: int = 0,
 ) -> TieredStore:
     """The embedded default: host memory over local disk, a tier skipped when its capacity is 0; with
-    `redis_url`, a shared Redis tier below them (the faster tiers then cache what Redis holds).
+    `redis_url`, a shared Redis tier below them (the faster tiers then cache what Redis holds); with
+    `device_capacity_bytes`, a tier in the GPU's memory above them all.
 
     Args:
         root: directory of the disk tier.
         identity: what every entry must match.
-        memory_capacity_bytes: tensor bytes the memory tier may hold; 0 disables it.
+        memory_capacity_bytes: tensor bytes the memory tier may hold; 0 disables it. Page-locked when
+            `device` is a CUDA device (asynchronous copies to it).
         disk_capacity_bytes: file bytes the disk tier may hold; 0 disables it.
         redis_url: "redis://host:port/db" or "rediss://..."; None: no shared tier.
         redis_timeout_s: connect/read timeout of every Redis call (a slower answer is a miss).
         redis_capacity_bytes: byte budget of the Redis tier; 0: Redis's own maxmemory only.
+        device: where the model runs.
+        device_capacity_bytes: tensor bytes the device tier may hold on `device`; 0 disables it.
 
     Raises:
-        ConfigError: a capacity is negative.
+        ConfigError: a capacity is negative, or a device tier is asked for a model on the CPU.
     """
-    capacities = {"memory_capacity_bytes": memory_capacity_bytes, "disk_capacity_bytes": disk_capacity_bytes}
+    capacities = {"device_capacity_bytes": device_capacity_bytes, "memory_capacity_bytes": memory_capacity_bytes,
+                  "disk_capacity_bytes": disk_capacity_bytes}
     for name, value in capacities.items():
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name}={value!r}, expected an int >= 0 (0 disables the tier)")
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    if device_capacity_bytes > 0 and not on_gpu:
+        raise ConfigError(
+            f"device_capacity_bytes={device_capacity_bytes!r} but the model runs on {device.type}: a device tier "
+            "holds chunks in a GPU's memory; set it to 0 and size memory_capacity_bytes instead")
     tiers: list[KVStore] = []
+    if device_capacity_bytes > 0:
+        tiers.append(MemoryStore(identity, device_capacity_bytes, device=device))
     if memory_capacity_bytes > 0:
-        tiers.append(MemoryStore(identity, memory_capacity_bytes))
+        tiers.append(MemoryStore(identity, memory_capacity_bytes, pin_memory=on_gpu))
     if disk_capacity_bytes > 0:
         tiers.append(DiskStore(root, identity, disk_capacity_bytes))
     if redis_url is not None:

@@ -63,7 +63,8 @@ class WorkerSide:
         self.config = config
         store = open_store(config.store_path, StoreIdentity(fingerprint, shape.num_layers, shape.dtype),
                            config.memory_capacity_bytes, config.disk_capacity_bytes, redis_url=config.redis_connection_url,
-                           redis_timeout_s=config.redis_timeout_s, redis_capacity_bytes=config.redis_capacity_bytes)
+                           redis_timeout_s=config.redis_timeout_s, redis_capacity_bytes=config.redis_capacity_bytes,
+                           device=self.adapter.device, device_capacity_bytes=config.device_capacity_bytes)
         key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash())
         # Rank 0 owns the variant metadata (in rank 0's keys, so the scheduler's plan names them); every
         # rank keeps its own K/V under its own keys.

@@ -106,3 +106,26 @@ def test_tiers_can_be_composed_by_hand():
     store.tiers[1].put(KEY, make_entry(3))
     assert_same_entry(store.get(KEY), make_entry(3))
     assert store.tiers[0].contains(KEY)
+
+
+def test_device_tier_is_refused_for_a_model_on_the_cpu(tmp_path):
+    with pytest.raises(ConfigError, match=r"device_capacity_bytes=1024 .* runs on cpu.*memory_capacity_bytes"):
+        open_store(tmp_path, IDENTITY, BIG, BIG, device="cpu", device_capacity_bytes=1024)
+    with pytest.raises(ConfigError, match="device_capacity_bytes"):
+        open_store(tmp_path, IDENTITY, BIG, BIG, device_capacity_bytes=-1)
+    store = open_store(tmp_path, IDENTITY, BIG, BIG, device="cpu", device_capacity_bytes=0)
+    memory = store.tiers[0]
+    assert [t.name for t in store.tiers] == ["memory", "disk"] and not memory.pin_memory  # pinning needs CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_tier_sits_above_a_pinned_host_tier_on_cuda(tmp_path):
+    store = open_store(tmp_path, IDENTITY, BIG, BIG, device="cuda", device_capacity_bytes=BIG)
+    assert [t.name for t in store.tiers] == ["device", "memory", "disk"] and store.tiers[1].pin_memory
+    store.tiers[2].put(KEY, make_entry(3))  # on disk only
+    entry = store.get(KEY)
+    assert store.last_hit_tier == "disk" and entry is not None
+    assert store.tiers[0].get(KEY).k_nope[0].is_cuda and store.tiers[1].get(KEY).k_nope[0].is_pinned()
+    store.get(KEY)
+    assert store.last_hit_tier == "device"

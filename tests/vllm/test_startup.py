@@ -85,3 +85,9 @@ def test_plugin_is_idempotent_and_captures_only_cachefuse_engines(tiny_model_dir
     fusing = start_engine(tiny_model_dir("llama"), tmp_path)
     assert plugin.captured_model(fusing.llm_engine.vllm_config, 0) is not None
     stop_engine(fusing)
+
+
+def test_device_tier_on_a_cpu_engine_fails_at_start(tiny_model_dir, tmp_path):
+    """device_capacity_bytes asks for GPU memory; on a CPU engine the start fails naming the field and the fix."""
+    with pytest.raises(Exception, match="device_capacity_bytes=1048576.*memory_capacity_bytes"):
+        start_engine(tiny_model_dir("llama"), tmp_path, device_capacity_bytes=1 << 20)
