@@ -77,3 +77,16 @@ def tiny_engine(family, tiny_model_dir):
 def hf_adapter(tiny_engine) -> HFAdapter:
     """transformers' model of the same checkpoint, float32."""
     return HFAdapter.from_pretrained(str(tiny_engine.path))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    """The tiny Llama checkpoint, for modules that run one family (a module may override it)."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -19,11 +19,6 @@ from tests.helpers.vllm_engines import start_engine, stop_engine
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("eval-store")
     llm = start_engine(model_dir, store, max_variants=1000)

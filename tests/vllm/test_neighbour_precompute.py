@@ -38,18 +38,6 @@ def pairs_embedder(chunks):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("neighbour-store")
     llm = start_engine(model_dir, store, collect_attention_stats=True, memory_capacity_bytes=0)

@@ -38,18 +38,6 @@ def expected_keys(model_dir, tokenizer, system: str, chunks: list[str]) -> set[s
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("precompute-store")
     llm = start_engine(model_dir, store)
