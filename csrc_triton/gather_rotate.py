@@ -62,6 +62,7 @@ def _gather_rotate_kernel(
     PASS_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     HAS_SRC_POS: tl.constexpr,
+    IDENTITY_ROWS: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -75,7 +76,10 @@ def _gather_rotate_kernel(
     half = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
     half_mask = half < ROTARY_DIM // 2
 
-    rows = tl.load(rows_ptr + toks, mask=tok_mask, other=0)  # [BLOCK_N] int64
+    if IDENTITY_ROWS:  # source row i into row i (apply_rope): no row map to read
+        rows = toks.to(tl.int64)
+    else:
+        rows = tl.load(rows_ptr + toks, mask=tok_mask, other=0)  # [BLOCK_N] int64
     # NOTE: a row outside [0, num_dst_rows) is not written (the twin raises); checking would sync.
     row_mask = tok_mask & (rows >= 0) & (rows < num_dst_rows)
     inv_freq = tl.load(inv_freq_ptr + half, mask=half_mask, other=0.0)
@@ -138,9 +142,25 @@ def gather_rotate(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, 
         dst.
     """
     _check_args(src, dst, dst_rows, dst_positions, spec, src_positions)
+    _launch(src, dst, dst_rows.contiguous(), dst_positions, spec, src_positions)
+    return dst
+
+
+def rotate_into(src: torch.Tensor, dst: torch.Tensor, dst_positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """`gather_rotate` with the identity row map (row i of RoPE-free `src` into row i of `dst`, which
+    has src's shape), without building or reading a row tensor: cachefuse.rope.apply_rope's launch."""
+    if dst.shape != src.shape:
+        raise ValueError(f"expected dst of src's shape {tuple(src.shape)}, got {tuple(dst.shape)}")
+    _check_args(src, dst, None, dst_positions, spec, None)
+    _launch(src, dst, None, dst_positions, spec, None)
+    return dst
+
+
+def _launch(src, dst, dst_rows, dst_positions, spec, src_positions) -> None:
+    """The kernel over checked arguments; `dst_rows` None: row i of src into row i of dst."""
     num_tokens, num_heads, _ = src.shape
     if num_tokens == 0 or num_heads == 0:
-        return dst
+        return
     has_src_positions = src_positions is not None
     dst_positions = dst_positions.contiguous()
     # Without src_positions the kernel never reads its pointer: any int64 tensor stands in.
@@ -149,7 +169,7 @@ def gather_rotate(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, 
     pass_dim = spec.head_dim - spec.rotary_dim
     grid = (triton.cdiv(num_tokens, BLOCK_N), num_heads)
     _gather_rotate_kernel[grid](
-        src, dst, dst_rows.contiguous(), dst_positions, src_positions, inv_freq,
+        src, dst, dst_rows, dst_positions, src_positions, inv_freq,
         num_tokens, dst.shape[0],
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         float(spec.attention_scaling),
@@ -157,12 +177,12 @@ def gather_rotate(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, 
         PASS_DIM=pass_dim,
         IS_NEOX=bool(spec.is_neox_style),
         HAS_SRC_POS=has_src_positions,
+        IDENTITY_ROWS=dst_rows is None,
         USE_LIBDEVICE=not _interpreted(),
         BLOCK_N=BLOCK_N,
         BLOCK_HALF=triton.next_power_of_2(spec.rotary_dim // 2),
         BLOCK_PASS=triton.next_power_of_2(max(pass_dim, 1)),
     )
-    return dst
 
 
 def _check_args(src: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor, dst_positions: torch.Tensor,
