@@ -60,11 +60,16 @@ class LayerUnavailable(StoreError):
         self.key, self.layer, self.reason = key, layer, reason
 
 
-def miss_reason(store: KVStore, before: dict[str, int]) -> str:
-    """The miss reason whose counter grew since `before` (best effort: counters are shared)."""
-    after = store.stats.misses
-    grown = [reason for reason, count in after.items() if count > before.get(reason, 0)]
-    return grown[0] if grown else "miss"
+def read_or_unavailable(store: KVStore, key: str, layer: int, read: Callable[[], T | None]) -> T:
+    """`read()` (one read of `key` from `store`), or LayerUnavailable at `layer` with the miss reason
+    whose counter the read grew (best effort: counters are shared)."""
+    before = dict(store.stats.misses)
+    found = read()
+    if found is None:
+        after = store.stats.misses
+        grown = [reason for reason, count in after.items() if count > before.get(reason, 0)]
+        raise LayerUnavailable(key, layer, grown[0] if grown else "miss")
+    return found
 
 
 def store_layer_fetcher(store: KVStore, keys: Iterable[str]) -> FetchLayer:
@@ -83,11 +88,7 @@ def store_layer_fetcher(store: KVStore, keys: Iterable[str]) -> FetchLayer:
         def fetch(layer: int) -> LayerKV:
             out: LayerKV = {}
             for key in keys:
-                before = dict(store.stats.misses)
-                kv = get_layer(key, layer)
-                if kv is None:
-                    raise LayerUnavailable(key, layer, miss_reason(store, before))
-                out[key] = kv
+                out[key] = read_or_unavailable(store, key, layer, lambda key=key: get_layer(key, layer))
             return out
         return fetch
 
@@ -100,11 +101,7 @@ def store_layer_fetcher(store: KVStore, keys: Iterable[str]) -> FetchLayer:
             for key in keys:
                 entry = entries.get(key)
                 if entry is None:
-                    before = dict(store.stats.misses)
-                    entry = store.get(key)
-                    if entry is None:
-                        raise LayerUnavailable(key, layer, miss_reason(store, before))
-                    entries[key] = entry
+                    entry = entries[key] = read_or_unavailable(store, key, layer, lambda key=key: store.get(key))
                 if not 0 <= layer < entry.num_layers:
                     raise LayerUnavailable(key, layer, MISS_SHAPE_MISMATCH)
                 out[key] = (entry.k_nope[layer], entry.v[layer])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from cachefuse.loading.loader import LayerUnavailable, miss_reason
+from cachefuse.loading.loader import read_or_unavailable
 from cachefuse.store.base import KVStore
 
 
@@ -35,11 +35,7 @@ class StoreProbeReads:
 
     def meta(self, index: int) -> dict[str, str]:
         key = self.keys_by_index[index]
-        before = dict(self.store.stats.misses)
-        meta = self.store.get_meta(key)
-        if meta is None:
-            raise LayerUnavailable(key, 0, miss_reason(self.store, before))
-        return meta
+        return read_or_unavailable(self.store, key, 0, lambda: self.store.get_meta(key))
 
     def rows(self, index: int, layer: int, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
         return self._read(index, layer, offsets, values=True)
@@ -52,10 +48,7 @@ class StoreProbeReads:
 
     def _read(self, index: int, layer: int, offsets: Tensor | None, values: bool):
         key = self.keys_by_index[index]
-        before = dict(self.store.stats.misses)
-        kv = self.store.get_rows(key, layer, offsets, values)
-        if kv is None:
-            raise LayerUnavailable(key, layer, miss_reason(self.store, before))
+        kv = read_or_unavailable(self.store, key, layer, lambda: self.store.get_rows(key, layer, offsets, values))
         self.bytes_read += sum(t.nbytes for t in kv if t is not None)
         return kv
 

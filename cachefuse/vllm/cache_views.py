@@ -34,15 +34,15 @@ def paged_kv_views(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(k_cache, v_cache), each [pages, page_size, kv_heads, head_dim], viewing `layer.kv_cache` in
     place; None when the layer's backend is not proven to store plain per-token K|V rows."""
     cache = layer.kv_cache
-    head_dim = layer.impl.head_size
-    if _flash_views(cache, head_dim) is None:
+    views = _flash_views(cache, layer.impl.head_size)
+    if views is None:
         return None
     layout = (type(layer.impl), cache.dtype, cache.device, tuple(cache.shape[1:]), _physical_order(cache))
     with _verdicts_lock:
         verdict = _verdicts.get(layout)
         if verdict is None:
             verdict = _verdicts[layout] = _probe(layer)
-    return _flash_views(cache, head_dim) if verdict else None
+    return views if verdict else None
 
 
 def _flash_views(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
