@@ -1,6 +1,6 @@
 """FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
 
-Imports cachefuse.{chunks, config, fusor, loading.loader, metadata, saving, select, store}; never vllm. The
+Imports cachefuse.{chunks, config, fusion_stats, fusor, loading, metadata, saving, select, store}; never vllm. The
 reference engine (demo, benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
 same steps over its own adapter. Each declared chunk reuses the variant the metadata store scores
 best for its prefix (cachefuse.metadata.index); holes are saved as the variant for their prefix.
@@ -20,18 +20,19 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.errors import CacheFuseError, StoreError
+from cachefuse.errors import StoreError
+from cachefuse.fusion_stats import FusionStats
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable, store_layer_fetcher
+from cachefuse.loading.entries import EntryReader, LoadFigures, RankAgreement
+from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
-from cachefuse.metadata.base import MetaStore, VariantRecord, record_to_dict
+from cachefuse.metadata.base import MetaStore, VariantRecord
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.saving import (
@@ -50,66 +51,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD_DEPTH = 2
 """preload_depth=None's depth when no measured figures gave one (the controller's L_p, in the vLLM worker)."""
-
-
-@dataclass
-class FusionStats:
-    """Per-request figures (the same names the vLLM connector reports)."""
-
-    selector: str
-    recompute_ratio: float
-    chunks_hit: int
-    chunks_missed: int
-    tokens_reused: int
-    """Loaded tokens whose K/V were kept as loaded in the last layer."""
-    tokens_recomputed: int
-    """Rows computed in the layers after the full ones: selected + holes + undeclared + last."""
-    num_selected: int
-    num_forced: int
-    bytes_loaded: int
-    blend_time_s: float
-    holes_saved: int
-    """Holes stored as variants by this request (queued for writing, when saved in the background)."""
-    saved_keys: tuple[str, ...] = ()
-    """Chunk keys stored by this request (holes)."""
-    save_failures: int = 0
-    """Holes the store refused (full of pinned entries, unwritable directory, ...); saved in the
-    background, a refusal comes later, in `FusionEngine.take_save_report`."""
-    saves_skipped: int = 0
-    """Holes not saved because the background saver's queue was full."""
-    load_seconds_by_tier: dict[str, float] = field(default_factory=dict)
-    """Time spent reading chunk entries, by the tier that served them (measured figures)."""
-    load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
-    """Bytes read, by serving tier."""
-    layer_seconds: list[float] = field(default_factory=list)
-    """Blend-pass time of each layer (the compute figures' samples)."""
-    layer_rows: list[int] = field(default_factory=list)
-    """Rows computed at each layer."""
-    chunk_cfo: list[float | None] = field(default_factory=list)
-    """Per declared chunk, the CFO of the variant it reused (None: computed in full)."""
-    saved_variants: tuple[VariantRecord, ...] = ()
-    """Metadata of the variants this request stored (the scheduler's index learns them)."""
-    evicted_variants: tuple[str, ...] = ()
-    """Variant ids this request evicted (the N x M budget) to admit its holes."""
-    probe_time_s: float = 0.0
-    """Time of the question probe inside `blend_time_s` (fusionrag, qcfuse: the extra pass), else 0."""
-    probe_layers: int = 0
-    """Layers the question probe ran (0: the selector runs none)."""
-    probe_rows: int = 0
-    """Rows the probe computed at each of its layers (holes, undeclared tokens, question, last token)."""
-    miss_reasons: dict[str, int] = field(default_factory=dict)
-    """Why declared chunks became holes: "not_stored" (never saved), or the store's miss reason
-    ("absent" after indexing, "corrupt", "truncated", "foreign_model", "shape_mismatch", "io_error",
-    "length_mismatch")."""
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["saved_variants"] = [record_to_dict(r) for r in self.saved_variants]
-        return data
-
-
-class RankDisagreement(CacheFuseError):
-    """Another tensor-parallel rank failed before the blend pass: every rank falls back together."""
 
 
 class FusionEngine:
@@ -142,7 +83,7 @@ class FusionEngine:
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
         self.clock = clock
-        self.rank_agreement: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None
+        self.rank_agreement: RankAgreement | None = None
         """Under tensor parallelism: (this rank's hits, whether it failed) -> (hits every rank has, whether
         any rank failed); a collective, so every rank calls it once per pass, before the pass. Set, it
         makes loading serial (every miss is known before the first layer): ranks that disagree on a hit
@@ -259,11 +200,11 @@ class FusionEngine:
         load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
         reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
         start = self.clock()
-        load_seconds, load_bytes = Counter(), Counter()
+        figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
         with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()):
             result, loaded, more_misses, bytes_loaded = self._fuse(ids, segments, load_keys, ratio, selector_obj,
-                                                                   load_seconds, load_bytes, preload_depth, reuse)
+                                                                   figures, preload_depth, reuse)
         miss_reasons += more_misses
         blend_time = self.clock() - start
         self._record_uses(chosen, loaded)
@@ -279,8 +220,8 @@ class FusionEngine:
             bytes_loaded=bytes_loaded, blend_time_s=blend_time,
             holes_saved=len(saved.saved_keys), saved_keys=tuple(saved.saved_keys), save_failures=saved.failures,
             saves_skipped=saved.skipped,
-            miss_reasons=dict(+miss_reasons), load_seconds_by_tier=dict(load_seconds),
-            load_bytes_by_tier=dict(load_bytes), layer_seconds=list(result.layer_seconds),
+            miss_reasons=dict(+miss_reasons), load_seconds_by_tier=dict(figures.seconds),
+            load_bytes_by_tier=dict(figures.bytes), layer_seconds=list(result.layer_seconds),
             layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer],
             chunk_cfo=[None if c is None else c.cfo for c in choices],
             saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted),
@@ -322,7 +263,7 @@ class FusionEngine:
             logger.warning("cachefuse: reuse of %d variants not recorded (%s)", len(uses), exc)
 
     def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], ratio: float,
-              selector: Selector, load_seconds: Counter, load_bytes: Counter, depth: int | None = None,
+              selector: Selector, figures: LoadFigures, depth: int | None = None,
               reuse: dict[int, ChunkReuse] | None = None
               ) -> tuple[FuseResult, dict[int, ChunkKV] | dict[int, str], Counter, int]:
         """One blend pass: entries read whole first (preload_depth 0) or fetched layer by layer.
@@ -343,8 +284,11 @@ class FusionEngine:
         if probes and not supports_probe_reads(self.store):
             depth = 0  # the question probe reads whole entries before the pass starts
         if depth == 0:
-            load = self._load if self.rank_agreement is None else self._load_agreed
-            loaded, miss_reasons = load(segments, keys, load_seconds, load_bytes)
+            reader = self._reader()
+            if self.rank_agreement is None:
+                loaded, miss_reasons = reader.read(segments, keys, figures)
+            else:
+                loaded, miss_reasons = reader.read_agreed(segments, keys, figures, self.rank_agreement)
             result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
                                                  collect_attention_stats=stats), selector)
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
@@ -355,8 +299,7 @@ class FusionEngine:
                 fetched[index] = key
             else:
                 miss_reasons["not_stored"] += 1
-        fetch = self._timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())),
-                            load_seconds, load_bytes)
+        fetch = self._reader().timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())), figures)
         # A query-aware selector's probe reads its view and score-layer keys first, straight from the
         # store (counted in bytes_loaded); the pass then fetches every layer.
         probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers) if probes else None
@@ -366,87 +309,24 @@ class FusionEngine:
         try:
             result = self.fusor.fuse(request, selector)
             probe_bytes = 0 if probe_reads is None else probe_reads.bytes_read
-            return result, fetched, miss_reasons, sum(load_bytes.values()) + probe_bytes
+            return result, fetched, miss_reasons, sum(figures.bytes.values()) + probe_bytes
         except LayerUnavailable as exc:
             logger.warning("chunk %s missed at layer %d mid-pass (%s): re-running the pass with it as a hole",
                            exc.key, exc.layer, exc.reason)
             missed = exc
             if exc.reason == "length_mismatch":
-                self.store.remove(exc.key)  # as in _load: the hole computed now replaces it
-        load_seconds.clear()
-        load_bytes.clear()
+                self.store.remove(exc.key)  # as in EntryReader.read: the hole computed now replaces it
+        figures.clear()
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
-        loaded, more = self._load(segments, rest, load_seconds, load_bytes)
+        loaded, more = self._reader().read(segments, rest, figures)
         result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
                                              collect_attention_stats=stats), selector)
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
-    def _load_agreed(self, segments: list[Segment], keys: dict[int, str], load_seconds: Counter,
-                     load_bytes: Counter) -> tuple[dict[int, ChunkKV], Counter]:
-        """`_load`, then the ranks agree: a chunk is loaded only where every rank loaded it (the others
-        compute it as a hole, reason "other_rank_missed"), and if any rank failed, every rank raises."""
-        failure: BaseException | None = None
-        try:
-            loaded, miss_reasons = self._load(segments, keys, load_seconds, load_bytes)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
-            failure, loaded, miss_reasons = exc, {}, Counter()
-        indices = sorted(keys)
-        agreed, any_failed = self.rank_agreement([i in loaded for i in indices], failure is not None)
-        if failure is not None:
-            raise failure
-        if any_failed:
-            raise RankDisagreement("another tensor-parallel rank failed before the blend pass")
-        for index, hit in zip(indices, agreed, strict=True):
-            if not hit and index in loaded:
-                del loaded[index]
-                miss_reasons["other_rank_missed"] += 1
-        return loaded, miss_reasons
-
-    def _timed(self, fetch: FetchLayer, load_seconds: Counter, load_bytes: Counter) -> FetchLayer:
-        """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass)."""
-        def timed_fetch(layer: int) -> LayerKV:
-            start = self.clock()
-            out = fetch(layer)
-            tier = self._serving_tier()
-            load_seconds[tier] += self.clock() - start
-            load_bytes[tier] += sum(k.nbytes + v.nbytes for k, v in out.values())
-            return out
-        return timed_fetch
-
-    def _serving_tier(self) -> str:
-        """The tier that served the store's last read (a tiered store says which), for load figures."""
-        return getattr(self.store, "last_hit_tier", None) or getattr(self.store, "name", "store")
-
-    def _load(self, segments: list[Segment], keys: dict[int, str], load_seconds: Counter,
-              load_bytes: Counter) -> tuple[dict[int, ChunkKV], Counter]:
-        """Reads every declared chunk; records misses by reason and read time and bytes by tier."""
-        loaded, miss_reasons = {}, Counter()
-        for index, key in keys.items():
-            seg = segments[index]
-            if not self.store.contains(key):
-                miss_reasons["not_stored"] += 1
-                continue
-            before = dict(self.store.stats.misses)
-            start = self.clock()
-            entry = self.store.get(key)
-            if entry is None:
-                after = self.store.stats.misses
-                new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]
-                miss_reasons[new[0] if new else "absent"] += 1
-                continue
-            tier = self._serving_tier()
-            load_seconds[tier] += self.clock() - start
-            load_bytes[tier] += entry.nbytes
-            if entry.num_tokens != seg.length or entry.num_layers != self.adapter.shape.num_layers:
-                logger.warning("chunk %s: stored entry has %d tokens x %d layers, prompt needs %d x %d; "
-                               "computing it as a hole", key, entry.num_tokens, entry.num_layers,
-                               seg.length, self.adapter.shape.num_layers)
-                miss_reasons["length_mismatch"] += 1
-                self.store.remove(key)  # never right for this content-hashed key: the hole replaces it
-                continue
-            loaded[index] = entry
-        return loaded, miss_reasons
+    def _reader(self) -> EntryReader:
+        """Reads from the engine's current store (`save_in_background` wraps it) on its clock."""
+        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock)
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
                     meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:

@@ -23,7 +23,8 @@ from cachefuse import ops
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine, RankDisagreement
+from cachefuse.engine import FusionEngine
+from cachefuse.loading.entries import RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.disk import DiskStore, encode_entry

@@ -1,0 +1,120 @@
+"""Reading a prompt's declared chunks from the store for one blend pass: whole entries before the pass,
+or layer by layer during it, with why each miss missed and the time and bytes each tier served.
+
+Imports `cachefuse.{chunks, errors, loading.loader, store.base}`; never torch's kernels, the fusor or vllm
+(FusionEngine drives it). Under tensor parallelism the ranks agree on the hits before the pass
+(`EntryReader.read_agreed`): a chunk one rank missed is a hole on every rank, and a failure on any rank
+makes every rank fall back, so no rank recomputes rows the others do not and the model's collectives
+stay in step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cachefuse.chunks import Segment
+from cachefuse.errors import CacheFuseError
+from cachefuse.loading.loader import FetchLayer, LayerKV
+from cachefuse.store.base import ChunkKV, KVStore
+
+logger = logging.getLogger(__name__)
+
+RankAgreement = Callable[[list[bool], bool], tuple[list[bool], bool]]
+"""(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed): a collective."""
+
+
+class RankDisagreement(CacheFuseError):
+    """Another tensor-parallel rank failed before the blend pass: every rank falls back together."""
+
+
+@dataclass
+class LoadFigures:
+    """Time and bytes read per serving tier during one pass (the loading controller's samples)."""
+
+    seconds: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.bytes.clear()
+
+
+def serving_tier(store: KVStore) -> str:
+    """The tier that served the store's last read (a tiered store says which)."""
+    return getattr(store, "last_hit_tier", None) or getattr(store, "name", "store")
+
+
+@dataclass
+class EntryReader:
+    """Reads chunk entries out of one store, timed by `clock`, checked against the model's layer count."""
+
+    store: KVStore
+    num_layers: int
+    clock: Callable[[], float]
+
+    def timed(self, fetch: FetchLayer, figures: LoadFigures) -> FetchLayer:
+        """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass)."""
+        def timed_fetch(layer: int) -> LayerKV:
+            start = self.clock()
+            out = fetch(layer)
+            tier = serving_tier(self.store)
+            figures.seconds[tier] += self.clock() - start
+            figures.bytes[tier] += sum(k.nbytes + v.nbytes for k, v in out.values())
+            return out
+        return timed_fetch
+
+    def read(self, segments: list[Segment], keys: dict[int, str], figures: LoadFigures
+             ) -> tuple[dict[int, ChunkKV], Counter]:
+        """Every declared chunk's whole entry (segment index -> entry) and the misses by reason. An entry
+        whose shape does not fit its segment is removed: never right for a content-hashed key, the hole
+        computed instead replaces it."""
+        loaded, miss_reasons = {}, Counter()
+        for index, key in keys.items():
+            seg = segments[index]
+            if not self.store.contains(key):
+                miss_reasons["not_stored"] += 1
+                continue
+            before = dict(self.store.stats.misses)
+            start = self.clock()
+            entry = self.store.get(key)
+            if entry is None:
+                after = self.store.stats.misses
+                new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]
+                miss_reasons[new[0] if new else "absent"] += 1
+                continue
+            tier = serving_tier(self.store)
+            figures.seconds[tier] += self.clock() - start
+            figures.bytes[tier] += entry.nbytes
+            if entry.num_tokens != seg.length or entry.num_layers != self.num_layers:
+                logger.warning("chunk %s: stored entry has %d tokens x %d layers, prompt needs %d x %d; "
+                               "computing it as a hole", key, entry.num_tokens, entry.num_layers,
+                               seg.length, self.num_layers)
+                miss_reasons["length_mismatch"] += 1
+                self.store.remove(key)
+                continue
+            loaded[index] = entry
+        return loaded, miss_reasons
+
+    def read_agreed(self, segments: list[Segment], keys: dict[int, str], figures: LoadFigures,
+                    rank_agreement: RankAgreement) -> tuple[dict[int, ChunkKV], Counter]:
+        """`read`, then the ranks agree: a chunk is loaded only where every rank loaded it (the others
+        compute it as a hole, reason "other_rank_missed"), and if any rank failed, every rank raises."""
+        failure: BaseException | None = None
+        try:
+            loaded, miss_reasons = self.read(segments, keys, figures)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+            failure, loaded, miss_reasons = exc, {}, Counter()
+        indices = sorted(keys)
+        agreed, any_failed = rank_agreement([i in loaded for i in indices], failure is not None)
+        if failure is not None:
+            raise failure
+        if any_failed:
+            raise RankDisagreement("another tensor-parallel rank failed before the blend pass")
+        for index, hit in zip(indices, agreed, strict=True):
+            if not hit and index in loaded:
+                del loaded[index]
+                miss_reasons["other_rank_missed"] += 1
+        return loaded, miss_reasons
