@@ -1,8 +1,9 @@
 """Reading a paged cache in place (cachefuse.vllm.cache_views) and SlotWritingAttention's rows from it.
 
 vLLM's GPU backends store a token's K then V in each row of a per-layer cache of logical shape
-[pages, kv_heads, page_size, 2 * head_dim]; their writer (`reshape_and_cache_flash`) is a CUDA op, and
-vLLM on this machine has no Triton either, so `FlashLayoutImpl` below does what that op does, in torch:
+[pages, kv_heads, page_size, 2 * head_dim]; FlashAttention's writer (`reshape_and_cache_flash`) is a CUDA
+op, so `FlashLayoutImpl` below does what that op does, in torch (vLLM's own Triton backend, whose writer
+is a Triton kernel, runs interpreted in tests/vllm/test_triton_backend.py):
 `key_cache[slot // page_size, slot % page_size] = key` on `cache.transpose(1, 2).split(head_dim, -1)`.
 The views are proven by a probe through the layer's own writer, so a writer that stores anything else
 must be refused: an off-by-one writer and a raising one here, vLLM's real CPU backend (which packs keys)
