@@ -52,9 +52,11 @@ def _reloaded_kernels() -> dict[str, object]:
         return {name: getattr(_with_real_triton(module), name) for name, module in KERNEL_SOURCES.items()}
 
 
-def vllm_triton_backend() -> Iterator[ModuleType]:
-    """Yields `vllm.v1.attention.backends.triton_attn` with real (interpreted) kernels; a module-level
-    skip unless TRITON_INTERPRET=1."""
+def vllm_triton_backend(engines: bool = False) -> Iterator[ModuleType]:
+    """Yields `vllm.v1.attention.backends.triton_attn` with real (interpreted) kernels; a skip unless
+    TRITON_INTERPRET=1. `engines`: meanwhile, engines started in this process attend with it too (vLLM's
+    CPU platform, which otherwise answers every backend choice with its own, takes TRITON_ATTN, and the
+    selector's cached choice is dropped on the way in and out)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("vLLM's Triton kernels run on CPU only interpreted (TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
@@ -65,7 +67,19 @@ def vllm_triton_backend() -> Iterator[ModuleType]:
         for name, kernel in kernels.items():
             patch.setattr(triton_attn, name, kernel)
         patch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
-        yield triton_attn
+        if not engines:
+            yield triton_attn
+            return
+        from vllm.platforms.cpu import CpuPlatform
+        from vllm.v1.attention import selector
+
+        backend_path = f"{triton_attn.__name__}.{triton_attn.TritonAttentionBackend.__name__}"
+        patch.setattr(CpuPlatform, "get_attn_backend_cls", classmethod(lambda cls, *args, **kwargs: backend_path))
+        selector._cached_get_attn_backend.cache_clear()
+        try:
+            yield triton_attn
+        finally:
+            selector._cached_get_attn_backend.cache_clear()
 
 
 def triton_layer(triton_attn: ModuleType, num_heads: int, num_kv_heads: int, head_dim: int, num_pages: int,
