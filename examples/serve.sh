@@ -45,7 +45,7 @@ EOF
 )
 
 args=(--host "$HOST" --port "$PORT" --served-model-name "$SERVED_MODEL_NAME"
-      --no-enable-prefix-caching --kv-transfer-config "$KV_TRANSFER_CONFIG")
+      --no-enable-prefix-caching --no-async-scheduling --kv-transfer-config "$KV_TRANSFER_CONFIG")
 if [[ -n "${MAX_MODEL_LEN:-}" ]]; then
   args+=(--max-model-len "$MAX_MODEL_LEN")
 fi

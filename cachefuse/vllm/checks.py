@@ -35,6 +35,15 @@ def check_engine(vllm_config: Any) -> None:
             f"kv_load_failure_policy={kv.kv_load_failure_policy!r} is not supported: cachefuse reports a failed "
             "blend as load errors so vLLM recomputes the request; set \"kv_load_failure_policy\": \"recompute\" "
             "in --kv-transfer-config")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        # NOTE: under async scheduling vLLM has already scheduled a request's next step when the failed
+        # blend's load errors reach it; vLLM 0.32 then resets the request to recompute with that step's
+        # output pending, and the engine dies (IndexError in embed_tokens). Plain runs and preemption
+        # are fine with it; the fallback is not, and a fallback must never cost the engine.
+        raise ConfigError(
+            "async_scheduling=True is not supported with CacheFuseConnector: a blend that fails falls back "
+            "through vLLM's KV-load-failure recovery, which vLLM 0.32 cannot do under async scheduling (the "
+            "engine dies). Start vLLM with --no-async-scheduling (offline: LLM(async_scheduling=False))")
     if kv.kv_role != "kv_both":
         raise ConfigError(f"kv_role={kv.kv_role!r} is not supported: set \"kv_role\": \"kv_both\"")
     model_config = vllm_config.model_config

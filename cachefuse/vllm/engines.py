@@ -18,13 +18,17 @@ def connector_extra_config(store: Path, config_file: Path | None = None,
                            **overrides: Any) -> tuple[dict[str, Any], CacheFuseConfig]:
     """kv_connector_extra_config for a store directory, a YAML config and field overrides, validated.
 
+    These engines serve no one but the job that built them, so they accept `sync_save` (precompute asks
+    for it to learn each chunk's save stored or failed), which a server refuses by default.
+
     Returns:
         (the dict vLLM passes to the connector, the CacheFuseConfig it yields).
 
     Raises:
         ConfigError: a field is invalid (the message names it, its value and what is accepted).
     """
-    extra: dict[str, Any] = {"store_dir": str(Path(store).expanduser().resolve())}  # the same for every process
+    extra: dict[str, Any] = {"store_dir": str(Path(store).expanduser().resolve()),  # the same for every process
+                             "allow_sync_save": True}
     if config_file is not None:
         extra = {"config_file": str(config_file), **extra}
     extra.update(overrides)
@@ -46,8 +50,9 @@ def connector_llm(model: str | Path, extra: dict[str, Any], *, dtype: str = "aut
         kwargs["max_model_len"] = max_model_len
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    # async scheduling off: vLLM's default on a GPU, refused with the connector (cachefuse.vllm.checks)
     return LLM(model=str(model), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-               kv_transfer_config=kv_transfer_config, **kwargs)
+               async_scheduling=False, kv_transfer_config=kv_transfer_config, **kwargs)
 
 
 def sampling_params(*, cachefuse: dict[str, Any] | None = None, **kwargs: Any) -> Any:

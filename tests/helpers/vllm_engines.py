@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=2048, enforce_eager=True, enable_prefix_caching=False,
-                   seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=20)
+                   async_scheduling=False, seed=0, kv_cache_memory_bytes=64 << 20, max_logprobs=20)
 
 
 def start_engine(path: Path, store_dir: Path | None = None, engine_args: dict[str, Any] | None = None,
                  **extra_config: Any):
     """A plain engine (store_dir None) or one with CacheFuseConnector over `store_dir`; `engine_args`
-    override ENGINE_ARGS (e.g. a KV cache small enough to preempt)."""
+    override ENGINE_ARGS (e.g. a KV cache small enough to preempt).
+
+    The connector allows `sync_save`, as the engine of `cachefuse precompute` does: the test is its only
+    client, and `precompute` below asks for it (pass allow_sync_save=False for a server's default)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -26,7 +29,7 @@ def start_engine(path: Path, store_dir: Path | None = None, engine_args: dict[st
         kv = KVTransferConfig(
             kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"store_dir": str(store_dir), **extra_config})
+            kv_connector_extra_config={"store_dir": str(store_dir), "allow_sync_save": True, **extra_config})
     return LLM(model=str(path), kv_transfer_config=kv, **{**ENGINE_ARGS, **(engine_args or {})})
 
 

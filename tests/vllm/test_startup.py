@@ -16,7 +16,8 @@ from tests.helpers.vllm_engines import ENGINE_ARGS, start_engine, stop_engine
 def engine_config(**changes):
     """A stand-in VllmConfig with every field check_engine reads, valid unless changed."""
     values = dict(prefix_caching=False, policy="recompute", role="kv_both", architectures=["LlamaForCausalLM"],
-                  window=None, layer_types=None, lora=None, multimodal=False, pp=1, cache_dtype="auto")
+                  window=None, layer_types=None, lora=None, multimodal=False, pp=1, cache_dtype="auto",
+                  async_scheduling=False)
     values.update(changes)
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy=values["policy"], kv_role=values["role"]),
@@ -25,7 +26,8 @@ def engine_config(**changes):
                                      dtype="float32",
                                      hf_text_config=SimpleNamespace(layer_types=values["layer_types"]),
                                      is_multimodal_model=values["multimodal"]),
-        lora_config=values["lora"], parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]))
+        lora_config=values["lora"], parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]),
+        scheduler_config=SimpleNamespace(async_scheduling=values["async_scheduling"]))
 
 
 @pytest.mark.parametrize(("changes", "error", "words"), [
@@ -40,6 +42,7 @@ def engine_config(**changes):
     ({"pp": 2}, UnsupportedModelError, "pipeline_parallel_size"),
     ({"cache_dtype": "fp8"}, ConfigError, "--kv-cache-dtype auto"),
     ({"cache_dtype": "fp8_e5m2"}, ConfigError, "kv_cache_dtype='fp8_e5m2'"),
+    ({"async_scheduling": True}, ConfigError, "--no-async-scheduling"),
 ])
 def test_check_engine_names_the_fix(changes, error, words):
     check_engine(engine_config())  # the valid baseline passes
@@ -58,6 +61,25 @@ def test_real_engine_with_prefix_caching_fails_at_start(tiny_model_dir, tmp_path
                           kv_connector_extra_config={"store_dir": str(tmp_path)})
     with pytest.raises(Exception, match="no-enable-prefix-caching"):
         LLM(model=str(tiny_model_dir("llama")), kv_transfer_config=kv, **{**ENGINE_ARGS, "enable_prefix_caching": True})
+
+
+def test_real_engine_with_async_scheduling_fails_at_start(tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM turns async scheduling on by default on GPUs and forces it off on the CPU: forced back on
+    here, as a GPU engine would start."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    cpu_update = CpuPlatform.check_and_update_config.__func__
+
+    def update_as_on_a_gpu(cls, vllm_config):
+        cpu_update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(update_as_on_a_gpu))
+    with pytest.raises(Exception, match="--no-async-scheduling"):
+        start_engine(tiny_model_dir("llama"), tmp_path)
+    plain = start_engine(tiny_model_dir("llama"))  # control: without the connector the same engine starts
+    assert plain.llm_engine.vllm_config.scheduler_config.async_scheduling
+    stop_engine(plain)
 
 
 def test_real_engine_with_a_bad_config_field_fails_at_start(tiny_model_dir, tmp_path):
