@@ -219,6 +219,7 @@ class FusionEngine:
             tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
             bytes_loaded=bytes_loaded, blend_time_s=blend_time,
             holes_saved=len(saved.saved_keys), saved_keys=tuple(saved.saved_keys), save_failures=saved.failures,
+            loaded_keys=tuple(load_keys[i] for i in loaded),
             saves_skipped=saved.skipped,
             miss_reasons=dict(+miss_reasons), load_seconds_by_tier=dict(figures.seconds),
             load_bytes_by_tier=dict(figures.bytes), layer_seconds=list(result.layer_seconds),

@@ -31,6 +31,9 @@ class FusionStats:
     """Holes stored as variants by this request (queued for writing, when saved in the background)."""
     saved_keys: tuple[str, ...] = ()
     """Chunk keys stored by this request (holes)."""
+    loaded_keys: tuple[str, ...] = ()
+    """Store keys of the entries this request read: a chunk's own key, or its variant's (the keys a
+    tier placement must count, not the chunks' plain keys)."""
     save_failures: int = 0
     """Holes the store refused (full of pinned entries, unwritable directory, ...); saved in the
     background, a refusal comes later, in `FusionEngine.take_save_report`."""

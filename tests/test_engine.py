@@ -144,6 +144,9 @@ def test_missing_chunk_is_a_hole_saved_under_its_variant_key_and_hit_next_time(a
     _, again = engine.prefill(case.token_ids, case.chunks)
     assert (again.chunks_hit, again.chunks_missed, again.holes_saved) == (4, 0, 0)
     assert again.chunk_cfo[hole + 1] == 0.0  # the saved variant matches its prefix exactly
+    # what was read, by store key (tier placement counts these): the variant's key, not its chunk's
+    assert saved not in stats.loaded_keys and saved in again.loaded_keys and len(again.loaded_keys) == 4
+    assert (keys[hole] in again.loaded_keys) == (hole == 0)
 
 
 def test_save_holes_false_saves_nothing(adapter, case):
