@@ -41,7 +41,7 @@ from cachefuse.vllm.plugin import captured_model
 logger = logging.getLogger(__name__)
 
 # Per-layer samples and keys feed the figures and the scheduler's index, not the response.
-_NOT_IN_RESPONSE = ("saved_keys", "layer_seconds", "layer_rows", "saved_variants", "evicted_variants")
+_NOT_IN_RESPONSE = ("saved_keys", "loaded_keys", "layer_seconds", "layer_rows", "saved_variants", "evicted_variants")
 
 
 class WorkerSide:
@@ -145,9 +145,8 @@ class WorkerSide:
         self._meta.evict(stats.evicted_variants)
         self._meta.announce(stats.saved_keys, [record_to_dict(r) for r in stats.saved_variants])
         self.figures.observe_blend(stats, len(plan.token_ids))
-        if self.placement is not None:
-            self.placement.record(self.engine.key(plan.token_ids[s:e], at_prompt_start=s == 0)
-                                  for s, e in plan.chunks)
+        if self.placement is not None:  # the entries read: a variant's key, not its chunk's plain key
+            self.placement.record(stats.loaded_keys)
             for key, source, target in self.placement.apply():
                 logger.debug("cachefuse placement: %s %s -> %s", key, source, target)
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
@@ -162,6 +161,10 @@ class WorkerSide:
     def on_step_end(self) -> None:
         if self._prefill_step is not None:
             tokens, start = self._prefill_step
+            if self.adapter.device.type == "cuda":
+                # The forward has been launched, not run: without the wait this times kernel launches, and
+                # the controller would think plain prefill far faster than the blend (timed by CUDA events).
+                torch.cuda.synchronize(self.adapter.device)
             self.figures.observe_prefill(tokens, time.perf_counter() - start)
             self._prefill_step = None
 
