@@ -159,6 +159,10 @@ class CacheFuseConfig:
     the prompt (before the first: system chunk; after the last: the question). None disables it."""
     allow_debug_overrides: bool = False
     """Accept `selected_rows` in a request (tests inject the same selection into two engines)."""
+    allow_sync_save: bool = False
+    """Accept `sync_save: true` in a request: its holes are written (fsync, metadata transaction, Redis) before
+    the step's forward, so every request of the batch waits on them. For offline jobs, whose engine has no
+    other clients (`cachefuse precompute`); off on a server, where any API client could stall the rest."""
     max_chunks_per_request: int = 128
     """Declared chunks a request may carry; one with more runs as plain vLLM (reason `over_limit`). Planning
     and saving cost grows with it, inside vLLM's scheduler step."""
@@ -229,8 +233,9 @@ class CacheFuseConfig:
         if self.separator_token_id is not None and (not _is_int(self.separator_token_id)
                                                     or self.separator_token_id < 0):
             _fail("separator_token_id", self.separator_token_id, "null or a token id >= 0")
-        if not isinstance(self.allow_debug_overrides, bool):
-            _fail("allow_debug_overrides", self.allow_debug_overrides, "true or false")
+        for name in ("allow_debug_overrides", "allow_sync_save"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
         self._validate_request_limits()
         if self.eviction_policy not in EVICTION_POLICIES:
             _fail("eviction_policy", self.eviction_policy, f"one of {', '.join(EVICTION_POLICIES)}")

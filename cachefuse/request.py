@@ -11,7 +11,8 @@ Accepted shape (docs/architecture.md, Definitions):
     {"cachefuse": {"chunks": [[start, end], ...]}}          token offsets, sorted, non-overlapping
     {"cachefuse": {"chunk_texts": ["...", ...]}}            matched as standalone-tokenized subsequences
     optional: "selector", "recompute_ratio", "selected_rows" (debug, when allowed),
-              "sync_save" (true: the response waits until this request's holes are written; precompute),
+              "sync_save" (true: the response waits until this request's holes are written; offline
+              precompute, when allow_sync_save),
               "store_variant" (true: the last declared chunk is computed in full and stored as the
               variant for the chunks before it, the others loaded; offline neighbour fusion)
 """
@@ -46,7 +47,8 @@ class FusionRequest:
     selected_rows: tuple[int, ...] | None = None
     sync_save: bool = False
     """Write this request's holes before its response (not behind it): offline precompute, which reports
-    each chunk stored or failed. Costs the write on the engine's step, as `save_queue_bytes: 0` does."""
+    each chunk stored or failed. Costs the write on the engine's step, as `save_queue_bytes: 0` does, so
+    only an engine with `allow_sync_save` accepts it."""
     store_variant: bool = False
     """Compute the last declared chunk in full, whatever is stored, so it is saved as the variant for the
     non-system chunks before it (FusionRAG's neighbour fusion through vLLM); no other chunk is admitted.
@@ -111,9 +113,7 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
     ratio = raw.get("recompute_ratio", config.recompute_ratio)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
         raise RequestError(f"{PARAMS_KEY}.recompute_ratio", f"{excerpt(ratio)}; expected a number in 0.0..1.0")
-    sync_save = raw.get("sync_save", False)
-    if not isinstance(sync_save, bool):
-        raise RequestError(f"{PARAMS_KEY}.sync_save", f"{excerpt(sync_save)}; expected true or false")
+    sync_save = _sync_save(raw, config)
     store_variant = raw.get("store_variant", False)
     if not isinstance(store_variant, bool):
         raise RequestError(f"{PARAMS_KEY}.store_variant", f"{excerpt(store_variant)}; expected true or false")
@@ -184,6 +184,19 @@ def _selected_rows(raw: dict, num_tokens: int, config: CacheFuseConfig) -> tuple
     if any(not 0 <= r < num_tokens for r in rows):
         raise RequestError(field, f"offsets must lie in 0..{num_tokens - 1}")
     return tuple(sorted(set(rows)))
+
+
+def _sync_save(raw: dict, config: CacheFuseConfig) -> bool:
+    """`sync_save`, refused unless the engine allows it: the holes are written before the step's forward,
+    so one client asking for it would stall every request in the batch."""
+    field = f"{PARAMS_KEY}.sync_save"
+    sync_save = raw.get("sync_save", False)
+    if not isinstance(sync_save, bool):
+        raise RequestError(field, f"{excerpt(sync_save)}; expected true or false")
+    if sync_save and not config.allow_sync_save:
+        raise RequestError(field, "for offline jobs (the batch waits on this request's writes); enable "
+                                  "allow_sync_save in the config to use it")
+    return sync_save
 
 
 def _from_separators(prompt_ids: Sequence[int], config: CacheFuseConfig) -> FusionRequest | None:

@@ -33,6 +33,7 @@ INVALID = [
     ("max_blend_tokens_per_step", 0),
     ("separator_token_id", -3),
     ("allow_debug_overrides", 1),
+    ("allow_sync_save", "yes"),
     ("ratio_mode", "auto"),
     ("max_recompute_ratio", 0.05),
     ("max_recompute_ratio", 1.5),

@@ -248,13 +248,29 @@ def test_generated_params_parse_or_raise_request_error_only(params, separator):
     assert got is None or (got.chunks and all(0 <= s < e < len(prompt) for s, e in got.chunks))
 
 
+SYNC_SAVE_CFG = CacheFuseConfig(allow_sync_save=True)
+
+
 @pytest.mark.parametrize("value", [1, "yes", None, [True]])
 def test_sync_save_must_be_a_boolean(value):
-    with pytest.raises(RequestError, match=r"cachefuse\.sync_save"):
-        parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": value}}, list(range(8)), CacheFuseConfig())
-    request = parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": True}}, list(range(8)), CacheFuseConfig())
+    with pytest.raises(RequestError, match=r"cachefuse\.sync_save.*expected true or false"):
+        parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": value}}, list(range(8)), SYNC_SAVE_CFG)
+    request = parse_request({"cachefuse": {"chunks": [[0, 4]], "sync_save": True}}, list(range(8)), SYNC_SAVE_CFG)
     assert request.sync_save and not parse_request({"cachefuse": {"chunks": [[0, 4]]}}, list(range(8)),
-                                                   CacheFuseConfig()).sync_save
+                                                   SYNC_SAVE_CFG).sync_save
+
+
+def test_sync_save_is_refused_unless_the_config_allows_it():
+    """It writes the request's holes before the step's forward, stalling the whole batch: a server's API
+    clients may not ask for it (the request runs as plain vLLM, naming the field and the setting).
+    Negative control: an engine with allow_sync_save (offline precompute's) accepts it."""
+    fields = {"chunks": [[0, 4]], "sync_save": True}
+    with pytest.raises(RequestError, match="allow_sync_save") as refused:
+        parse_request({"cachefuse": fields}, list(range(8)), CacheFuseConfig())
+    assert refused.value.field == "cachefuse.sync_save"
+    assert parse_request({"cachefuse": fields}, list(range(8)), SYNC_SAVE_CFG).sync_save
+    unasked = parse_request({"cachefuse": {**fields, "sync_save": False}}, list(range(8)), CacheFuseConfig())
+    assert unasked.sync_save is False  # false asks for nothing: accepted everywhere
 
 
 @pytest.mark.parametrize("value", [1, "yes", None, [True]])

@@ -1,10 +1,11 @@
 """Offline precompute: store every chunk's base variant through a connector-enabled vLLM engine.
 
-Each chunk is sent once as the prompt below, with `max_tokens=1` and the `full_prefill` selector.
-The connector treats a declared chunk that is not stored as a hole: its blend pass computes it in
-full and saves it RoPE-stripped. So the system prompt is stored at position 0 (exact: it never
-moves) and the chunk as computed after the system prompt alone, which is the base variant
-(docs/architecture.md, Definitions: variant).
+Each chunk is sent once as the prompt below, with `max_tokens=1`, the `full_prefill` selector and
+`sync_save` (the response comes once the chunk is written, so it reports the save; the engine must
+allow it: `allow_sync_save`). The connector treats a declared chunk that is not stored as a hole:
+its blend pass computes it in full and saves it RoPE-stripped. So the system prompt is stored at
+position 0 (exact: it never moves) and the chunk as computed after the system prompt alone, which is
+the base variant (docs/architecture.md, Definitions: variant).
 
 ```
 | system (chunk, [BOS] + ids) | chunk (hole: computed, saved) | tail (1 token) |
@@ -109,7 +110,7 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
 
     Args:
         llm: a `vllm.LLM` whose kv_transfer_config names CacheFuseConnector (prefix caching off,
-            kv_load_failure_policy "recompute"), writing to `store_dir`.
+            kv_load_failure_policy "recompute", `allow_sync_save: true`), writing to `store_dir`.
         tokenizer: the model's tokenizer (`encode`, `bos_token_id`, `eos_token_id`).
         system: the system prompt every RAG prompt starts with; may be empty (no system chunk).
         chunks: chunk texts, each tokenized on its own exactly as `build_rag_prompt` does.
@@ -124,7 +125,7 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
 
     Raises:
         ConfigError: the engine runs no cachefuse connector, writes elsewhere than `store_dir`, has
-            no disk tier, or `batch_size` < 1.
+            no disk tier, does not allow `sync_save`, or `batch_size` < 1.
     """
     from tqdm.auto import tqdm
 
@@ -134,6 +135,7 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
     vllm_config = llm.llm_engine.vllm_config
     engine_config = connector_config(vllm_config)
     store_dir = check_store(engine_config, store_dir)
+    check_sync_save(engine_config)
     config = config or engine_config
     key_context = scheduler_key_context(vllm_config, config)
     max_model_len = vllm_config.model_config.max_model_len
@@ -178,7 +180,8 @@ def connector_config(vllm_config: Any) -> CacheFuseConfig:
         raise ConfigError(
             "llm runs no CacheFuseConnector: build it with kv_transfer_config=KVTransferConfig("
             "kv_connector='CacheFuseConnector', kv_connector_module_path='cachefuse.vllm.connector', "
-            "kv_role='kv_both', kv_load_failure_policy='recompute', kv_connector_extra_config={'store_dir': ...})")
+            "kv_role='kv_both', kv_load_failure_policy='recompute', "
+            "kv_connector_extra_config={'store_dir': ..., 'allow_sync_save': True})")
     return CacheFuseConfig.from_dict(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
 
 
@@ -192,6 +195,15 @@ def check_store(config: CacheFuseConfig, store_dir: str | Path) -> Path:
     if not config.disk_capacity_bytes:
         raise ConfigError("disk_capacity_bytes=0 is invalid for precompute: chunks are stored on the disk tier")
     return path
+
+
+def check_sync_save(config: CacheFuseConfig) -> None:
+    """ConfigError naming the fix when the engine would refuse precompute's `sync_save` requests: they would
+    run as plain vLLM and store nothing."""
+    if not config.allow_sync_save:
+        raise ConfigError("allow_sync_save=False is invalid for precompute: its requests ask for sync_save (the "
+                          "response says whether each chunk was stored); start the engine with "
+                          "allow_sync_save: true, as cachefuse.vllm.engines.connector_extra_config does")
 
 
 def tail_token_id(tokenizer: Any) -> int:

@@ -17,6 +17,11 @@ tokens the connector holds. The request is planned again (`preemptions` counts h
 plan is sent with the new block table, which vLLM lists under the cached requests
 (`resumed_req_ids`), not the new ones: the blend writes [0, N-1) again before vLLM recomputes the
 rest. Without that plan vLLM would decode over blocks nothing wrote.
+
+Counting: vLLM asks about a request every step it waits for blocks, and again after each preemption,
+so the request counters (`requests_fused`, `requests_fallback` and its reasons) count a request once,
+by its final outcome, when it finishes (`_finish`), never per call or per blend. Counters of events
+(`requests_replanned_after_preemption`, misses, save failures) count each event.
 """
 
 from __future__ import annotations
@@ -204,6 +209,7 @@ class SchedulerSide:
         if controller is not None:
             outcome["controller"] = controller
         self._pending[req_id] = _Pending(fusion, prompt, outcome, variants)  # idempotent: a re-call replaces it
+        self._fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
         return len(prompt) - 1, False
 
     def _decide(self, fusion: FusionRequest, num_tokens: int, variants: list[VariantChoice | None]) -> dict[str, Any]:
@@ -291,52 +297,65 @@ class SchedulerSide:
             if meta.figures is not None:
                 self.figures = meta.figures
             for req_id, figures in meta.request_stats.items():
-                outcome = self._awaiting.pop(req_id, None)
-                if outcome is None and req_id in self._pending:
-                    outcome = self._pending[req_id].outcome
-                if outcome is not None:
-                    outcome.update(figures)
-                    _log_outcome(req_id, outcome)
-                reason = figures.get("fallback_reason")
-                self.counters["requests_fallback" if reason else "requests_fused"] += 1
-                if reason:
-                    self.counters[f"fallback:{reason}"] += 1
-                for miss, count in (figures.get("miss_reasons") or {}).items():
-                    self.counters[f"miss:{miss}"] += count
-                self.counters["save_failures"] += figures.get("save_failures", 0)
-                self.counters["saves_skipped"] += figures.get("saves_skipped", 0)
+                self._record_blend(req_id, figures)
         for req_id, outcome in self._awaiting.items():  # figures of a blend arrive in the step that ran it, or never
             if outcome.get("status") == "planned":
                 outcome.update(status="not_run", detail="no figures came back from the worker for its blend")
-                _log_outcome(req_id, outcome)
+                self._finish(req_id, outcome)
         self._awaiting.clear()
+
+    def _record_blend(self, req_id: str, figures: dict[str, Any]) -> None:
+        """One blend's figures: its events counted now, its request's outcome filled in place (and counted
+        once the request has finished: a preempted request is blended again)."""
+        for miss, count in (figures.get("miss_reasons") or {}).items():
+            self.counters[f"miss:{miss}"] += count
+        self.counters["save_failures"] += figures.get("save_failures", 0)
+        self.counters["saves_skipped"] += figures.get("saves_skipped", 0)
+        finished = self._awaiting.pop(req_id, None)
+        if finished is not None:
+            finished.update(figures)
+            self._finish(req_id, finished)
+        elif req_id in self._pending:
+            self._pending[req_id].outcome.update(figures)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         pending = self._pending.pop(req_id, None)
-        outcome = pending.outcome if pending is not None else self._fallbacks.pop(req_id, None)
+        fallback = self._fallbacks.pop(req_id, None)  # both popped: nothing outlives the request, whatever its path
+        outcome = pending.outcome if pending is not None else fallback
         if outcome is None:
             return False, None
-        if pending is None:  # a fallback decided here: no worker figures will come for it
-            _log_outcome(req_id, outcome)
-        elif outcome.get("status") == "planned":
+        if pending is not None and outcome.get("status") == "planned":
             if pending.sent:
-                self._awaiting[req_id] = outcome  # this step's worker figures will fill (and log) it in place
-            else:  # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
-                outcome.update(status="not_run", detail="the request finished before its blend ran")
-                _log_outcome(req_id, outcome)
+                self._awaiting[req_id] = outcome  # this step's worker figures will fill (and count) it in place
+                return False, {"cachefuse": outcome}
+            # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
+            outcome.update(status="not_run", detail="the request finished before its blend ran")
+        self._finish(req_id, outcome)  # a fallback decided here, or a blend whose figures came in an earlier step
         return False, {"cachefuse": outcome}
+
+    def _finish(self, req_id: str, outcome: dict[str, Any]) -> None:
+        """A finished request's final outcome, counted and logged once (`not_run` counts as neither)."""
+        status = outcome.get("status")
+        if status == "fused":
+            self.counters["requests_fused"] += 1
+            self._stats.record(requests_fused=1)
+        elif status == "fallback":
+            reason = outcome.get("fallback_reason")
+            self.counters["requests_fallback"] += 1
+            self.counters[f"fallback:{reason}"] += 1
+            self._stats.record(**{"requests_fallback": 1, f"fallback_{reason}": 1})
+        _log_outcome(req_id, outcome)
 
     def _fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
         outcome = {"status": "fallback", "fallback_reason": reason, "detail": detail}
         if field is not None:
             outcome["field"] = field
-        self._fallbacks[req_id] = outcome
+        previous = self._fallbacks.get(req_id)
+        self._fallbacks[req_id] = outcome  # counted when the request finishes: vLLM may ask again, or plan it
         self._pending.pop(req_id, None)
-        self.counters["requests_fallback"] += 1
-        self.counters[f"fallback:{reason}"] += 1
-        self._stats.record(**{"requests_fallback": 1, f"fallback_{reason}": 1})
-        logger.info("cachefuse: request %s runs as plain vLLM (%s: %s)", req_id, reason, detail)
+        if previous != outcome:  # vLLM asks again every step the request waits for blocks: say it once
+            logger.info("cachefuse: request %s runs as plain vLLM (%s: %s)", req_id, reason, detail)
 
     def get_kv_connector_stats(self) -> CacheFuseConnectorStats | None:
         if self._stats.is_empty():

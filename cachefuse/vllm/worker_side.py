@@ -106,9 +106,8 @@ class WorkerSide:
                 logger.warning("cachefuse: blend of request %s failed (%s); vLLM recomputes it", plan.req_id,
                                detail)
                 figures = {"status": "fallback", "fallback_reason": "blend_error", "detail": detail}
-                self._stats.record(requests_fallback=1, fallback_blend_error=1)
             else:
-                self._stats.record(requests_fused=1, tokens_reused=figures["tokens_reused"],
+                self._stats.record(tokens_reused=figures["tokens_reused"],
                                    tokens_recomputed=figures["tokens_recomputed"],
                                    bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
                                    chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],

@@ -466,3 +466,77 @@ def test_a_step_reports_the_later_of_an_eviction_and_a_save_of_one_variant():
     assert meta.evicted_variants == [] and meta.saved_keys == [record.store_key]
     meta.evict([record.variant_id])  # announced, then refused by the writer within the same step
     assert meta.saved_variants == [] and meta.saved_keys == [] and meta.evicted_variants == [record.variant_id]
+
+
+def test_a_request_waiting_for_blocks_is_one_fallback(make_side, caplog):
+    """vLLM asks about a waiting request every step until blocks free up: a malformed one asked 20 times is
+    one request that fell back, in the counters, in the Prometheus stats and in the log."""
+    side = make_side()
+    bad = request("bad", params={"cachefuse": {"chunks": [[0, 10], [5, 20]]}})
+    with caplog.at_level(logging.INFO, logger="cachefuse.vllm.scheduler_side"):
+        for _ in range(20):
+            assert side.get_num_new_matched_tokens(bad, 0) == (0, False)
+            side.build_connector_meta(step_output())  # no blocks this step: asked again in the next
+        side.request_finished(bad, [])
+        worker_reports(side, None)
+    assert (side.counters["requests_fallback"], side.counters["fallback:malformed_request"]) == (1, 1)
+    assert side.get_kv_connector_stats().data == {"requests_fallback": 1, "fallback_malformed_request": 1}
+    assert len([r for r in caplog.records if "runs as plain vLLM" in r.getMessage()]) == 1
+    assert_no_state(side)
+
+
+def test_a_preempted_fused_request_is_one_fused_request(make_side, caplog):
+    """Blended, preempted, blended again on resumption: one request fused (counted by the scheduler for
+    Prometheus, not per blend by the worker) and one outcome logged; the replan is an event, counted."""
+    side = make_side()
+    req = request("r1")
+    with caplog.at_level(logging.DEBUG, logger="cachefuse.vllm.scheduler_side"):
+        schedule(side, req)
+        worker_reports(side, "r1", chunks_hit=2)
+        schedule(side, req, resumed_first_block=40)  # preempted, then resumed
+        worker_reports(side, "r1", chunks_hit=2)
+        _, params = side.request_finished(req, [])
+        worker_reports(side, None)
+    assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["preemptions"] == 1
+    assert side.counters["requests_fused"] == 1 and side.counters["requests_replanned_after_preemption"] == 1
+    assert side.get_kv_connector_stats().data == {"requests_fused": 1}
+    assert len([r for r in caplog.records if "request r1 outcome" in r.getMessage()]) == 1
+    assert_no_state(side)
+
+
+def test_a_request_that_fell_back_then_was_planned_leaves_nothing_and_counts_as_fused(make_side):
+    """vLLM's hook order for a request the controller first turned down (no_go: it runs as plain vLLM)
+    and, once resumed after a preemption with other figures, plans and fuses: its earlier fallback must
+    neither outlive it nor be counted, its response says fused."""
+    side = make_side(ratio_mode="controller")
+    req = request("r1")
+    side.figures = {**measured(disk=1.0), "compute": {**measured()["compute"], "per_row_s": 1.0,
+                                                      "prefill_per_token_s": 1e-9}}  # vLLM's prefill far faster
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, blocks(100), 0)
+    assert side.build_connector_meta(step_output(req)).plans == []  # runs as plain vLLM ...
+    side.figures = {}  # ... is preempted, and resumes with no figures: the fixed ratio, fused
+    (plan,) = schedule(side, req, resumed_first_block=40)
+    worker_reports(side, "r1")
+    _, params = side.request_finished(req, [])
+    worker_reports(side, None)
+    assert params["cachefuse"]["status"] == "fused"
+    assert_no_state(side)
+    assert (side.counters["requests_fused"], side.counters["requests_fallback"]) == (1, 0)
+
+
+def test_sync_save_from_a_client_runs_as_plain_vllm_unless_allowed(make_side):
+    """`sync_save` holds the whole step for one request's writes: on a server's default config the request
+    runs as plain vLLM, its response naming the field and the setting, and no plan asks the worker to
+    write inline. Negative control: an offline engine's config (allow_sync_save) plans it with sync_save."""
+    params = {"cachefuse": {"chunks": [[0, 10], [10, 60]], "sync_save": True}}
+    server = make_side()
+    client = request("client", params=params)
+    assert server.get_num_new_matched_tokens(client, 0) == (0, False)
+    _, response = server.request_finished(client, [])
+    assert response["cachefuse"]["fallback_reason"] == "malformed_request"
+    assert response["cachefuse"]["field"] == "cachefuse.sync_save"
+    assert "allow_sync_save" in response["cachefuse"]["detail"]
+    assert_no_state(server)
+    (plan,) = schedule(make_side(allow_sync_save=True), request("precompute", params=params))
+    assert plan.sync_save is True

@@ -21,7 +21,8 @@ def main() -> None:
 
     kv = KVTransferConfig(kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                          kv_connector_extra_config={"store_dir": store_dir,  # disk only in the fault modes:
+                          kv_connector_extra_config={"store_dir": store_dir, "allow_sync_save": True,
+                                                     # disk only in the fault modes:
                                                      **({} if mode == "all" else {"memory_capacity_bytes": 0})})
     llm = LLM(model=model_dir, dtype="float32", max_model_len=2048, enforce_eager=True,
               enable_prefix_caching=False, kv_transfer_config=kv, tensor_parallel_size=tp_size,
