@@ -416,6 +416,15 @@ class CacheFuseConfig:
     def store_path(self) -> Path:
         return Path(self.store_dir).expanduser()
 
+    def kv_store_path(self, tp_size: int = 1, tp_rank: int = 0) -> Path:
+        """The directory of one tensor-parallel rank's K/V files: `store_path` itself with one rank, else a
+        directory per rank inside it (the metadata stays at the top, rank 0's). A disk tier's index, byte
+        budget and pins live in its process, so ranks sharing one directory would each count, evict and
+        unlink the others' files (tp_size x the budget on disk, pinned entries deleted under a reader)."""
+        if tp_size == 1:
+            return self.store_path
+        return self.store_path / f"tp{tp_size}-rank{tp_rank}"
+
     def compute_hash(self) -> str:
         """Hash of what changes stored bytes; it joins every chunk key (docs/architecture.md, Definitions).
 

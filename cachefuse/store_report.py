@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cachefuse.errors import ConfigError
@@ -82,7 +83,9 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
     meta_path = os.path.join(root, META_FILE)
     if not os.path.isdir(root):
         raise ConfigError(f"--store {url!r}: no such directory (expected a store_dir or a redis:// URL)")
-    kv_keys = set(list_keys(root))
+    # Under tensor parallelism each rank's K/V have a directory (CacheFuseConfig.kv_store_path); the
+    # metadata rows are rank 0's keys, so rank 0's entries are the ones to report.
+    kv_keys = set(list_keys(root)).union(*(list_keys(rank0) for rank0 in Path(root).glob("tp*-rank0")))
     if not os.path.exists(meta_path):
         return report_from(url, _EmptyMeta(), kv_keys)
     uri = f"file:{meta_path}?mode=ro"  # read-only: inspecting never creates or changes a store

@@ -46,6 +46,7 @@ from cachefuse.offline.precompute import (
     check_store,
     connector_config,
     precompute_chunks,
+    rank0_kv_dir,
     scheduler_key_context,
     tail_token_id,
 )
@@ -141,7 +142,8 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
     report.neighbours = top_neighbours(vectors, count, ids)
     key_context = scheduler_key_context(vllm_config, config)
     keys = [chunk_key(chunk, key_context) if chunk else None for chunk in ids]
-    stored_keys = list_keys(store)
+    kv_dir = rank0_kv_dir(vllm_config, engine_config)
+    stored_keys = list_keys(kv_dir)
     max_model_len = vllm_config.model_config.max_model_len
     tail_id = tail_token_id(tokenizer)
     todo: list[tuple[int, str, list[int], list[list[int]]]] = []
@@ -167,7 +169,7 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
         outputs = llm.generate([{"prompt_token_ids": token_ids} for _, _, token_ids, _ in batch],
                                [_sampling_params(spans) for _, _, _, spans in batch], use_tqdm=False)
         seconds += clock() - start
-        stored_keys = list_keys(store)
+        stored_keys = list_keys(kv_dir)
         for (index, target, _, _), output in zip(batch, outputs, strict=True):
             reason = _outcome(output, target in stored_keys)
             if reason is None:

@@ -136,11 +136,12 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
     engine_config = connector_config(vllm_config)
     store_dir = check_store(engine_config, store_dir)
     check_sync_save(engine_config)
+    kv_dir = rank0_kv_dir(vllm_config, engine_config)  # listed to skip stored chunks and see new ones
     config = config or engine_config
     key_context = scheduler_key_context(vllm_config, config)
     max_model_len = vllm_config.model_config.max_model_len
     tail_id = tail_token_id(tokenizer)
-    report, items = _plan(tokenizer, system, list(chunks), key_context, list_keys(store_dir), max_model_len,
+    report, items = _plan(tokenizer, system, list(chunks), key_context, list_keys(kv_dir), max_model_len,
                           tail_id)
     bar = tqdm(total=report.num_chunks, unit="chunk", desc="precompute", disable=not progress)
     bar.update(report.num_skipped + report.num_failed)
@@ -148,13 +149,13 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
         batch = items[at: at + batch_size]
         outputs = llm.generate([{"prompt_token_ids": item.token_ids} for item in batch],
                                [_sampling_params(item) for item in batch], use_tqdm=False)
-        stored = list_keys(store_dir)
+        stored = list_keys(kv_dir)
         for item, output in zip(batch, outputs, strict=True):
             _record(report, item, output, stored)
         bar.update(sum(item.index is not None for item in batch))
     bar.close()
     if report.system_key is not None and report.system_status != "skipped":
-        _record_system(report, list_keys(store_dir))
+        _record_system(report, list_keys(kv_dir))
     report.elapsed_s = time.perf_counter() - start
     logger.info("precompute: %d stored, %d skipped, %d failed of %d chunks in %.1f s (store %s)",
                 report.num_stored, report.num_skipped, report.num_failed, report.num_chunks, report.elapsed_s,
@@ -195,6 +196,11 @@ def check_store(config: CacheFuseConfig, store_dir: str | Path) -> Path:
     if not config.disk_capacity_bytes:
         raise ConfigError("disk_capacity_bytes=0 is invalid for precompute: chunks are stored on the disk tier")
     return path
+
+
+def rank0_kv_dir(vllm_config: Any, config: CacheFuseConfig) -> Path:
+    """Where the engine's rank 0 writes K/V (the keys the scheduler and precompute compute are rank 0's)."""
+    return config.kv_store_path(vllm_config.parallel_config.tensor_parallel_size, 0)
 
 
 def check_sync_save(config: CacheFuseConfig) -> None:

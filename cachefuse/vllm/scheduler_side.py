@@ -106,7 +106,7 @@ class SchedulerSide:
                                       model_config.hf_text_config.num_hidden_layers)
         self.config = config
         self.index = VariantIndex()
-        self._refresher = self._start_index(config)
+        self._refresher = self._start_index(config, self.key_context.tp_size)
         self._model_config = model_config
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._tokenizer = _load_tokenizer(model_config.tokenizer)  # now, not inside the first schedule()
@@ -121,15 +121,15 @@ class SchedulerSide:
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
                     redact_url(config.redis_url) if config.redis_url else config.store_path)
 
-    def _start_index(self, config: CacheFuseConfig) -> IndexRefresher | None:
+    def _start_index(self, config: CacheFuseConfig, tp_size: int) -> IndexRefresher | None:
         """Loads the variant index once, then keeps it current on a background thread (other engines'
         saves reach it through the shared store). Never blocks planning: a failing store leaves the
         last snapshot and is retried every `index_refresh_interval_s`."""
         if config.redis_url is None and not config.disk_capacity_bytes:
             return None  # metadata in the worker's memory only: the worker's reports are the index
-        # K/V entries on the local disk tier (those without metadata rows are base variants), listed
+        # Rank 0's K/V entries on the local disk tier (those without metadata rows are base variants), listed
         # with every reload. A closure over plain values: the thread must not keep `self` alive.
-        root = config.store_path
+        root = config.kv_store_path(tp_size, 0)
         plain_keys = (lambda: list_keys(root)) if config.disk_capacity_bytes else None
         refresher = IndexRefresher(self.index, lambda: open_config_metastore(config),
                                    config.index_refresh_interval_s, plain_keys=plain_keys, plain_tier=DiskStore.name)

@@ -61,7 +61,7 @@ class WorkerSide:
         # QCFuse's critical layers from `cachefuse profile-layers`, stored beside the chunks (when not set)
         config = with_profiled_layers(config, config.store_path, fingerprint, shape.num_layers)
         self.config = config
-        store = open_store(config.store_path, StoreIdentity(fingerprint, shape.num_layers, shape.dtype),
+        store = open_store(config.kv_store_path(tp_size, tp_rank), StoreIdentity(fingerprint, shape.num_layers, shape.dtype),
                            config.memory_capacity_bytes, config.disk_capacity_bytes, redis_url=config.redis_connection_url,
                            redis_timeout_s=config.redis_timeout_s, redis_capacity_bytes=config.redis_capacity_bytes,
                            device=self.adapter.device, device_capacity_bytes=config.device_capacity_bytes)

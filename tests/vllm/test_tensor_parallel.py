@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cachefuse.metadata.sqlite import META_FILE
+from cachefuse.store.disk import list_keys
+from cachefuse.store_report import inspect_store
+
 PROBE = Path(__file__).with_name("tp_probe.py")
 
 
@@ -35,8 +39,14 @@ def test_tp2_selects_the_same_rows_as_tp1(tiny_model_dir, tmp_path):
     assert max_diff(tp1["ratio_1"], tp2["ratio_1"]) < 1e-4
     assert max_diff(tp1["ratio_15"], tp2["ratio_15"]) < 1e-4  # same rows on both ranks as on one
     assert max_diff(tp1["ratio_15"], tp1["ratio_1"]) > 1e-3  # and the ratio does change the result
-    # per-rank entries: each rank stores its own heads under its own keys
-    assert len(list((tmp_path / "tp2").rglob("*.safetensors"))) == 2 * len(list((tmp_path / "tp1").rglob("*.safetensors")))
+    # per-rank entries: each rank stores its own heads under its own keys, in its own directory (its disk
+    # tier's index, budget and pins are its own), the metadata at the top
+    tp1_keys = list_keys(tmp_path / "tp1")
+    rank_keys = [list_keys(tmp_path / "tp2" / f"tp2-rank{rank}") for rank in (0, 1)]
+    assert len(rank_keys[0]) == len(rank_keys[1]) == len(tp1_keys) and not rank_keys[0] & rank_keys[1]
+    assert not list_keys(tmp_path / "tp2") and (tmp_path / "tp2" / META_FILE).exists()
+    summary = inspect_store(str(tmp_path / "tp2")).summary  # `cachefuse inspect` finds every row's entry (rank 0's)
+    assert summary["variants"] > 0 and summary["stale"] == 0 and summary["orphans"] == 0
 
 
 def test_a_fault_on_one_rank_only_makes_both_ranks_compute_the_chunk(tiny_model_dir, tmp_path):

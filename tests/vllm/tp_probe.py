@@ -54,14 +54,13 @@ def main() -> None:
 
 def corrupt_rank_entry(model_dir: str, store_dir: str, ids: list[int], tp_size: int, rank: int) -> None:
     """Flips a data byte of one rank's stored entry of the chunk `ids` (the other ranks' stay whole)."""
-    from pathlib import Path
-
     from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint
     from cachefuse.config import CacheFuseConfig
 
-    ctx = KeyContext(model_fingerprint(model_dir), "float32", tp_size, rank, CacheFuseConfig().compute_hash())
+    config = CacheFuseConfig(store_dir=store_dir)
+    ctx = KeyContext(model_fingerprint(model_dir), "float32", tp_size, rank, config.compute_hash())
     key = chunk_key(ids, ctx)
-    path = Path(store_dir) / key[:2] / f"{key}.safetensors"
+    path = config.kv_store_path(tp_size, rank) / key[:2] / f"{key}.safetensors"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
