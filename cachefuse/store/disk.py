@@ -17,11 +17,16 @@ file, which the next scan deletes. The index (key -> file bytes, LRU order) is b
 scan at construction, so `contains` does no I/O. LRU order survives a restart: every write and every
 hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it.
 
+Reads are plain reads into tensors that own their memory, each verified (crc32) in that memory: the
+file is never memory-mapped, so a served tensor cannot change under its reader when the file is
+rewritten in place, a file truncated meanwhile is a "truncated" miss (not a SIGBUS), and an evicted
+file's blocks are freed at once, whoever still holds its tensors (the memory tier keeps them as given).
+
 Misses: a header for another format version, model fingerprint or dtype is "foreign_model"; another
-layer count or tensor shape is "shape_mismatch" (checked, with the tensors' total size against the
-bytes the file holds on disk, before any tensor byte is read); a bad checksum, a missing tensor or an unparsable
-file is "corrupt"; a file shorter than its header says is "truncated". Each of these drops the entry
-from the index and deletes its file. "io_error" keeps both (the medium may recover); a file that
+layer count or tensor shape is "shape_mismatch" (checked, with every tensor's size, before any tensor
+byte is read); a bad checksum, a missing tensor, an unparsable file or one larger than the tier's
+whole budget is "corrupt"; a file shorter than its header says is "truncated". Each of these drops the
+entry from the index and deletes its file. "io_error" keeps both (the medium may recover); a file that
 vanished is "absent" and leaves the index.
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import stat
 import struct
@@ -39,11 +45,12 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import safetensors.torch
 import torch
-from safetensors import SafetensorError, safe_open
 
 from cachefuse.errors import ConfigError
 from cachefuse.store import base
@@ -125,57 +132,158 @@ def _read_tensor(f, name: str, metadata: dict[str, str], num_tokens: int, dtype:
     t = f.get_tensor(name)
     if t.dtype != dtype or t.dim() != 3 or t.shape[0] != num_tokens:
         raise _Miss(base.MISS_SHAPE_MISMATCH, f"{name}: {tuple(t.shape)} {t.dtype}, num_tokens {num_tokens}")
-    if checksum(t) != metadata.get(f"checksum.{name}"):
+    checksum_as_read = getattr(f, "checksum_as_read", None)  # a disk file's, taken while reading into `t`
+    if (checksum_as_read(name) if checksum_as_read else checksum(t)) != metadata.get(f"checksum.{name}"):
         raise _Miss(base.MISS_CORRUPT, f"{name}: checksum mismatch")
     return t
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
-def _check_sizes(f, path: Path, names: list[str], num_tokens: int, dtype: torch.dtype) -> None:
-    """Before any tensor byte is read: every tensor is there, of the header's token count and the store's
-    dtype, and all of them fit in the bytes the file really holds on disk. A crafted header claiming
-    gigabytes in a small (or sparse) file would otherwise be allocated in full before its checksum fails.
+@dataclass(frozen=True)
+class _TensorSpec:
+    """One tensor's entry in a safetensors header, its offsets made absolute in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _open_entry(path: Path) -> BinaryIO:
+    """The entry file, unbuffered: every tensor is one read straight into its own buffer."""
+    return open(path, "rb", buffering=0)
+
+
+_READ_CHUNK_BYTES = 256 * 1024
+"""Bytes per read: small enough that the checksum of a chunk runs over it while it is still in cache
+(measured: 100 MB read then checksummed takes ~1.5x as long as in 256 KiB read-checksum steps)."""
+
+
+def _read_exactly(fh: BinaryIO, offset: int, buffer: memoryview) -> int:
+    """Fill `buffer` from `fh` at `offset`; returns zlib.crc32 of what was read. A file that ends first is
+    "truncated" (cut since its header was read)."""
+    fh.seek(offset)
+    done, crc = 0, 0
+    while done < len(buffer):
+        chunk = buffer[done:done + _READ_CHUNK_BYTES]
+        got = fh.readinto(chunk)
+        if not got:
+            raise _Miss(base.MISS_TRUNCATED, f"file ends at {offset + done}, {len(buffer) - done} bytes short")
+        crc = zlib.crc32(chunk[:got], crc)
+        done += got
+    return crc
+
+
+def _tensor_spec(name: str, spec: object, data_start: int) -> _TensorSpec:
+    """`spec` (one tensor's header entry) checked for types and made absolute; "corrupt" if malformed."""
+    try:
+        dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise _Miss(base.MISS_CORRUPT, f"{name}: malformed header entry") from None
+    numbers = [*shape, begin, end] if isinstance(shape, list) else [None]
+    if not isinstance(dtype, str) or not all(type(n) is int and n >= 0 for n in numbers) or begin > end:
+        raise _Miss(base.MISS_CORRUPT, f"{name}: dtype {dtype!r}, shape {shape!r}, offsets {[begin, end]!r}")
+    return _TensorSpec(dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _read_header(fh: BinaryIO, size: int) -> tuple[dict[str, str], dict[str, _TensorSpec]]:
+    """The safetensors header of the open file of `size` bytes: (metadata, tensor name -> spec).
+
+    As strict as safetensors' own parser about the file's length: shorter than the header says is
+    "truncated", longer is "corrupt" (entries are written whole)."""
+    prefix = fh.read(8)
+    if len(prefix) < 8:
+        raise _Miss(base.MISS_TRUNCATED, f"{len(prefix)} bytes: no header length")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > _MAX_HEADER_BYTES:
+        raise _Miss(base.MISS_CORRUPT, f"header length {header_len} over {_MAX_HEADER_BYTES}")
+    if size < 8 + header_len:
+        raise _Miss(base.MISS_TRUNCATED, f"{size} bytes, header says {8 + header_len} before any tensor")
+    raw = bytearray(header_len)
+    _read_exactly(fh, 8, memoryview(raw))
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:  # JSON or UTF-8
+        raise _Miss(base.MISS_CORRUPT, f"header: {exc}") from None
+    metadata = header.pop("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _Miss(base.MISS_CORRUPT, "header is not a safetensors header with string metadata")
+    specs = {name: _tensor_spec(name, spec, 8 + header_len) for name, spec in header.items()}
+    data_end = max((spec.end for spec in specs.values()), default=8 + header_len)
+    if data_end != size:
+        reason = base.MISS_TRUNCATED if data_end > size else base.MISS_CORRUPT
+        raise _Miss(reason, f"{size} bytes, header says {data_end}")
+    return metadata, specs
+
+
+class _EntryFile:
+    """An open entry file for `_read_tensor`: its header (`keys`), `get_tensor`, a plain read of one tensor
+    into a new tensor that owns its memory, and `checksum_as_read`, that tensor's checksum.
+
+    Not memory-mapped as safetensors' `safe_open` would: a mapped tensor stays the file's pages after its
+    checksum passed (rewritten in place, the served K/V change; truncated, a read of it is a SIGBUS), and
+    keeps an evicted file's blocks allocated as long as anyone holds it. Reading into the tensor's own
+    buffer and checksumming each chunk as it lands copies once (a mapping plus a clone would copy too,
+    and then read the bytes a third time).
     """
+
+    def __init__(self, fh: BinaryIO, size: int) -> None:
+        self._fh = fh
+        self.metadata, self.specs = _read_header(fh, size)
+        self._checksums: dict[str, str] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        spec = self.specs[name]  # its dtype and byte count checked by _check_sizes
+        tensor = torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype])
+        raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # [numel * element_size], the tensor's own
+        self._checksums[name] = f"{_read_exactly(self._fh, spec.begin, raw):08x}"
+        return tensor
+
+    def checksum_as_read(self, name: str) -> str:
+        """`checksum` of the tensor `get_tensor(name)` returned, taken chunk by chunk as it was read into
+        the tensor's own memory (the same bytes; no second pass over them)."""
+        return self._checksums[name]
+
+
+def _check_file_size(size: int, capacity_bytes: int) -> None:
+    """Before any byte is read: a file larger than the tier's whole budget is not an entry this tier wrote
+    (a put that big is refused; the scan evicts such a file), so a crafted header cannot make a read
+    allocate more than the budget, however large the file claims to be.
+
+    The bound is the file's apparent size (st_size), not the blocks it holds (st_blocks), which once
+    stood in for it to refuse sparse files: st_blocks says nothing reliable about an intact file. ZFS
+    reports st_blocks=1 for a file written and fsynced moments ago until its transaction group commits
+    (a few seconds), and with compression or after a `cp --sparse` copy st_blocks * 512 stays below
+    st_size for good: intact entries were deleted as "corrupt". A sparse file within the budget is read
+    as the zeros it holds, and its checksums then fail.
+    """
+    if size > capacity_bytes:
+        raise _Miss(base.MISS_CORRUPT, f"{size} bytes, more than the tier's whole budget ({capacity_bytes})")
+
+
+def _check_sizes(f: _EntryFile, names: list[str], num_tokens: int, dtype: torch.dtype) -> None:
+    """Before any tensor byte is read: every tensor is there, of the header's token count, the store's
+    dtype, and as many bytes as its shape needs (the file holds them all: `_read_header` checked)."""
     if not 0 < num_tokens <= MAX_NUM_TOKENS:
         raise _Miss(base.MISS_CORRUPT, f"num_tokens {num_tokens} outside 1..{MAX_NUM_TOKENS}")
-    st = path.stat()
-    on_disk = min(st.st_size, st.st_blocks * 512) if st.st_blocks else st.st_size  # sparse files count less
-    present, planned, itemsize = set(f.keys()), 0, torch.empty(0, dtype=dtype).element_size()
+    expected_dtype = _SAFETENSORS_DTYPES.get(dtype)
     for name in names:
-        if name not in present:
+        spec = f.specs.get(name)
+        if spec is None:
             raise _Miss(base.MISS_CORRUPT, f"{name} missing")
-        view = f.get_slice(name)
-        shape, found = view.get_shape(), view.get_dtype()
-        if len(shape) != 3 or shape[0] != num_tokens or found != _SAFETENSORS_DTYPES.get(dtype, found):
-            raise _Miss(base.MISS_SHAPE_MISMATCH, f"{name}: {shape} {found}, num_tokens {num_tokens}")
-        planned += shape[0] * shape[1] * shape[2] * itemsize
-    if planned > on_disk:
-        raise _Miss(base.MISS_CORRUPT, f"tensors claim {planned} bytes; the file holds {on_disk} on disk")
-
-
-def classify_unreadable(path: Path) -> str:
-    """Why safetensors refused `path`: "truncated" if shorter than its header says, else "corrupt"."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            prefix = fh.read(8)
-            if len(prefix) < 8:
-                return base.MISS_TRUNCATED
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > _MAX_HEADER_BYTES:
-                return base.MISS_CORRUPT
-            if size < 8 + header_len:
-                return base.MISS_TRUNCATED
-            header = json.loads(fh.read(header_len))
-        ends = [int(spec["data_offsets"][1]) for name, spec in header.items() if name != "__metadata__"]
-        data_len = max(ends, default=0)
-        return base.MISS_TRUNCATED if 8 + header_len + data_len > size else base.MISS_CORRUPT
-    except FileNotFoundError:
-        return base.MISS_ABSENT
-    except Exception:  # any other failure to make sense of the bytes
-        return base.MISS_CORRUPT
+        if len(spec.shape) != 3 or spec.shape[0] != num_tokens or spec.dtype != expected_dtype:
+            raise _Miss(base.MISS_SHAPE_MISMATCH, f"{name}: {spec.shape} {spec.dtype}, num_tokens {num_tokens}")
+        if spec.end - spec.begin != math.prod(spec.shape) * dtype.itemsize:
+            raise _Miss(base.MISS_CORRUPT, f"{name}: {spec.end - spec.begin} bytes for shape {spec.shape}")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -310,8 +418,6 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             return self._miss(key, miss.reason, miss.detail, inode)
         except FileNotFoundError:
             return self._miss(key, base.MISS_ABSENT, "file vanished", inode)
-        except SafetensorError as exc:
-            return self._miss(key, classify_unreadable(path), str(exc), inode)
         except OSError as exc:
             return self._miss(key, base.MISS_IO_ERROR, repr(exc), inode)
         except Exception as exc:  # whatever else bad bytes provoke must stay a miss
@@ -324,10 +430,13 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     def _read_file(self, path: Path, layers: range) -> _Layers:
         dtype = self.identity.dtype
         k_nope, v = [], []
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
+        with _open_entry(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            _check_file_size(size, self.capacity_bytes)
+            f = _EntryFile(fh, size)
+            metadata = f.metadata
             num_tokens = _check_header(metadata, self.identity)
-            _check_sizes(f, path, [f"{kv}.{layer}" for layer in layers for kv in "kv"], num_tokens, dtype)
+            _check_sizes(f, [f"{kv}.{layer}" for layer in layers for kv in "kv"], num_tokens, dtype)
             for layer in layers:
                 k_nope.append(_read_tensor(f, f"k.{layer}", metadata, num_tokens, dtype))
                 v.append(_read_tensor(f, f"v.{layer}", metadata, num_tokens, dtype))

@@ -6,9 +6,10 @@ page-locked memory, so a load is one asynchronous DMA with no staging copy) and 
 rules.
 
 Imports only `cachefuse.store.base` and `cachefuse.errors`. Follows the rules in base.py; in particular
-`get` hands out the stored tensors themselves (no copy): callers must never write into them, and the
-caller of `put` hands its tensors over and must not write into them afterwards either. That is what
-keeps stored caches byte-identical across requests without paying a copy per hit.
+`get` and `get_layer` hand out the stored tensors themselves (no copy): callers must never write into
+them, and the caller of `put` hands its tensors over and must not write into them afterwards either.
+That is what keeps stored caches byte-identical across requests without paying a copy per hit. (What
+the disk tier hands over owns its memory: it is never a mapping of a file that could change later.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -76,6 +78,19 @@ class MemoryStore(PinnedKeysMixin):
 
     def get(self, key: str) -> ChunkKV | None:
         """The stored entry itself (read-only by contract), or None on a miss."""
+        return self._use(key, lambda entry: entry.nbytes)
+
+    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer of the stored entry, (k_nope, v), the tensors themselves (read-only by contract); None
+        on a miss. Counted like a `get` (one hit or miss per call), the bytes read being the layer's."""
+        if not 0 <= layer < self.identity.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.identity.num_layers} layers")
+        entry = self._use(key, lambda entry: entry.k_nope[layer].nbytes + entry.v[layer].nbytes)
+        return None if entry is None else (entry.k_nope[layer], entry.v[layer])
+
+    def _use(self, key: str, nbytes_read: Callable[[ChunkKV], int]) -> ChunkKV | None:
+        """The entry of `key`, made most recently used and counted as a hit of `nbytes_read(entry)`
+        bytes; None on a miss (counted)."""
         check_key(key)
         with self._lock:
             entry = self._entries.get(key)
@@ -85,22 +100,25 @@ class MemoryStore(PinnedKeysMixin):
                 return None
             self._sizes.move_to_end(key)
             self.stats.hits += 1
-            self.stats.bytes_read += self._sizes[key]
+            self.stats.bytes_read += nbytes_read(entry)
             return entry
 
     def put(self, key: str, entry: ChunkKV) -> bool:
         """Store `entry` under `key`, evicting least recently used unpinned entries as needed.
 
         Returns:
-            False (logged, counted) if the entry is foreign or does not fit even after evicting every
-            unpinned entry; the previous entry of `key`, if any, is then kept.
+            False (logged, counted) if the entry is foreign, cannot be placed where the tier keeps its
+            entries (a CUDA out-of-memory, a failed page-lock), or does not fit even after evicting
+            every unpinned entry; the previous entry of `key`, if any, is then kept.
         """
         check_key(key)
         mismatch = entry_mismatch(entry, self.identity)
         if mismatch is not None:
             return self._fail(key, "foreign entry ({}: {})".format(*mismatch))
-        # Tensors elsewhere are copied once here; tensors already where the tier keeps them are kept as given.
-        entry = ChunkKV([self._place(t) for t in entry.k_nope], [self._place(t) for t in entry.v], dict(entry.meta))
+        try:
+            entry = self._placed(entry)
+        except Exception as exc:  # noqa: BLE001 - out of device or page-locked memory is this tier's refusal
+            return self._fail(key, f"cannot place it in {self._where()}: {exc!r}")
         nbytes = entry.nbytes
         with self._lock:
             victims = plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
@@ -133,9 +151,16 @@ class MemoryStore(PinnedKeysMixin):
         entry = self.get(key)
         return None if entry is None else dict(entry.meta)
 
+    def _placed(self, entry: ChunkKV) -> ChunkKV:
+        # Tensors elsewhere are copied once here; tensors already where the tier keeps them are kept as given.
+        return ChunkKV([self._place(t) for t in entry.k_nope], [self._place(t) for t in entry.v], dict(entry.meta))
+
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.to(self.device)
         return tensor.pin_memory() if self.pin_memory and not tensor.is_pinned() else tensor
+
+    def _where(self) -> str:
+        return "page-locked host memory" if self.pin_memory else str(self.device)
 
     def remove(self, key: str) -> None:
         """Drop `key` if present (pinned or not: pins only guard against eviction)."""

@@ -1,16 +1,22 @@
 """Several KVStore tiers behind one face, fastest first; and `open_store`, the embedded default.
 
 Imports `cachefuse.store` modules only. A hit in a slower tier is promoted (put) into every faster
-tier; a put writes through to every tier. Each tier keeps its own identity checks, capacity and
-eviction, so a tier may hold less than the next one down.
+tier: at once for a `get`; for `get_layer` (the pipelined loader's reads) once layers 0..L-1 of the
+entry have been read in order from that tier, from the layers read, so no byte is read twice; a put
+writes through to every tier. Each tier keeps its own identity checks, capacity and eviction, so a tier may hold less
+than the next one down. A promotion a faster tier refuses (or fails) leaves the read served.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +26,7 @@ from cachefuse.store.disk import DiskStore
 from cachefuse.store.memory import MemoryStore
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TieredStore:
@@ -33,9 +40,15 @@ class TieredStore:
 
     last_hit_tier: str | None = None
 
+    MAX_ASSEMBLING = 256
+    """Entries whose layers `get_layer` collects for a promotion at once; a read abandoned mid-entry (a
+    pass that fails) leaves its layers here until newer reads push them out."""
+
     def __init__(self, tiers: list[KVStore], promote_on_hit: bool = True) -> None:
         self.tiers = list(tiers)
         self.promote_on_hit = promote_on_hit
+        self._assembling: OrderedDict[str, _Assembly] = OrderedDict()
+        self._assembling_lock = threading.Lock()
 
     @property
     def capacity_bytes(self) -> int:
@@ -62,19 +75,79 @@ class TieredStore:
 
         `last_hit_tier` names the tier that served it (None on a miss), for measured load figures.
         """
+        found = self._fastest(key, lambda tier: tier.get(key))
+        if found is None:
+            return None
+        depth, entry = found
+        if self.promote_on_hit:  # else a placement policy decides (cachefuse.loading.placement)
+            self._promote(key, entry, self.tiers[:depth])
+        return entry
+
+    def get_layer(self, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer, (k_nope, v), from the fastest tier that has the key, read and verified by that tier's
+        own `get_layer` (a tier without one: sliced from its `get`); a tier that misses is passed over as
+        in `get`. None when every tier misses; `last_hit_tier` as in `get`.
+
+        With `promote_on_hit`, the layers a slower tier serves are kept until the entry's last one has been
+        read, layers 0..L-1 in order from the same tier (the pipelined loader's order); the entry they
+        make is then promoted like a `get` hit: the faster tiers fill as they would under whole reads,
+        without reading anything twice. Any other order of reads promotes nothing.
+        """
+        found = self._fastest(key, lambda tier: _read_layer(tier, key, layer))
+        if found is None:
+            return None
+        depth, kv = found
+        if self.promote_on_hit and depth > 0:
+            entry = self._assemble(key, depth, layer, kv)
+            if entry is not None:
+                self._promote(key, entry, self.tiers[:depth])
+        return kv
+
+    def _assemble(self, key: str, depth: int, layer: int, kv: tuple[torch.Tensor, torch.Tensor]) -> ChunkKV | None:
+        """Adds layer `layer` of `key`, served by tier `depth`, to its assembly; the whole entry once the
+        last layer is in, else None."""
+        tier = self.tiers[depth]
+        num_layers = getattr(getattr(tier, "identity", None), "num_layers", None)
+        if num_layers is None:
+            return None
+        with self._assembling_lock:
+            assembly = self._assembling.pop(key, None)
+            if layer == 0:
+                assembly = _Assembly(depth, [], [])
+            if assembly is None or assembly.depth != depth or len(assembly.k_nope) != layer:
+                return None  # not a read of layers 0, 1, ... in order from one tier: nothing to promote
+            assembly.k_nope.append(kv[0])
+            assembly.v.append(kv[1])
+            if len(assembly.k_nope) < num_layers:
+                self._assembling[key] = assembly
+                while len(self._assembling) > self.MAX_ASSEMBLING:
+                    self._assembling.popitem(last=False)
+                return None
+        meta = tier.get_meta(key) if hasattr(tier, "get_meta") else None
+        return None if meta is None else ChunkKV(assembly.k_nope, assembly.v, meta)
+
+    def _fastest(self, key: str, read: Callable[[KVStore], T | None]) -> tuple[int, T] | None:
+        """(depth, what `read(tier)` found) for the fastest tier where it found something; sets
+        `last_hit_tier`."""
         self.last_hit_tier = None
         for depth, tier in enumerate(self.tiers):
             if depth > 0 and not tier.contains(key):
                 continue  # skip the read and its "absent" count: the index already says no
-            entry = tier.get(key)
-            if entry is None:
-                continue
-            self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
-            if self.promote_on_hit:  # else a placement policy decides (cachefuse.loading.placement)
-                for faster in self.tiers[:depth]:
-                    faster.put(key, entry)
-            return entry
+            found = read(tier)
+            if found is not None:
+                self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
+                return depth, found
         return None
+
+    def _promote(self, key: str, entry: ChunkKV, faster_tiers: list[KVStore]) -> None:
+        """Put `entry` into `faster_tiers`; a tier that refuses it (full, out of device memory) keeps what
+        it has, and one that breaks the put contract by raising still never fails the read."""
+        for faster in faster_tiers:
+            try:
+                faster.put(key, entry)
+            except Exception:  # noqa: BLE001 - the entry is already read: serving it matters more
+                logger.warning("promoting %s into the %s tier failed; served from a slower tier", key,
+                               getattr(faster, "name", type(faster).__name__), exc_info=True)
 
     def get_rows(self, key: str, layer: int, rows: torch.Tensor | None = None, values: bool = True) -> RowsKV | None:
         """Rows of one layer from the fastest tier that has the key (no promotion: a partial read)."""
@@ -121,6 +194,25 @@ class TieredStore:
 
     def pinned(self, keys: Iterable[str]) -> contextlib.AbstractContextManager:
         return pinned_keys(self, keys)
+
+
+@dataclass
+class _Assembly:
+    """The layers of one entry read so far from tier `depth`, in order from layer 0."""
+
+    depth: int
+    k_nope: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+def _read_layer(tier: KVStore, key: str, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One layer of `key` from `tier`: its own `get_layer`, else (a tier without per-layer reads) a slice
+    of its whole entry."""
+    get_layer = getattr(tier, "get_layer", None)
+    if get_layer is not None:
+        return get_layer(key, layer)
+    entry = tier.get(key)
+    return None if entry is None else (entry.k_nope[layer], entry.v[layer])
 
 
 def open_store(

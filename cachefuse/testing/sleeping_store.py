@@ -25,7 +25,7 @@ class SleepingStore:
     """Wraps `inner`; each hit of `get` / `get_layer` sleeps `bytes / bytes_per_s` after reading.
 
     `name` ("sleeping") labels the tier in measured load figures (FusionStats.load_seconds_by_tier).
-    A store without `get_layer` (MemoryStore) is sliced from a `get`, so both look like a per-layer
+    A store without `get_layer` (a custom tier) is sliced from a `get`, so both look like a per-layer
     tier; only the returned layer's bytes are charged.
 
     Args:

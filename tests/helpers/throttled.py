@@ -36,7 +36,7 @@ class FakeClock:
 class ThrottledStore:
     """Wraps a real store; `get_layer` sleeps `delay` first and records (key, layer) in `calls`.
 
-    Delegates everything else to the wrapped store. For a store without `get_layer` (MemoryStore) it
+    Delegates everything else to the wrapped store. For a store without `get_layer` (a custom tier) it
     slices a `get`, so both kinds look like a per-layer tier.
     """
 

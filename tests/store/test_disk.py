@@ -24,6 +24,8 @@ from cachefuse.errors import StoreError
 from cachefuse.store import disk
 from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity
 from cachefuse.store.disk import DiskStore, encode_entry
+from cachefuse.store.memory import MemoryStore
+from cachefuse.store.tiered import TieredStore
 from tests.helpers.store import IDENTITY, IDENTITY_BF16, OPS, assert_same_entry, make_entry, run_ops
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -253,7 +255,7 @@ def test_io_error_is_a_miss_that_keeps_the_entry(tmp_path, monkeypatch):
     def broken_open(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(disk, "safe_open", broken_open)
+    monkeypatch.setattr(disk, "_open_entry", broken_open)
     assert store.get(KEY) is None and store.stats.misses == {"io_error": 1}
     assert store.contains(KEY)
     monkeypatch.undo()
@@ -326,7 +328,8 @@ def test_aliased_tensors_are_stored(tmp_path):
 
 def test_a_header_claiming_gigabytes_in_a_sparse_file_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch):
     """A crafted entry: a valid header whose tensors claim 1 GiB per layer, in a sparse file of that
-    apparent size that holds a few blocks. It must be a miss before a single tensor is allocated."""
+    apparent size that holds a few blocks. It must be a miss before a single tensor is allocated: the
+    file is larger than the tier's whole budget, so no put of this tier wrote it."""
     store = DiskStore(tmp_path, IDENTITY, BIG)
     store.put(KEY, make_entry(5))
     path = store._path(KEY)
@@ -349,6 +352,125 @@ def test_a_header_claiming_gigabytes_in_a_sparse_file_is_refused_before_any_tens
     monkeypatch.setattr(disk, "_read_tensor", lambda *args: read.append(args) or None)
     assert store.get(KEY) is None and read == []
     assert store.stats.misses == {"corrupt": 1} and not path.exists()
+
+
+class _StatWithFewBlocks:
+    """A stat result whose st_blocks is `blocks(st)`; every other field is the real one."""
+
+    def __init__(self, st: os.stat_result, blocks) -> None:
+        self._st, self.st_blocks = st, blocks(st)
+
+    def __getattr__(self, name: str):
+        return getattr(self._st, name)
+
+
+@pytest.mark.parametrize("blocks", [lambda st: 1, lambda st: st.st_size // 1024],
+                         ids=["zfs-before-txg-commit", "compressed-or-sparse-copy"])
+def test_an_intact_entry_is_served_whatever_blocks_its_file_reports(tmp_path, monkeypatch, blocks):
+    """ZFS reports st_blocks=1 for a file written and fsynced moments ago (until its transaction group
+    commits), and with compression (or after `cp --sparse`) st_blocks * 512 stays below st_size: the
+    entry is intact all the same and must be served, not deleted as "corrupt"."""
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    entry = make_entry(64)
+    assert store.put(KEY, entry)
+    for name in ("stat", "lstat", "fstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *args, real=real, **kwargs:
+                            _StatWithFewBlocks(real(*args, **kwargs), blocks))
+    assert os.stat(store._path(KEY)).st_blocks * 512 < os.stat(store._path(KEY)).st_size  # the simulation holds
+    assert_same_entry(store.get(KEY), entry)
+    assert_same_entry(DiskStore(tmp_path, IDENTITY, BIG).get(KEY), entry)  # and after a restart's scan
+    assert store.stats.misses == {} and store._path(KEY).exists()
+
+
+def test_a_sparse_file_within_the_budget_is_a_corrupt_miss(tmp_path):
+    """A hole where tensor bytes should be reads as zeros, which the checksums refuse."""
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    store.put(KEY, make_entry(64))
+    path = store._path(KEY)
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(data_start(path))
+        fh.truncate(size)  # the same apparent size, the data a hole
+    assert store.get(KEY) is None and store.stats.misses == {"corrupt": 1} and not path.exists()
+
+
+def test_a_served_entry_does_not_change_when_its_file_is_rewritten_in_place(tmp_path):
+    """What a read hands out owns its memory: a file rewritten in place after the checksums passed (not
+    by a rename) cannot change K/V already served, nor what the memory tier keeps of a promoted hit."""
+    disk = DiskStore(tmp_path, IDENTITY, BIG)
+    store = TieredStore([MemoryStore(IDENTITY, BIG), disk])
+    entry = make_entry(64)
+    disk.put(KEY, entry)
+    served, layer = disk.get(KEY), disk.get_layer(KEY, 0)
+    promoted = store.get(KEY)  # a disk hit, promoted into memory as it was read
+    path = disk._path(KEY)
+    with open(path, "r+b") as fh:  # every tensor byte zeroed, the file never replaced
+        fh.seek(data_start(path))
+        fh.write(bytes(path.stat().st_size - data_start(path)))
+    assert_same_entry(served, entry)
+    assert_same_entry(promoted, entry)
+    assert torch.equal(layer[0], entry.k_nope[0]) and torch.equal(layer[1], entry.v[0])
+    assert_same_entry(store.get(KEY), entry)
+    assert store.last_hit_tier == "memory"
+
+
+def test_a_file_truncated_after_a_read_changes_nothing_served(tmp_path):
+    """A tensor mapping a file that is cut afterwards reads zeros where its pages were dropped, or raises
+    SIGBUS where they must be faulted in again (the worker dies). In a child process, so that a SIGBUS
+    fails this test rather than ending the test run."""
+    child = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        from cachefuse.store.base import StoreIdentity
+        from cachefuse.store.disk import DiskStore
+        from tests.helpers.store import IDENTITY, make_entry
+        store = DiskStore(sys.argv[1], IDENTITY, 1 << 24)
+        entry = make_entry(4096)
+        store.put({KEY!r}, entry)
+        got = store.get({KEY!r})
+        os.truncate(store._path({KEY!r}), 100)
+        same = all(torch.equal(a, b) for a, b in zip(got.k_nope + got.v, entry.k_nope + entry.v))
+        sys.exit(0 if same else 3)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([sys.executable, "-c", child, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr.decode()[-2000:])
+
+
+def test_a_file_cut_during_a_read_is_a_truncated_miss(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    store.put(KEY, make_entry(64))
+    path = store._path(KEY)
+    real_read_header = disk._read_header
+
+    def read_header_then_cut(fh, size):
+        found = real_read_header(fh, size)
+        os.truncate(path, data_start(path) + 10)  # another process cuts the file under this read
+        return found
+
+    monkeypatch.setattr(disk, "_read_header", read_header_then_cut)
+    assert store.get(KEY) is None and store.stats.misses == {"truncated": 1} and not path.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps (Linux)")
+def test_evicted_files_are_freed_while_the_memory_tier_holds_their_entries(tmp_path):
+    """Entries promoted from disk into memory must not map their files: an evicted file stays allocated
+    on disk as long as a mapping of it lives, so the disk tier would exceed its budget by up to the
+    memory tier's."""
+    size = file_size(64)
+    disk_tier = DiskStore(tmp_path, IDENTITY, 4 * size)
+    store = TieredStore([MemoryStore(IDENTITY, BIG), disk_tier])
+    for i in range(4):
+        disk_tier.put(f"ol{i:03d}", make_entry(64, seed=i))
+        assert store.get(f"ol{i:03d}") is not None  # promoted into memory
+    for i in range(4):
+        disk_tier.put(f"nw{i:03d}", make_entry(64, seed=10 + i))  # evicts every ol* file
+    assert disk_tier.keys() == [f"nw{i:03d}" for i in range(4)] and all(store.tiers[0].contains(f"ol{i:03d}")
+                                                                        for i in range(4))
+    maps = Path("/proc/self/maps").read_text()
+    assert [line for line in maps.splitlines() if str(tmp_path) in line] == []
 
 
 def test_symbolic_links_inside_the_root_are_never_followed(tmp_path):

@@ -127,6 +127,50 @@ def test_miss_is_counted_as_absent_and_bad_keys_raise():
     assert isinstance(store, KVStore)
 
 
+def test_get_layer_hands_out_one_stored_layer_counted_like_a_get():
+    store = MemoryStore(IDENTITY, capacity_bytes=1 << 20)
+    entry = make_entry(7)
+    store.put("aa01", entry)
+    store.put("aa02", make_entry(7, seed=2))
+    k_nope, v = store.get_layer("aa01", 2)
+    assert k_nope is entry.k_nope[2] and v is entry.v[2]  # no copy, as `get`
+    assert store.stats.hits == 1 and store.stats.bytes_read == k_nope.nbytes + v.nbytes
+    assert store.keys() == ["aa02", "aa01"]  # a layer read is a use
+    assert store.get_layer("zz01", 0) is None and store.stats.misses == {"absent": 1}
+    with pytest.raises(IndexError):
+        store.get_layer("aa01", NUM_LAYERS)
+
+
+def _out_of_device_memory(store: MemoryStore, monkeypatch) -> None:
+    def place(tensor):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")  # as .to("cuda") raises
+
+    monkeypatch.setattr(store, "_place", place)
+
+
+def _page_lock_fails(store: MemoryStore, monkeypatch) -> None:
+    def pin_memory(tensor, *args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")  # as a failed pin_memory() raises
+
+    store.pin_memory = True  # a pinned host tier (needs CUDA to construct; the pin itself is simulated)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+
+
+@pytest.mark.parametrize("fail", [_out_of_device_memory, _page_lock_fails], ids=["cuda-oom", "pin-memory"])
+def test_a_failed_placement_is_a_refused_put(monkeypatch, caplog, fail):
+    """The KVStore contract: a put that cannot store returns False (logged once, counted); it never
+    raises, so the tiers below still get the entry."""
+    store = MemoryStore(IDENTITY, capacity_bytes=1 << 20)
+    store.put("aa01", make_entry(5, seed=1))
+    fail(store, monkeypatch)
+    with caplog.at_level("WARNING", logger="cachefuse.store.memory"):
+        assert not store.put("aa01", make_entry(5, seed=2))
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "aa01" in caplog.records[0].getMessage()
+    assert store.stats.put_failures == 1 and store.stats.puts == 1
+    assert_same_entry(store.get("aa01"), make_entry(5, seed=1))  # the previous entry is kept
+    assert store.nbytes == entry_bytes(5)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, capacity=st.sampled_from(CAPACITIES))
 def test_matches_reference_model(ops, capacity):

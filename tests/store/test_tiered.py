@@ -1,4 +1,5 @@
-"""TieredStore and open_store: write-through, promotion after a disk hit, fan-out of pins, stats."""
+"""TieredStore and open_store: write-through, promotion after a disk hit (and its failures), per-layer
+reads, fan-out of pins, stats."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ import pytest
 import torch
 
 from cachefuse.errors import ConfigError
+from cachefuse.loading.loader import PipelinedLoader, SerialLoader, store_layer_fetcher
 from cachefuse.store.base import KVStore
 from cachefuse.store.disk import DiskStore
 from cachefuse.store.memory import MemoryStore
 from cachefuse.store.tiered import TieredStore, open_store
-from tests.helpers.store import IDENTITY, IDENTITY_BF16, assert_same_entry, entry_bytes, make_entry
+from tests.helpers.store import (
+    IDENTITY,
+    IDENTITY_BF16,
+    NUM_LAYERS,
+    assert_same_entry,
+    entry_bytes,
+    make_entry,
+)
 
 KEY = "ab12cd"
 BIG = 1 << 24
@@ -75,6 +84,146 @@ def test_put_succeeds_if_any_tier_takes_it(tmp_path):
     assert_same_entry(store.get(KEY), make_entry(5))  # the failed promotion leaves the hit intact
     store.remove(KEY)
     assert not store.contains(KEY) and not entry_file(tmp_path).exists()
+
+
+def _out_of_memory(tensor):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")  # as .to("cuda") raises
+
+
+def test_a_faster_tier_out_of_memory_fails_neither_puts_nor_reads(tmp_path, monkeypatch):
+    store = open_store(tmp_path, IDENTITY, BIG, BIG)
+    memory, disk = store.tiers
+    assert disk.put(KEY, make_entry(5, seed=1))
+    monkeypatch.setattr(memory, "_place", _out_of_memory)
+    assert_same_entry(store.get(KEY), make_entry(5, seed=1))  # the promotion is refused, the read served
+    assert store.last_hit_tier == "disk" and not memory.contains(KEY)
+    assert store.put("cd34ef", make_entry(5, seed=2))  # write-through reaches the disk tier
+    assert disk.contains("cd34ef") and not memory.contains("cd34ef")
+    assert memory.stats.put_failures == 2
+
+
+class _RaisingTier(MemoryStore):
+    """A tier breaking the contract: its put raises."""
+
+    def put(self, key, entry):
+        raise RuntimeError("broken tier")
+
+
+def test_a_promotion_that_raises_never_fails_the_read(tmp_path):
+    disk = DiskStore(tmp_path, IDENTITY, BIG)
+    store = TieredStore([_RaisingTier(IDENTITY, BIG), MemoryStore(IDENTITY, BIG), disk])
+    disk.put(KEY, make_entry(5))
+    assert_same_entry(store.get(KEY), make_entry(5))
+    assert store.last_hit_tier == "disk" and store.tiers[1].contains(KEY)  # the tiers after it are promoted into
+
+
+def _disk_bytes_per_layer_fetch(store, disk: DiskStore, keys: list[str]) -> list[int]:
+    fetch = store_layer_fetcher(store, keys)
+    read = []
+    for layer in range(NUM_LAYERS):
+        before = disk.stats.bytes_read
+        fetch(layer)
+        read.append(disk.stats.bytes_read - before)
+    return read
+
+
+def test_the_layer_fetcher_reads_a_tiered_store_layer_by_layer(tmp_path):
+    """open_store always returns a TieredStore: without its own `get_layer` the pipelined loader would
+    read every whole entry at the first layer, and nothing would be pipelined."""
+    disk = DiskStore(tmp_path, IDENTITY, BIG)
+    keys = [f"c{i:04d}" for i in range(4)]
+    for i, key in enumerate(keys):
+        disk.put(key, make_entry(200, seed=i))
+    per_layer = _disk_bytes_per_layer_fetch(disk, disk, keys)
+    assert per_layer == [len(keys) * make_entry(200).nbytes // NUM_LAYERS] * NUM_LAYERS
+    assert _disk_bytes_per_layer_fetch(TieredStore([MemoryStore(IDENTITY, 0), disk]), disk, keys) == per_layer
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_per_layer_reads_equal_whole_reads_from_every_tier(tmp_path, depth):
+    disk = DiskStore(tmp_path, IDENTITY, BIG)
+    store = TieredStore([MemoryStore(IDENTITY, BIG), disk])
+    entries = {"mm01": make_entry(9, seed=1), "dd02": make_entry(13, seed=2), "bb03": make_entry(5, seed=3)}
+    store.tiers[0].put("mm01", entries["mm01"])  # memory only
+    disk.put("dd02", entries["dd02"])  # disk only
+    store.put("bb03", entries["bb03"])  # both
+    serial = SerialLoader(store_layer_fetcher(store, entries), NUM_LAYERS)
+    with PipelinedLoader(store_layer_fetcher(store, entries), NUM_LAYERS, depth) as pipelined:
+        for layer in range(NUM_LAYERS):
+            for got in (serial.layer(layer), pipelined.layer(layer)):
+                for key, (k_nope, v) in got.items():
+                    whole = entries[key]
+                    assert k_nope.dtype == whole.k_nope[layer].dtype and torch.equal(k_nope, whole.k_nope[layer])
+                    assert v.dtype == whole.v[layer].dtype and torch.equal(v, whole.v[layer])
+    assert pipelined.peak_buffered <= depth
+
+
+def test_get_layer_names_the_serving_tier_and_promotes_after_the_last_layer(tmp_path):
+    store = open_store(tmp_path, IDENTITY, BIG, BIG)
+    memory, disk = store.tiers
+    entry = make_entry(5, seed=1)
+    disk.put(KEY, entry)
+    memory.put("cd34ef", make_entry(5, seed=2))
+    for layer in range(NUM_LAYERS):
+        assert not memory.contains(KEY)  # promoted only once every layer has been read
+        assert store.get_layer(KEY, layer) is not None and store.last_hit_tier == "disk"
+        assert store.get_layer("cd34ef", layer) is not None and store.last_hit_tier == "memory"
+    promoted = memory.get(KEY)  # made of the layers read, nothing read twice
+    assert disk.stats.bytes_read == entry.nbytes and promoted.meta == disk.get_meta(KEY)
+    assert all(torch.equal(a, b) for a, b in zip(promoted.k_nope + promoted.v, entry.k_nope + entry.v, strict=True))
+    assert store.get_layer("ef5678", 0) is None and store.last_hit_tier is None
+    assert store.stats.misses == {"absent": NUM_LAYERS + 1}  # memory's, for the key only on disk and the unknown one
+
+
+def test_get_layer_promotes_nothing_but_a_whole_in_order_read(tmp_path):
+    store = open_store(tmp_path, IDENTITY, BIG, BIG)
+    memory, disk = store.tiers
+    disk.put(KEY, make_entry(5, seed=1))
+    assert NUM_LAYERS == 3
+    for layers in ([1, 2], [0, 2], [0, 1]):  # no layer 0 first, a gap, a pass abandoned early
+        for layer in layers:
+            store.get_layer(KEY, layer)
+        assert not memory.contains(KEY)
+    for layer in range(NUM_LAYERS):  # a read that starts again at layer 0 and ends
+        store.get_layer(KEY, layer)
+    assert memory.contains(KEY)
+    lazy = TieredStore([MemoryStore(IDENTITY, BIG), disk], promote_on_hit=False)  # placement decides instead
+    for layer in range(NUM_LAYERS):
+        lazy.get_layer(KEY, layer)
+    assert not lazy.tiers[0].contains(KEY)
+
+
+def test_get_layer_keeps_the_serving_tiers_miss_semantics(tmp_path):
+    """A layer a tier fails to verify is its miss (counted with its reason, the entry dropped there), and
+    the next tier that has the key serves it, as `get` does."""
+    upper, lower = DiskStore(tmp_path / "upper", IDENTITY, BIG), DiskStore(tmp_path / "lower", IDENTITY, BIG)
+    store = TieredStore([upper, lower])
+    entry = make_entry(5)
+    assert store.put(KEY, entry)
+    path = entry_file(tmp_path / "upper")
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # a byte of the last tensor in the file
+    path.write_bytes(bytes(raw))
+    for layer in range(NUM_LAYERS):
+        k_nope, v = store.get_layer(KEY, layer)
+        assert torch.equal(k_nope, entry.k_nope[layer]) and torch.equal(v, entry.v[layer])
+    assert store.stats.misses == {"corrupt": 1} and not upper.contains(KEY) and lower.contains(KEY)
+    with pytest.raises(IndexError):
+        store.get_layer(KEY, NUM_LAYERS)
+
+
+class _WholeEntriesTier(MemoryStore):
+    """A tier with no per-layer reads of its own."""
+
+    get_layer = property(lambda self: None)
+
+
+def test_a_tier_without_per_layer_reads_serves_layers_of_its_whole_entry(tmp_path):
+    store = TieredStore([_WholeEntriesTier(IDENTITY, BIG), DiskStore(tmp_path, IDENTITY, BIG)])
+    entry = make_entry(5)
+    store.tiers[0].put(KEY, entry)
+    k_nope, v = store.get_layer(KEY, 1)
+    assert k_nope is entry.k_nope[1] and v is entry.v[1] and store.last_hit_tier == "memory"
 
 
 def test_pins_fan_out(tmp_path):
