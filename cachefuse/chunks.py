@@ -28,15 +28,21 @@ from typing import Any
 from cachefuse.errors import ConfigError, RequestError
 
 _KEY_VERSION = b"cachefuse-chunk-key-v1"
-_FINGERPRINT_VERSION = b"cachefuse-model-fingerprint-v1"
-_SAMPLE_BYTES = 4096  # per sampled range of a safetensors data region
+_FINGERPRINT_VERSION = b"cachefuse-model-fingerprint-v2"  # v2: every tensor sampled
+_SAMPLE_BYTES = 4096  # per sampled range of a tensor's bytes
 
 
 # --------------------------------------------------------------------------- model fingerprint
 
 
 def _safetensors_digest_parts(path: Path) -> list[bytes]:
-    """Name, header, size and the first, middle and last 4 KiB of the data region of one file."""
+    """Name, header, size and, for every tensor, the first, middle and last 4 KiB of its bytes.
+
+    Every tensor, not the file: a fine-tune or a merged adapter changes whole weight matrices, often
+    only some of them (an attention-only LoRA leaves the MLPs, the embeddings and the norms alone), so
+    windows of the file alone can all fall in tensors it did not change, and two checkpoints would share
+    one fingerprint, chunk keys and stored K/V. Reads about 12 KiB a tensor (~3.5 MB for Llama-3-8B).
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -49,20 +55,34 @@ def _safetensors_digest_parts(path: Path) -> list[bytes]:
             )
         header = f.read(header_len)
         data_start = 8 + header_len
-        data_len = size - data_start
         parts = [path.name.encode(), head, header, str(size).encode()]
-        offsets = sorted({0, max(0, data_len // 2 - _SAMPLE_BYTES // 2), max(0, data_len - _SAMPLE_BYTES)})
-        for offset in offsets:
-            f.seek(data_start + offset)
-            parts.append(f.read(min(_SAMPLE_BYTES, data_len - offset)))
+        for begin, end in _tensor_ranges(path, header, size - data_start):
+            for offset in sorted({begin, max(begin, (begin + end) // 2 - _SAMPLE_BYTES // 2),
+                                  max(begin, end - _SAMPLE_BYTES)}):
+                f.seek(data_start + offset)
+                parts.append(f.read(min(_SAMPLE_BYTES, end - offset)))
     return parts
 
 
+def _tensor_ranges(path: Path, header: bytes, data_len: int) -> list[tuple[int, int]]:
+    """[begin, end) of every tensor's bytes in the data region, in header order; the whole region when
+    the header does not parse as a safetensors header (its bytes are hashed all the same)."""
+    try:
+        specs = json.loads(header)
+        ranges = [tuple(spec["data_offsets"]) for name, spec in specs.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return [(0, data_len)]
+    if not all(len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1] <= data_len
+               for r in ranges):
+        raise ConfigError(f"model: {path} has tensor offsets outside its {data_len} bytes of data")
+    return [(begin, end) for begin, end in ranges]
+
+
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
-    """Identifies a checkpoint from its files, reading a few KiB whatever the model's size.
+    """Identifies a checkpoint from its files, reading a few KiB per tensor whatever the model's size.
 
     Hashes config.json (canonical JSON, sorted keys) and, for each `*.safetensors` file in name
-    order, its name, header, size and three 4 KiB samples of its data region. Weights in memory
+    order, its name, header, size and three 4 KiB samples of every tensor's bytes. Weights in memory
     and prompts play no part, so every process that loads the same files gets the same value.
 
     Args:

@@ -94,6 +94,31 @@ def test_fingerprint_weight_byte(llama_copy):
     assert model_fingerprint(llama_copy) != fp
 
 
+def test_fingerprint_sees_a_change_to_some_tensors_only(llama_copy):
+    """A merged attention-only adapter: q/k/v/o of one layer change, every other tensor stays, and so do
+    the first, middle and last 4 KiB of the file's data (what the fingerprint once sampled, which gave
+    such a checkpoint the base model's keys and stored K/V)."""
+    fp = model_fingerprint(llama_copy)
+    weights = llama_copy / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    start = _data_start(weights)
+    header = json.loads(raw[8:start])
+    data_len = len(raw) - start
+    file_windows = [(0, 4096), (data_len // 2 - 2048, data_len // 2 + 2048), (data_len - 4096, data_len)]
+    changed = 0
+    for name, spec in header.items():
+        begin, end = spec["data_offsets"] if name != "__metadata__" else (0, 0)
+        if "layers.1.self_attn" not in name or any(begin < e and s < end for s, e in file_windows):
+            continue
+        for offset in range(start + begin, start + end, 4):  # scale every fp32 weight by 1.5
+            (value,) = struct.unpack_from("<f", raw, offset)
+            struct.pack_into("<f", raw, offset, value * 1.5)
+        changed += 1
+    assert changed >= 2  # the scenario holds: whole tensors changed, the file's windows not
+    weights.write_bytes(bytes(raw))
+    assert model_fingerprint(llama_copy) != fp
+
+
 def test_fingerprint_weight_file_renamed_or_added(llama_copy):
     fp = model_fingerprint(llama_copy)
     _write_safetensors(llama_copy / "extra.safetensors", 100)
