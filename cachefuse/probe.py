@@ -119,13 +119,18 @@ class _CachedContext:
     """The loaded rows of one request, per layer: the view's K/V and, at score layers, every row's K."""
 
     def __init__(self, segments: Sequence[Segment], source: ProbeSource, spec: ProbeSpec,
-                 anchors: Mapping[int, torch.Tensor], rope_spec, device: torch.device) -> None:
+                 anchors: Mapping[int, torch.Tensor], rope_spec, device: torch.device, num_tokens: int) -> None:
         self.source, self.rope_spec, self.device = source, rope_spec, device
         self.parts = []  # (segment index, chunk-local view offsets or None: all, view positions, all positions)
         for index in source.indices():
             seg = segments[index]
             offsets = _view_offsets(index, seg, spec, anchors)
-            every = torch.arange(seg.start, seg.end, device=device)
+            # The last token is always computed afresh (a forced row): a prompt that ends inside a loaded
+            # chunk leaves that row's loaded K/V out, or the probe would attend to position N-1 twice.
+            length = seg.length - 1 if seg.end == num_tokens else seg.length
+            if length < seg.length:
+                offsets = torch.arange(length) if offsets is None else offsets[offsets < length]
+            every = torch.arange(seg.start, seg.start + length, device=device)
             view = every if offsets is None else seg.start + offsets.to(device)
             self.parts.append((index, offsets, view, every))
         self.view_positions = (torch.cat([p[2] for p in self.parts]) if self.parts
@@ -145,8 +150,8 @@ class _CachedContext:
 
     def all_keys(self, layer: int) -> torch.Tensor:
         """K of every loaded row, rotated at its request position, in `all_positions` order."""
-        k_nope = torch.cat([self.source.keys(index, layer).to(self.device, non_blocking=True)
-                            for index, _, _, _ in self.parts])
+        k_nope = torch.cat([self.source.keys(index, layer)[: every.numel()].to(self.device, non_blocking=True)
+                            for index, _, _, every in self.parts])
         return ops.apply_rope(k_nope, self.all_positions, self.rope_spec)
 
     def layer(self, layer: int, view: bool, scored: bool):
@@ -157,7 +162,7 @@ class _CachedContext:
         view_k, view_v = self.view(layer) if view else (None, None)
         if not scored:
             return view_k, view_v, None
-        view_is_all = self.view_positions.numel() == self.all_positions.numel()
+        view_is_all = self.view_positions.numel() == self.all_positions.numel()  # no anchors: the same rows
         return view_k, view_v, view_k if view_k is not None and view_is_all else self.all_keys(layer)
 
 
@@ -176,7 +181,7 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
     shape, num_tokens = adapter.shape, int(token_ids.numel())
     device = token_ids.device
     source = EntrySource(loaded) if isinstance(loaded, Mapping) else loaded
-    context = _CachedContext(segments, source, spec, anchors, adapter.rope_spec, device)
+    context = _CachedContext(segments, source, spec, anchors, adapter.rope_spec, device, num_tokens)
     key_positions, order = torch.cat([context.view_positions, forced_rows]).sort()
     question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens, device))
     score_layers = set(spec.score_layers)

@@ -320,3 +320,42 @@ def test_cacheblend_row_estimate_prices_the_rows_the_pass_computes(adapters, sch
     if schedule != (1.0,):
         ratio_only = num_rows_for_ratio(ratio, result.num_candidates) * len(selective)
         assert computed - ratio_only > 2 * len(selective)
+
+
+def ends_inside_and_shorter(adapter):
+    """One engine whose store serves a RAG prompt with no question two ways: its last chunk declared to
+    the prompt's end, or one token shorter before an undeclared last token, that shorter entry being the
+    longer one's rows but the last (the same K/V, bit for bit: causal, same positions)."""
+    from cachefuse.store.base import ChunkKV
+
+    case = make_case(adapter.shape.vocab_size, seed=3, lengths=(12, 23, 19, 31, 0))  # no question
+    start, end = case.chunks[-1]
+    engine = make_engine(adapter)
+    engine.precompute([case.system])
+    engine.precompute([case.token_ids[s:e] for s, e in case.chunks[1:]], prefix_ids=case.system)
+    entry = engine.store.get(engine.key(case.token_ids[start:end]))
+    shorter = ChunkKV([k[:-1].clone() for k in entry.k_nope], [v[:-1].clone() for v in entry.v], dict(entry.meta))
+    assert engine.store.put(engine.key(case.token_ids[start:end - 1]), shorter)
+    return engine, case, [*case.chunks[:-1], (start, end - 1)]
+
+
+@pytest.mark.parametrize("selector", ["epic", "fusionrag"])
+def test_a_prompt_ending_inside_a_loaded_chunk_equals_that_chunk_declared_one_token_shorter(adapters, selector):
+    """The last token is always computed, so a chunk that ends the prompt offers every row but its last as
+    candidates, exactly as the same chunk declared one token shorter before an undeclared last token
+    (whose entry holds the same K/V: causal, same positions). Selection, probe and result must not tell
+    the two apart: EPIC once picked the forced last row as a candidate, and the question probe attended
+    to position N-1 twice (its loaded K/V and its fresh ones; tests/test_probe.py compares its scores)."""
+    engine, case, shorter_chunks = ends_inside_and_shorter(adapters("llama"))
+    results = []
+    for chunks in (case.chunks, shorter_chunks):
+        result, stats = engine.prefill(case.token_ids, chunks, selector=selector, ratio=0.2, save_holes=False,
+                                       preload_depth=0)
+        assert stats.chunks_hit == len(chunks)
+        results.append(result)
+    ends_inside, shorter = results
+    assert ends_inside.num_candidates == shorter.num_candidates
+    assert ends_inside.num_selected == shorter.num_selected <= ends_inside.num_candidates
+    assert [r.tolist() for r in ends_inside.rows_per_layer if r is not None] == \
+        [r.tolist() for r in shorter.rows_per_layer if r is not None]
+    assert torch.equal(ends_inside.logits, shorter.logits)

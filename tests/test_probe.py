@@ -248,3 +248,26 @@ def test_probe_never_writes_stored_tensors(adapter, loaded_case):
     for i, entry in loaded.items():
         for a, b in zip(before[i], [*entry.k_nope, *entry.v], strict=True):
             assert torch.equal(a, b)
+
+
+def test_probe_attends_to_the_last_position_once_when_the_prompt_ends_inside_a_loaded_chunk(adapter):
+    """The last token is a forced row, computed afresh; when it lies inside a loaded chunk the probe must
+    leave that row's loaded K/V out. Its scores then equal those of the same prompt with the chunk
+    declared one token shorter (the same loaded K/V, bit for bit); with position N-1 attended twice they
+    did not."""
+    from cachefuse.fusor import _RequestLayout
+    from tests.test_fusor import ends_inside_and_shorter
+
+    engine, case, shorter_chunks = ends_inside_and_shorter(adapter)
+    ids = torch.tensor(case.token_ids)
+    scores = []
+    for chunks in (case.chunks, shorter_chunks):
+        segments = segment_prompt(len(ids), chunks)
+        loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system))
+                  for i, s in enumerate(segments) if s.is_chunk}
+        layout = _RequestLayout(FuseRequest(ids, segments, loaded, 0.2), adapter.shape.num_layers, adapter.device)
+        spec = ProbeSpec((1, adapter.shape.num_layers - 1))
+        probe = run_probe(adapter, ids, segments, loaded, layout.forced_rows, layout.ctx, spec, {})
+        scores.append(probe.scores)
+        assert probe.num_view_rows == len(ids) - 1  # every loaded row but the last token's
+    assert torch.equal(scores[0], scores[1])

@@ -29,8 +29,11 @@ class EpicSelector(Selector):
     def initial_rows(self, ctx: SelectionContext) -> torch.Tensor:
         picked = []
         for seg in ctx.candidate_segments:
-            k = self.k if self.k is not None else math.ceil(ctx.ratio * seg.length - 1e-9)
-            picked.append(torch.arange(seg.start, seg.start + min(k, seg.length), dtype=torch.int64,
+            # A chunk's candidates are its rows but the prompt's last token, which is always computed (a
+            # forced row): a chunk that ends the prompt has one less, and EPIC picks among candidates only.
+            num_candidates = seg.length - 1 if seg.end == ctx.num_tokens else seg.length
+            k = self.k if self.k is not None else math.ceil(ctx.ratio * num_candidates - 1e-9)
+            picked.append(torch.arange(seg.start, seg.start + min(k, num_candidates), dtype=torch.int64,
                                        device=ctx.device))
         if not picked:
             return ctx.candidate_rows[:0]
