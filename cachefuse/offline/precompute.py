@@ -21,9 +21,10 @@ not part of any chunk, so it changes no key and no stored byte.
 Resumable: before sending, every chunk's key is computed as the connector's scheduler computes it
 (rank 0) and chunks already listed under the store directory are skipped.
 
-NOTE: run it before starting the servers that share the store. A running engine indexes the store
-once at start-up (and then only its own saves), so it does not see entries another process adds
-until it restarts, and the engine's worker is meant to be the store's only writer.
+Running beside a server that shares the store works: the server's scheduler sees the new metadata
+rows at its next index refresh, and its worker's disk tier indexes a new entry the first time it is
+asked for (`DiskStore.contains`). Each process keeps its own byte budget over the directory, so size
+the precompute engine's `disk_capacity_bytes` like the server's.
 
 Imports the standard library, tqdm and cachefuse.{chunks, config, errors, store.disk} at module
 level; cachefuse.vllm only inside the functions that drive a vLLM engine (never vllm itself: the engine
@@ -257,8 +258,11 @@ def _plan(tokenizer: Any, system: str, texts: list[str], key_context: KeyContext
 def _sampling_params(item: _Item) -> Any:
     from cachefuse.vllm.engines import sampling_params
 
+    # store_variant: the chunk is computed in full even when the server has already stored a variant of it
+    # after some prefix (the scheduler would load that one instead, and no base variant would be written)
     return sampling_params(max_tokens=1, temperature=0.0, cachefuse={"chunks": item.chunks, "selector": SELECTOR,
-                                                                        "sync_save": True})
+                                                                        "sync_save": True,
+                                                                        "store_variant": item.index is not None})
 
 
 def _record(report: PrecomputeReport, item: _Item, output: Any, stored: set[str]) -> None:

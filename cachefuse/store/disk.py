@@ -15,7 +15,9 @@ A put writes `.tmp-*` next to the target, fsyncs it, then `os.replace`s it, so a
 sees the whole old file or the whole new one, never a prefix; a crashed writer leaves only a temp
 file, which the next scan deletes. The index (key -> file bytes, LRU order) is built by one directory
 scan at construction, so `contains` does no I/O. LRU order survives a restart: every write and every
-hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it.
+hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it. An entry
+another process writes later (precompute beside a server) is indexed the first time `contains` asks
+for its key (one stat of a key the index lacks).
 
 Reads are plain reads into tensors that own their memory, each verified (crc32) in that memory: the
 file is never memory-mapped, so a served tensor cannot change under its reader when the file is
@@ -381,7 +383,36 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         return True
 
     def contains(self, key: str) -> bool:
-        return key in self._sizes
+        """Whether `key` has an entry: in the index, or written since the scan by another process sharing
+        the directory (`cachefuse precompute` beside a server, another engine), which is then indexed."""
+        return key in self._sizes or self._adopt(key)
+
+    def _adopt(self, key: str) -> bool:
+        """Indexes an entry file another process wrote after this store's scan (one stat: the key was not
+        in the index). Its writer renamed it into place whole; its bytes are verified when read. It joins
+        the budget as the most recently used entry, evicting as a put would; one that does not fit is
+        left alone and not indexed."""
+        if not base.is_valid_key(key):
+            return False
+        path = self._path(key)
+        try:
+            st = path.lstat()
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or _escapes_root(path):
+            return False
+        with self._lock:
+            if key in self._sizes:
+                return True
+            victims = base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, st.st_size)
+            if victims is None:
+                return False
+            for victim in victims:
+                self._unlink(victim)
+                self.stats.evictions += 1
+            self._sizes[key] = st.st_size
+        logger.debug("disk store indexed %s, written by another process", key)
+        return True
 
     def remove(self, key: str) -> None:
         """Drop `key` and delete its file if present (pinned or not: pins only guard against eviction)."""

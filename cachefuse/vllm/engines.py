@@ -42,6 +42,7 @@ def connector_llm(model: str | Path, extra: dict[str, Any], *, dtype: str = "aut
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    dtype = resolved_dtype(dtype)
     kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -53,6 +54,15 @@ def connector_llm(model: str | Path, extra: dict[str, Any], *, dtype: str = "aut
     # async scheduling off: vLLM's default on a GPU, refused with the connector (cachefuse.vllm.checks)
     return LLM(model=str(model), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
                async_scheduling=False, kv_transfer_config=kv_transfer_config, **kwargs)
+
+
+def resolved_dtype(dtype: str) -> str:
+    """`dtype`, with "auto" made float32 on the CPU. vLLM's CPU platform turns a float32 checkpoint's auto
+    into bfloat16, while the servers here run float32 (`examples/serve.sh`); the KV dtype is part of every
+    chunk key, so precompute under auto would store chunks no float32 server ever hits."""
+    from vllm.platforms import current_platform
+
+    return "float32" if dtype == "auto" and current_platform.is_cpu() else dtype
 
 
 def sampling_params(*, cachefuse: dict[str, Any] | None = None, **kwargs: Any) -> Any:

@@ -538,3 +538,23 @@ def test_a_slow_write_never_blocks_reads_of_other_keys(tmp_path, monkeypatch):
         gate.set()
     writer.join(60)
     assert_same_entry(store.get(KEY), make_entry(5, seed=2))
+
+
+def test_an_entry_another_process_writes_later_is_indexed_when_asked_for(tmp_path):
+    """A server's disk tier scans once at start; `cachefuse precompute` (another process, another DiskStore
+    on the same directory) writes entries afterwards. Asking for one indexes it, within the budget."""
+    entry, other = make_entry(5, seed=1), make_entry(5, seed=2)
+    size = file_size(5)
+    server = DiskStore(tmp_path, IDENTITY, 2 * size)
+    assert server.put("cd34ef", other)
+    writer = DiskStore(tmp_path, IDENTITY, BIG)  # the other process
+    assert writer.put(KEY, entry) and writer.put("ef5678", make_entry(5, seed=3))
+    assert server.keys() == ["cd34ef"]  # not scanned again
+    assert server.contains(KEY) and server.keys() == ["cd34ef", KEY]
+    assert_same_entry(server.get(KEY), entry)
+    assert server.contains("ef5678") and not server.contains("cd34ef")  # the budget holds: LRU evicted
+    assert not server.contains("0a0b0c")  # nothing there: one stat, no index entry
+    link_dir = tmp_path / "99"
+    link_dir.mkdir()
+    (link_dir / f"99aa{disk.SUFFIX}").symlink_to(tmp_path / KEY[:2] / f"{KEY}{disk.SUFFIX}")
+    assert not server.contains("99aa")  # a link placed in the root is never followed

@@ -139,3 +139,29 @@ def test_cli_rejects_a_missing_file(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "nope.jsonl" in err and "No such file or directory" in err
+
+
+def test_precompute_stores_base_variants_in_a_store_a_server_has_served_from(engine, model_dir, tokenizer):
+    """Serving saves a chunk met after other chunks as the variant for that prefix; precompute must still
+    store its base variant (computed after the system prompt alone), not load the served one and store
+    nothing."""
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm, store = engine
+    new = [f"Note {i}: the {thing} of Arun opens at {i + 7} in the morning.\n" for i, thing in enumerate(["gate", "hall"])]
+    prompt = build_rag_prompt(tokenizer, SYSTEM, new, "Question: when?")
+    params = {"cachefuse": {**prompt.kv_transfer_params()["cachefuse"], "sync_save": True}}
+    (served,) = generate(llm, [prompt.token_ids], [params])
+    assert served.kv_transfer_params["cachefuse"]["holes_saved"] >= 2  # note 0 (its base), note 1 after note 0
+    report = precompute_chunks(llm, tokenizer, SYSTEM, new, store_dir=store, progress=False)
+    assert (report.num_stored, report.num_skipped, report.num_failed) == (1, 1, 0), report.failures
+    assert expected_keys(model_dir, tokenizer, SYSTEM, new) <= list_keys(store)
+
+
+def test_engines_run_float32_on_the_cpu_unless_told_otherwise():
+    """`cachefuse precompute` without --dtype must store what a CPU server (float32, examples/serve.sh)
+    hits: vLLM's CPU platform would make a float32 checkpoint's auto bfloat16, another key for every chunk."""
+    from cachefuse.vllm.engines import resolved_dtype
+
+    assert resolved_dtype("auto") == "float32"
+    assert resolved_dtype("bfloat16") == "bfloat16" and resolved_dtype("float16") == "float16"
