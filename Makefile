@@ -49,8 +49,12 @@ model: $(STAMP)
 test: $(STAMP) redis model
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
 
-test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu
+# On a CUDA machine, with its own CUDA torch and triton: the .venv's torch is +cpu, where every gpu test
+# skips. GPU_PYTHON picks the interpreter (pytest and hypothesis installed beside them; no vLLM needed).
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs a CUDA torch and a GPU'"
+	$(GPU_PYTHON) -m pytest -q -m gpu -p no:cacheprovider
 
 demo: $(STAMP) model
 	$(PY) examples/demo.py --model $(SMOLLM2_DIR)

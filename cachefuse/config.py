@@ -33,6 +33,10 @@ def _fail(name: str, value: Any, expected: str) -> None:
     raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")
 
 
+_LIST_FIELDS = ("cacheblend_check_layers", "cacheblend_ratio_schedule", "qcfuse_critical_layers")
+"""Fields given as lists (YAML, JSON, Python) and stored as tuples."""
+
+
 @dataclass(frozen=True)
 class CacheFuseConfig:
     selector: str = "cacheblend"
@@ -177,6 +181,9 @@ class CacheFuseConfig:
     costs O(m^2) per variant scored, so an unbounded prefix would make planning cubic in a request's chunks."""
 
     def __post_init__(self) -> None:
+        for name in _LIST_FIELDS:  # a list where a tuple is stored (the config stays hashable, immutable)
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.selector not in SELECTORS:
             _fail("selector", self.selector, f"one of {', '.join(SELECTORS)}")
         if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, int | float):
@@ -397,9 +404,6 @@ class CacheFuseConfig:
         if unknown:
             raise ConfigError(
                 f"unknown config key(s) {', '.join(map(repr, unknown))}: expected some of {', '.join(sorted(known))}")
-        for name in ("cacheblend_check_layers", "cacheblend_ratio_schedule", "qcfuse_critical_layers"):
-            if isinstance(merged.get(name), list):
-                merged[name] = tuple(merged[name])
         return cls(**merged)
 
     @classmethod

@@ -8,7 +8,8 @@
 #   HOST, PORT         where to listen [127.0.0.1, 8000]
 #   STORE              chunk store directory, shared with `cachefuse precompute --store` [~/.cache/cachefuse]
 #   SERVED_MODEL_NAME  the name clients send as "model" [$MODEL]
-#   SELECTOR           token selector: cacheblend, epic, full_reuse, full_prefill, random [cacheblend]
+#   SELECTOR           token selector: cacheblend, epic, cachecraft, fusionrag, qcfuse, random, full_reuse,
+#                      full_prefill [cacheblend]
 #   RECOMPUTE_RATIO    fraction of cached chunk tokens recomputed [0.15]
 #   MAX_MODEL_LEN      vLLM's --max-model-len [the model's]
 #   DTYPE              model dtype; must match `cachefuse precompute --dtype`, it is part of every

@@ -83,6 +83,19 @@ def test_schedule_must_nest():
     assert ok.cacheblend_check_layers == (1, 2, 3)
 
 
+def test_lists_are_taken_where_tuples_are_stored():
+    """The docs say "a list of layer indices": a Python list works as YAML's does, stored as a tuple (the
+    config is hashable and immutable); the list is validated like the tuple."""
+    config = CacheFuseConfig(cacheblend_check_layers=[1, 2], cacheblend_ratio_schedule=[1.0, 1.0],
+                             qcfuse_critical_layers=[3])
+    assert (config.cacheblend_check_layers, config.cacheblend_ratio_schedule, config.qcfuse_critical_layers) == \
+        ((1, 2), (1.0, 1.0), (3,))
+    assert config.replace(cacheblend_check_layers=[2, 3]).cacheblend_check_layers == (2, 3)
+    hash(config)
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        CacheFuseConfig(cacheblend_check_layers=[2, 1], cacheblend_ratio_schedule=[1.0, 1.0])
+
+
 def test_unknown_key_rejected_by_name():
     with pytest.raises(ConfigError, match="'recompute_ratoi'"):
         CacheFuseConfig.from_dict({"recompute_ratoi": 0.2})

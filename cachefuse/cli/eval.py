@@ -31,7 +31,7 @@ LONGBENCH_NEW_TOKENS = {"f1": 32, "rouge_l": 128}
 NAME = "eval"
 HELP = "score fused prefills against full prefill and full reuse, per selector and ratio"
 DESCRIPTION = (
-    "Runs the reference engine on a dataset: full prefill, full reuse, and every selector at every "
+    "Runs the reference engine (or vLLM, --engine vllm) on a dataset: full prefill, full reuse, and every selector at every "
     "ratio, each chunk loaded from its base variant. Reports the task score with its standard "
     "error, the normalized score, paired tests (McNemar for exact match, paired bootstrap "
     "otherwise) against full prefill and cacheblend, and fidelity (K/V and attention deviation, "
