@@ -41,8 +41,8 @@ def rows_attention(
     """Selected query rows over a full-length merged K/V with an exact per-query causal mask.
 
     Args:
-        q: [num_rows, num_heads, head_dim], rows in increasing position order.
-        q_positions: int64 [num_rows], sorted ascending; key j is visible to row i iff j <= q_positions[i].
+        q: [num_rows, num_heads, head_dim].
+        q_positions: int64 [num_rows], in any order; key j is visible to row i iff j <= q_positions[i].
         k, v: [num_tokens, num_kv_heads, head_dim], key j at position j.
         scale: softmax scale.
         block_rows: rows per SDPA call.
@@ -129,7 +129,8 @@ def rows_attention_at(
     The question probe attends over a view (system, anchors, forced rows) whose positions have gaps.
 
     Args:
-        q: [num_rows, num_heads, head_dim]; q_positions: sorted int64 [num_rows].
+        q: [num_rows, num_heads, head_dim]; q_positions: int64 [num_rows], in any order (the fusor's are
+            sorted; each block's keys reach its furthest row).
         k, v: [num_keys, num_kv_heads, head_dim]; key_positions: sorted int64 [num_keys], distinct.
 
     Returns:
@@ -137,8 +138,10 @@ def rows_attention_at(
     """
     out = q.new_empty(q.shape)
     ends = _block_ends(q.shape[0], block_rows)
-    # Keys each block sees, read to the host once per call (on a GPU: one sync, not one per block).
-    block_keys = torch.searchsorted(key_positions, q_positions[[e - 1 for e in ends]], right=True).tolist()
+    # Keys each block sees, up to its furthest row (rows in any order, as the kernel takes them), read to
+    # the host once per call (on a GPU: one sync, not one per block).
+    furthest = F.pad(q_positions, (0, -q.shape[0] % block_rows), value=-1).view(-1, block_rows).amax(dim=1)
+    block_keys = torch.searchsorted(key_positions, furthest, right=True).tolist()
     for begin, end, num_keys in zip(range(0, q.shape[0], block_rows), ends, block_keys, strict=True):
         mask = key_positions[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
         block = F.scaled_dot_product_attention(

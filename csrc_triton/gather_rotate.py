@@ -96,7 +96,8 @@ def _gather_rotate_kernel(
         dim2 = 2 * half + 1
     load_mask = tok_mask[:, None] & half_mask[None, :]
     store_mask = row_mask[:, None] & half_mask[None, :]
-    src_row = src_ptr + toks[:, None] * stride_src_tok + head * stride_src_head  # [BLOCK_N, 1]
+    # int64: token x stride passes 2**31 elements on long prompts (a q view of Llama-3-8B from 349,526 tokens)
+    src_row = src_ptr + toks[:, None].to(tl.int64) * stride_src_tok + head * stride_src_head  # [BLOCK_N, 1]
     dst_row = dst_ptr + rows[:, None] * stride_dst_tok + head * stride_dst_head
     x1 = tl.load(src_row + dim1[None, :], mask=load_mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_row + dim2[None, :], mask=load_mask, other=0.0).to(tl.float32)

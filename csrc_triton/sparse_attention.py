@@ -230,7 +230,14 @@ def varlen_rows_attention(
     num_requests = cu_rows.shape[0] - 1
     if q.shape[0] == 0 or q.shape[1] == 0 or num_requests == 0:
         return out
-    max_rows = int((cu_rows[1:] - cu_rows[:-1]).max())  # one host sync: sizes the grid
+    # One host read sizes the grid and checks the offsets against the tensors (the kernel would read and
+    # write past their ends; the twin slices): the largest request's rows, the last row and key offsets.
+    max_rows, total_rows, total_keys = torch.stack([
+        (cu_rows[1:] - cu_rows[:-1]).max().to(torch.int64), cu_rows[-1].to(torch.int64),
+        cu_keys[-1].to(torch.int64)]).tolist()
+    if total_rows != q.shape[0] or total_keys > k.shape[0]:
+        raise ValueError(f"cu_rows ends at {total_rows} for {q.shape[0]} rows, cu_keys at {total_keys} for "
+                         f"{k.shape[0]} keys: expected cu_rows[-1] == rows and cu_keys[-1] <= keys")
     _launch(q, q_positions, k, v, out, scale, cu_rows.contiguous(), cu_keys.contiguous(), max_rows)
     return out
 

@@ -126,6 +126,22 @@ def test_rows_attention_unsorted_rows_are_exact(device):
     sorted_out = tri_attn.rows_attention(q, positions, k, v, scale)
     torch.testing.assert_close(tri_attn.rows_attention(q[perm], positions[perm], k, v, scale), sorted_out[perm],
                                **TOL[torch.float32])
+    # the twin (ops on a CPU) takes them in any order too: it once cut each block at its last row's keys
+    twin = attention.rows_attention(q[perm].cpu(), positions[perm].cpu(), k.cpu(), v.cpu(), scale, block_rows=8)
+    torch.testing.assert_close(twin, sorted_out[perm].cpu(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_refuses_offsets_past_its_tensors(device):
+    """The kernel would read keys (and read and write rows) past the tensors' ends; the twin slices."""
+    q, positions, k, v, scale = make_rows_case(4, 9, 1, torch.float32, device)
+    rows = torch.tensor([0, 4], device=device)
+    tri_attn.varlen_rows_attention(q, positions, rows, k, v, torch.tensor([0, 9], device=device), scale)  # fits
+    with pytest.raises(ValueError, match="cu_keys"):
+        tri_attn.varlen_rows_attention(q, positions, rows, k, v, torch.tensor([0, 12], device=device), scale)
+    with pytest.raises(ValueError, match="cu_rows"):
+        tri_attn.varlen_rows_attention(q, positions, torch.tensor([0, 6], device=device), k, v,
+                                       torch.tensor([0, 9], device=device), scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
