@@ -162,11 +162,14 @@ class SqliteMetaStore:
             cur.execute("BEGIN IMMEDIATE")
             try:
                 yield cur
+                # Inside the try: a COMMIT refused while another process reads ("database is locked") leaves
+                # the transaction open, holding the write lock; it must be rolled back, or this connection
+                # can never write again and every other engine on the file is locked out with it.
+                cur.execute("COMMIT")
             except BaseException:
                 if self._conn.in_transaction:  # a failed statement may have rolled it back already
                     cur.execute("ROLLBACK")
                 raise
-            cur.execute("COMMIT")
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

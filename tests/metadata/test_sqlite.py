@@ -104,3 +104,26 @@ def test_a_file_that_cannot_be_opened_is_a_store_error(tmp_path, damage):
     finally:
         if holder is not None:
             holder.close()
+
+
+def test_a_commit_refused_by_a_reader_leaves_the_store_writable(tmp_path):
+    """Another process reading the file (an sqlite3 shell, a backup) can make COMMIT fail with "database is
+    locked"; SQLite then keeps the transaction open with its write lock. It must be rolled back: this
+    store writes again once the reader is gone, the refused row is not seen, and another engine can open
+    and write the file."""
+    path = tmp_path / "meta.sqlite"
+    store = open_store(path)
+    store._conn.execute("PRAGMA busy_timeout=50")  # the 2 s wait for the reader, shortened
+    store.put(VariantRecord.without_stats("aa", (), 4))
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT * FROM variants").fetchall()  # holds a shared lock: COMMIT cannot finish
+    with pytest.raises(StoreError, match="locked"):
+        store.put(VariantRecord.without_stats("bb", (), 4))
+    assert not store._conn.in_transaction
+    reader.execute("COMMIT")
+    store.put(VariantRecord.without_stats("cc", (), 4))
+    assert sorted(r.chunk_key for r in store.all_records()) == ["aa", "cc"]
+    other = open_store(path)
+    other.put(VariantRecord.without_stats("dd", (), 4))
+    assert sorted(r.chunk_key for r in store.all_records()) == ["aa", "cc", "dd"]
