@@ -202,12 +202,13 @@ class FusionEngine:
         start = self.clock()
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
-        with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()):
+        with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()) as metadata_ok:
             result, loaded, more_misses, bytes_loaded = self._fuse(ids, segments, load_keys, ratio, selector_obj,
                                                                    figures, preload_depth, reuse)
         miss_reasons += more_misses
         blend_time = self.clock() - start
-        self._record_uses(chosen, loaded)
+        if metadata_ok:  # else the store has just failed: its timeout is not paid again for f_r
+            self._record_uses(chosen, loaded)
         saved = self._save_holes(result, segments, keys, meta_keys, ratio, save_inline) if save_holes else SaveReport()
         last = result.rows_per_layer[-1]
         num_recomputed = len(ids) if last is None else last.numel()
@@ -231,17 +232,26 @@ class FusionEngine:
 
     @contextlib.contextmanager
     def _pinned_variants(self, choices: Iterable[VariantChoice]):
-        """Pins the chosen variants' metadata for the pass (an eviction must not pick them meanwhile)."""
-        pinned = []
+        """Pins the chosen variants' metadata for the pass (an eviction must not pick them meanwhile); yields
+        whether the metadata store answered. Its first failure ends the pinning: a stalled Redis or a
+        meta.sqlite locked by another process costs its whole timeout per call, and one call per chunk
+        (up to `max_chunks_per_request`) would hold the step for minutes. Unpinned, a variant may be
+        evicted meanwhile: its K/V load decides (a miss, then a hole)."""
+        pinned, answered = [], True
         try:
             for choice in choices:
                 if choice.has_metadata and self.writes_metadata:
                     try:
                         self.metastore.pin(choice.variant_id)
                         pinned.append(choice.variant_id)
-                    except (KeyError, StoreError):
+                    except KeyError:
                         pass  # gone since planning: its K/V load decides (a miss, then stale)
-            yield
+                    except StoreError as exc:
+                        logger.warning("cachefuse: variant metadata unavailable (%s): this request pins and "
+                                       "records no variants", exc)
+                        answered = False
+                        break
+            yield answered
         finally:
             for variant_id in pinned:
                 self.metastore.unpin(variant_id)

@@ -289,3 +289,25 @@ def test_tensor_parallel_ranks_agree_on_hits_before_the_pass(adapter, case):
     engine.rank_agreement = lambda hits, failed: (hits, True)  # another rank failed while loading
     with pytest.raises(RankDisagreement):
         engine.prefill(case.token_ids, case.chunks, save_holes=False)
+
+
+def test_a_failing_metadata_store_costs_one_call_per_request(adapter, case):
+    """A stalled Redis or a meta.sqlite locked by another process costs its timeout per call: after the
+    first failure the request pins no more variants and records no uses, and is fused all the same."""
+    from cachefuse.errors import StoreError
+
+    engine = _full(adapter, case)
+    healthy, _ = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    calls = []
+
+    def failing(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise StoreError("metadata store: timed out")
+        return call
+
+    engine.metastore.pin = failing("pin")
+    engine.metastore.record_uses = failing("record_uses")
+    result, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    assert calls == ["pin"] and stats.chunks_hit == 4  # four chunks with metadata rows, one call
+    assert torch.equal(result.logits, healthy.logits)
