@@ -41,6 +41,8 @@ Choices where the paper is ambiguous (each is pinned by a test in tests/metadata
 9. Variant choice: the lowest CFO; ties go to the higher beta' (the closer prefix, which matters
    when alpha = 0 or CFO is clamped to 1), then to the lower index (the older variant).
 10. f_r: CFO = 0 (an exact prefix match) adds 1 / eps instead of dividing by zero.
+11. A CFO that is not a number (statistics that overflow: only a damaged or foreign row) is 1: the
+    chunk is recomputed in full, and no NaN reaches the scheduler's arithmetic.
 """
 
 from __future__ import annotations
@@ -166,10 +168,13 @@ def cfo(alpha: float, cci_value: float, beta: float, gamma: float) -> float:
         gamma: order penalty (Eq. 7).
 
     Returns:
-        alpha CCI (1 - beta (1 - gamma)), clamped to [0, 1].
+        alpha CCI (1 - beta (1 - gamma)), clamped to [0, 1]; 1 (recompute it all) when the statistics give
+        no number (NaN: a damaged or foreign row whose attention sums overflow to inf / inf).
     """
     _check_nonneg("alpha", alpha)
     value = alpha * cci_value * (1.0 - adjusted_overlap(beta, gamma))
+    if math.isnan(value):
+        return 1.0  # NaN passes min/max unchanged: it would reach the selectors' ceil() in the scheduler
     return min(max(value, 0.0), 1.0)
 
 

@@ -174,6 +174,17 @@ class SchedulerSide:
             return 0, False
         if fusion is None or not fusion.chunks:
             return 0, False
+        try:
+            return self._plan(req_id, fusion, prompt, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 - a planning bug (or a row no check caught) must not stop schedule()
+            logger.exception("cachefuse: request %s: planning failed unexpectedly", req_id)
+            self._pending.pop(req_id, None)
+            self._fall_back(req_id, "planning_error", detail=f"unexpected {type(exc).__name__} while planning")
+            return 0, False
+
+    def _plan(self, req_id: str, fusion: FusionRequest, prompt: list[int],
+              num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The plan of one parsed request (or its fallback): variants, budget, the controller's ratio."""
         if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
             self._fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
             return 0, False

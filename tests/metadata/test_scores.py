@@ -248,3 +248,19 @@ def test_choose_variant_returns_the_argmin(candidates, new, alpha):
     index, value = choose_variant(candidates, new, alpha)
     scores = [score_variant(v, new, alpha)[0] for v in candidates]
     assert value == scores[index] == min(scores)
+
+
+def test_statistics_that_overflow_give_a_cfo_of_one_not_nan():
+    """A damaged or foreign row whose inter sums overflow (inf / inf) scores NaN overlap; its CFO is 1 (the
+    chunk recomputed), so no NaN reaches the scheduler's planning, where it raised in ceil()."""
+    from cachefuse.metadata.base import VariantRecord
+    from cachefuse.metadata.index import VariantIndex, plan_variants
+
+    record = VariantRecord(chunk_key="c", prefix=("a", "b"), inter={"a": 1e308, "b": 1e308}, intra=1.0,
+                           num_tokens=4, prefix_num_tokens={"a": 4, "b": 4})
+    choice = plan_variants(VariantIndex([record]), ["a", "b", "c"], [False] * 3, [4, 4, 4], 1.0)[2]
+    assert choice is not None and choice.cfo == 1.0
+    from cachefuse.metadata import scores as metadata_scores
+
+    assert metadata_scores.cfo(1.0, 0.7, float("nan"), 0.0) == 1.0
+    assert metadata_scores.cfo(1.0, 0.7, 1.0, 0.0) == 0.0  # a number is still clamped, not replaced

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from cachefuse.chunks import chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.base import VariantRecord, record_to_dict
+from cachefuse.vllm import scheduler_side as scheduler_module
 from cachefuse.vllm.messages import CacheFuseWorkerMeta
 from cachefuse.vllm.scheduler_side import SchedulerSide
 from tests.helpers.hostile import kv_transfer_params
@@ -540,3 +541,22 @@ def test_sync_save_from_a_client_runs_as_plain_vllm_unless_allowed(make_side):
     assert_no_state(server)
     (plan,) = schedule(make_side(allow_sync_save=True), request("precompute", params=params))
     assert plan.sync_save is True
+
+
+def test_an_unexpected_planning_error_runs_the_request_as_plain_vllm(make_side, monkeypatch, caplog):
+    """Planning raising (a bug, or a metadata row no check caught) must not stop vLLM's scheduler step:
+    the request runs as plain vLLM and says why."""
+    side = make_side()
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot convert float NaN to integer")
+
+    monkeypatch.setattr(scheduler_module, "plan_variants", broken)
+    req = request("r1")
+    with caplog.at_level(logging.ERROR, logger="cachefuse.vllm.scheduler_side"):
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert "planning failed unexpectedly" in caplog.text
+    _, params = side.request_finished(req, [])
+    assert params["cachefuse"]["fallback_reason"] == "planning_error" and "ValueError" in params["cachefuse"]["detail"]
+    assert side.counters["fallback:planning_error"] == 1
+    assert_no_state(side)
