@@ -93,13 +93,27 @@ class FrequencyPlacement:
             self.counter.record(key)
             self._known.add(key)
 
+    MAX_LOOKUPS = 64
+    """Keys whose tiers one `apply` looks up (a Redis round trip or a disk stat each, on the worker's
+    forward path), the hottest and the coldest first; the rest wait for the next call."""
+
     def apply(self) -> list[tuple[str, str, str]]:
-        """Performs this moment's moves; returns them as (key, from_tier, to_tier)."""
+        """Performs this moment's moves; returns them as (key, from_tier, to_tier).
+
+        Only keys that could move are looked up (hot, or cold), at most `MAX_LOOKUPS`; a cold key found in
+        the slowest tier is forgotten (nothing left to do until it is used again), so the work per call
+        stays bounded however many keys were ever loaded."""
+        could_move = []
+        for key in self._known:
+            frequency = self.counter.frequency(key)
+            if frequency >= self.hot or frequency <= self.cold:
+                could_move.append((-abs(frequency - (self.hot + self.cold) / 2), key))
         where = {}
-        for key in list(self._known):
+        slowest = self.store.tiers[-1].name if self.store.tiers else None
+        for _, key in sorted(could_move)[:self.MAX_LOOKUPS]:
             fastest = next((tier.name for tier in self.store.tiers if tier.contains(key)), None)
-            if fastest is None:
-                self._known.discard(key)  # evicted everywhere: nothing to place
+            if fastest is None or (fastest == slowest and self.counter.frequency(key) <= self.cold):
+                self._known.discard(key)  # evicted everywhere, or cold where it belongs: nothing to place
                 self.counter.forget(key)
             else:
                 where[key] = fastest

@@ -56,8 +56,11 @@ def test_demoting_the_only_copy_writes_it_below_first(tmp_path):
 
 def test_evicted_keys_are_forgotten(tmp_path):
     store = make_store(tmp_path)
-    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1.0, clock=FakeClock())
+    clock = FakeClock()
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1.0, clock=clock)
     policy.record(["gone1"])
+    assert policy.apply() == [] and "gone1" in policy._known  # neither hot nor cold: not looked up yet
+    clock.now = 2.0  # cold: looked up, found nowhere
     assert policy.apply() == [] and "gone1" not in policy._known
 
 
@@ -66,3 +69,29 @@ def test_default_store_still_promotes_on_hit(tmp_path):
     memory, disk = store.tiers
     disk.put("key01", make_entry(3))
     assert store.get("key01") is not None and memory.contains("key01")
+
+
+def test_apply_looks_up_only_keys_that_could_move_and_forgets_settled_cold_ones(tmp_path):
+    """Each apply runs after a blend, on the forward path, and a lookup may be a Redis round trip: keys
+    between cold and hot are not looked up, and a cold key already in the slowest tier is forgotten, so
+    the work per call does not grow with every key ever loaded."""
+    store = make_store(tmp_path)
+    memory, disk = store.tiers
+    lookups = []
+    for tier in (memory, disk):
+        contains = tier.contains
+        tier.contains = lambda key, contains=contains, name=tier.name: lookups.append((name, key)) or contains(key)
+    clock = FakeClock()
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=10.0, clock=clock)
+    for i in range(100):
+        disk.put(f"c{i:04x}", make_entry(3, seed=i))
+    policy.record(f"c{i:04x}" for i in range(100))
+    assert policy.apply() == [] and lookups == []  # frequency 1: neither hot nor cold
+    clock.now = 100.0  # ten half-lives: all cold, on disk already
+    assert policy.apply() == []
+    assert len(lookups) == 2 * policy.MAX_LOOKUPS and len(policy._known) == 100 - policy.MAX_LOOKUPS
+    lookups.clear()
+    policy.apply()
+    assert not policy._known and len(lookups) == 2 * (100 - policy.MAX_LOOKUPS)
+    lookups.clear()
+    assert policy.apply() == [] and lookups == []  # settled: nothing looked up again
