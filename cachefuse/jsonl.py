@@ -27,7 +27,8 @@ def read_jsonl(path: str | Path, what: str) -> Iterator[tuple[str, int, Any]]:
             first step), and "<path>:<line>: not valid JSON (...)" for a line that does not parse.
     """
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        # "\n" only: splitlines() also breaks at U+2028, U+2029 and U+0085, which JSON strings may hold raw
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except OSError as exc:
         raise ValueError(f"{what} {str(path)!r}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

@@ -13,6 +13,7 @@ that nothing will load (a crash between the K/V write and the metadata row).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,12 @@ def _row(record: VariantRecord, stored: set[str]) -> dict[str, Any]:
             "num_tokens": record.num_tokens, "stale": record.store_key not in stored}
 
 
-def report_from(url: str, metastore: MetaStore, kv_keys: set[str]) -> StoreReport:
-    """The report for one metadata store and the set of K/V keys its tiers hold."""
+def report_from(url: str, metastore: MetaStore, list_kv_keys: Callable[[], set[str]]) -> StoreReport:
+    """The report for one metadata store and the K/V keys its tiers hold, listed after the rows are read:
+    a save writes its K/V before its row, so a row read first finds its entry listed (listed first, a
+    save landing in between showed a healthy variant as stale)."""
     records = metastore.all_records()
+    kv_keys = list_kv_keys()
     report = StoreReport(url, [_row(r, kv_keys) for r in records])
     known = {r.store_key for r in records}
     for key in sorted(kv_keys - known):
@@ -74,7 +78,7 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
 
         metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s)
         try:
-            return report_from(redact_url(url), metastore, list_redis_keys(url, timeout_s=timeout_s))
+            return report_from(redact_url(url), metastore, lambda: list_redis_keys(url, timeout_s=timeout_s))
         finally:
             metastore.close()
     from cachefuse.store.disk import list_keys
@@ -85,8 +89,13 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
         raise ConfigError(f"--store {url!r}: no such directory (expected a store_dir or a redis:// URL)")
     # Under tensor parallelism each rank's K/V have a directory (CacheFuseConfig.kv_store_path); the
     # metadata rows are rank 0's keys, so rank 0's entries are the ones to report.
-    kv_keys = set(list_keys(root)).union(*(list_keys(rank0) for rank0 in Path(root).glob("tp*-rank0")))
+    def kv_keys() -> set[str]:
+        return set(list_keys(root)).union(*(list_keys(rank0) for rank0 in Path(root).glob("tp*-rank0")))
+
     if not os.path.exists(meta_path):
+        if not kv_keys():
+            raise ConfigError(f"--store {url!r}: no cachefuse store there (no {META_FILE}, no entries); pass the "
+                              "engine's store_dir")
         return report_from(url, _EmptyMeta(), kv_keys)
     uri = f"file:{meta_path}?mode=ro"  # read-only: inspecting never creates or changes a store
     metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)

@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from cachefuse.cli.args import add_engine_args, engine_config, engine_llm, non_negative_int, positive_int
+from cachefuse.errors import ConfigError
 from cachefuse.jsonl import read_jsonl
 
 NAME = "precompute"
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             system = args.system_file.read_text(encoding="utf-8")
         except OSError as exc:
             parser.error(f"--system-file {str(args.system_file)!r}: {exc.strerror}")
+        except UnicodeDecodeError as exc:
+            parser.error(f"--system-file {str(args.system_file)!r}: not UTF-8 text ({exc.reason})")
     if args.fuse_neighbours and not system:
         parser.error("--fuse-neighbours needs --system or --system-file: neighbour variants are keyed after it")
     # Neighbour variants carry their attention statistics (CCI, ranking), as served variants do
@@ -67,11 +70,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     llm = engine_llm(args, extra)
     texts = [text for _, text in entries]
-    if args.fuse_neighbours:
-        return _run_neighbours(args, llm, system, texts, entries, config)
-    report = precompute_chunks(llm, llm.get_tokenizer(), system, texts,
-                               store_dir=config.store_path, config=config, batch_size=args.batch_size,
-                               progress=not args.no_progress)
+    try:
+        if args.fuse_neighbours:
+            return _run_neighbours(args, llm, system, texts, entries, config)
+        report = precompute_chunks(llm, llm.get_tokenizer(), system, texts,
+                                   store_dir=config.store_path, config=config, batch_size=args.batch_size,
+                                   progress=not args.no_progress)
+    except ConfigError as exc:  # found once the engine's tokenizer is known (no system prompt and no BOS)
+        parser.error(str(exc))
     print(f"precompute: {report.num_stored} stored, {report.num_skipped} skipped, {report.num_failed} failed "
           f"of {report.num_chunks} chunks; system prompt {report.system_status}; "
           f"{report.elapsed_s:.1f} s; store {config.store_path}")

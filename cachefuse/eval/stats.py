@@ -82,16 +82,20 @@ def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> PairedDiff:
 def paired_bootstrap(a: Sequence[float], b: Sequence[float], num_resamples: int = 2000,
                      seed: int = 0) -> PairedDiff:
     """Percentile 95% CI of mean(a - b) over `num_resamples` resamples of the items (seeded); the
-    p-value is twice the share of resampled means on the far side of 0 (capped at 1)."""
+    p-value is twice the share of resampled means on the far side of 0, counting the observed mean
+    among them ((far + 1) / (resamples + 1), capped at 1), so it is never 0. One item is no evidence of
+    anything: p = 1 and an unbounded interval."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired_bootstrap needs two equal, non-empty lists (got {len(a)} and {len(b)})")
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    if d.size == 1:
+        return PairedDiff(float(d[0]), -math.inf, math.inf, 1.0, 1, "paired_bootstrap")
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, d.size, size=(num_resamples, d.size))].mean(axis=1)
     low, high = np.percentile(means, [2.5, 97.5])
-    far = np.mean(means <= 0.0) if d.mean() > 0 else np.mean(means >= 0.0)
-    return PairedDiff(float(d.mean()), float(low), float(high), float(min(1.0, 2.0 * far)), int(d.size),
-                      "paired_bootstrap")
+    far = np.sum(means <= 0.0) if d.mean() > 0 else np.sum(means >= 0.0)
+    p_value = min(1.0, 2.0 * (far + 1) / (num_resamples + 1))
+    return PairedDiff(float(d.mean()), float(low), float(high), float(p_value), int(d.size), "paired_bootstrap")
 
 
 def paired_diff(a: Sequence[float], b: Sequence[float], seed: int = 0) -> PairedDiff:

@@ -227,6 +227,11 @@ def _plan(tokenizer: Any, system: str, texts: list[str], key_context: KeyContext
     """Keys every chunk, counts what is stored, and lists the prompts to send."""
     report = PrecomputeReport(num_chunks=len(texts))
     system_ids = build_rag_prompt(tokenizer, system, [], "").token_ids
+    if not system_ids:
+        raise ConfigError(
+            "system='' is invalid with a tokenizer that has no BOS token: each chunk would start its prompt, "
+            "where it is a system chunk (stored for offset 0 only), and no base variant would be stored for "
+            "the chunk anywhere else; pass the system prompt your prompts start with (--system or --system-file)")
     if system:
         report.system_key = chunk_key(system_ids, key_context, at_prompt_start=True)
         report.system_status = "skipped" if report.system_key in stored else "pending"
@@ -259,7 +264,8 @@ def _sampling_params(item: _Item) -> Any:
     from cachefuse.vllm.engines import sampling_params
 
     # store_variant: the chunk is computed in full even when the server has already stored a variant of it
-    # after some prefix (the scheduler would load that one instead, and no base variant would be written)
+    # after some prefix (the scheduler would load that one instead, and no base variant would be written).
+    # The chunk never starts the prompt (a system prompt or BOS comes first: _plan checks).
     return sampling_params(max_tokens=1, temperature=0.0, cachefuse={"chunks": item.chunks, "selector": SELECTOR,
                                                                         "sync_save": True,
                                                                         "store_variant": item.index is not None})

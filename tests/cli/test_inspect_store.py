@@ -99,3 +99,28 @@ def test_inspect_a_redis_store(private_redis, capsys):
     private_redis.stop()
     assert main(["inspect", "--store", private_redis.url]) == 1  # unreachable: a clear error, no hang
     assert "cachefuse inspect" in capsys.readouterr().err
+
+
+def test_inspect_refuses_a_directory_that_is_no_store(tmp_path, capsys):
+    """A mistyped parent directory was reported as an empty store, exit 0."""
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", "--store", str(tmp_path)])
+    assert exc.value.code == 2 and "no cachefuse store there" in capsys.readouterr().err
+
+
+def test_inspect_lists_entries_after_reading_rows(store_dir, monkeypatch):
+    """A save writes its K/V, then its row: rows read first find their entries, so a save landing while
+    inspect runs never shows a healthy variant as stale."""
+    import cachefuse.store.disk as disk_module
+    from cachefuse import store_report
+
+    root, _ = store_dir
+    order = []
+    real_rows = store_report.SqliteMetaStore.all_records
+    monkeypatch.setattr(store_report.SqliteMetaStore, "all_records",
+                        lambda self: order.append("rows") or real_rows(self))
+    real_keys = disk_module.list_keys
+    monkeypatch.setattr(disk_module, "list_keys", lambda root: order.append("entries") or real_keys(root))
+    store_report.inspect_store(str(root))
+    assert order.index("rows") < order.index("entries")

@@ -64,3 +64,12 @@ def test_normalized_score_needs_a_gap_above_twice_its_standard_error():
     assert normalized_score(0.5, reuse, reuse) is None
     # A gap within noise: one item of 20.
     assert normalized_score(0.5, [1.0] + [0.0] * 19, [0.0] * 20) is None
+
+
+def test_paired_bootstrap_never_reports_p_zero_and_one_item_is_no_evidence():
+    """Every difference of one sign put no resampled mean beyond 0, so p was 0, even from one or two
+    items; the observed mean counts among the resamples, and one item gives p = 1."""
+    one = paired_bootstrap([0.4], [0.9])
+    assert one.p_value == 1.0 and one.ci_low == -math.inf and one.ci_high == math.inf and one.diff == -0.5
+    two = paired_bootstrap([0.5, 0.6], [0.4, 0.5], num_resamples=999)
+    assert two.p_value == pytest.approx(2 / 1000)

@@ -132,6 +132,27 @@ def test_cli_rejects_a_bad_jsonl_line(tmp_path, capsys):
     assert f"{path}:2: not valid JSON" in capsys.readouterr().err
 
 
+def test_jsonl_text_may_hold_unicode_line_separators(tmp_path):
+    """U+2028, U+2029 and U+0085 are legal raw inside JSON strings (json.dumps(ensure_ascii=False) writes
+    them so, and scraped text holds them); only "\n" ends a line."""
+    from cachefuse.cli.precompute import read_chunks_jsonl
+
+    path = tmp_path / "chunks.jsonl"
+    texts = ["Line one\u2028line two", "a\u2029b\u0085c"]
+    path.write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\n", encoding="utf-8")
+    assert [text for _, text in read_chunks_jsonl(path)] == texts
+
+
+def test_cli_rejects_a_system_file_that_is_not_utf8(tmp_path, capsys):
+    chunks, system = tmp_path / "chunks.jsonl", tmp_path / "system.txt"
+    chunks.write_text('{"text": "one"}\n', encoding="utf-8")
+    system.write_bytes(b"caf\xe9\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["precompute", "--model", str(tmp_path), "--chunks", str(chunks), "--store", str(tmp_path),
+              "--system-file", str(system)])
+    assert exc.value.code == 2 and "not UTF-8" in capsys.readouterr().err
+
+
 def test_cli_rejects_a_missing_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["precompute", "--model", str(tmp_path), "--chunks", str(tmp_path / "nope.jsonl"),
@@ -165,3 +186,28 @@ def test_engines_run_float32_on_the_cpu_unless_told_otherwise():
 
     assert resolved_dtype("auto") == "float32"
     assert resolved_dtype("bfloat16") == "bfloat16" and resolved_dtype("float16") == "float16"
+
+
+class NoBosTokenizer:
+    """A tokenizer without BOS (Qwen2, Qwen3): with no system prompt a chunk starts the prompt."""
+
+    bos_token_id = None
+
+    def __init__(self, inner):
+        self.inner, self.eos_token_id = inner, inner.eos_token_id
+
+    def encode(self, text, add_special_tokens=True):
+        return self.inner.encode(text, add_special_tokens=False)
+
+
+def test_precompute_without_a_system_prompt_or_bos_is_refused_naming_the_fix(engine, tokenizer):
+    """With neither, each chunk would start its prompt: a system chunk, stored for offset 0 only (and keyed
+    so), never the base variant served elsewhere; every chunk failed with a message about variants."""
+    from cachefuse.offline.precompute import precompute_chunks
+
+    llm, store = engine
+    with pytest.raises(ConfigError, match="--system"):
+        precompute_chunks(llm, NoBosTokenizer(tokenizer), "", ["Alone: the well is dry.\n"], store_dir=store,
+                          progress=False)
+    report = precompute_chunks(llm, tokenizer, "", ["Alone: the well is dry.\n"], store_dir=store, progress=False)
+    assert (report.num_stored, report.num_failed) == (1, 0), report.failures  # with a BOS: after it
