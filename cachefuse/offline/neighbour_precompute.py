@@ -143,7 +143,9 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
     key_context = scheduler_key_context(vllm_config, config)
     keys = [chunk_key(chunk, key_context) if chunk else None for chunk in ids]
     kv_dir = rank0_kv_dir(vllm_config, engine_config)
-    stored_keys = list_keys(kv_dir)
+    # Stored means both halves: a save writes its K/V, then its metadata row, so a run killed in between
+    # leaves a file nothing loads (a leftover), which must not count as done when the run resumes.
+    stored_keys = list_keys(kv_dir) & _variant_rows(engine_config)
     max_model_len = vllm_config.model_config.max_model_len
     tail_id = tail_token_id(tokenizer)
     todo: list[tuple[int, str, list[int], list[list[int]]]] = []
@@ -184,6 +186,17 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
     logger.info("neighbour variants: %d stored, %d skipped, %d failed of %d chunks (N=%d, store %s)",
                 len(report.stored), len(report.skipped), len(report.failed), len(texts), count, store)
     return report
+
+
+def _variant_rows(config: CacheFuseConfig) -> set[str]:
+    """Store keys of the variants the engine's metadata store has rows for."""
+    from cachefuse.metadata import open_config_metastore
+
+    metastore = open_config_metastore(config)
+    try:
+        return {record.store_key for record in metastore.all_records()}
+    finally:
+        metastore.close()
 
 
 def _sampling_params(spans: list[list[int]]) -> Any:

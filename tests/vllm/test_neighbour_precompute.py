@@ -94,6 +94,26 @@ def test_neighbour_variants_are_stored_equal_the_reference_and_are_served(engine
     assert without["chunk_cfo"][2] > 0.0, without  # control: 2's neighbour is 3, not 0
 
 
+def test_a_variant_whose_row_never_landed_is_stored_again_on_resume(engine, tokenizer):
+    """A save writes K/V, then the row: a run killed in between leaves a file nothing loads. Resuming must
+    store that variant again, not count the file as done."""
+    from cachefuse.offline.neighbour_precompute import precompute_neighbours
+
+    llm, store = engine
+    first = precompute_neighbours(llm, tokenizer, SYSTEM, CHUNKS, 1, store_dir=store, embedder=pairs_embedder,
+                                  progress=False)
+    assert first.ok
+    key = worker_side().engine.meta_key(tokenize_piece(tokenizer, CHUNKS[2]))
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        variant = next(r for r in meta.variants(key) if r.prefix)
+        assert meta.remove(variant.variant_id) is not None  # the crash: the K/V file stays, the row is gone
+    again = precompute_neighbours(llm, tokenizer, SYSTEM, CHUNKS, 1, store_dir=store, embedder=pairs_embedder,
+                                  progress=False)
+    assert again.stored == [2] and sorted(again.skipped) == [0, 1, 3], (again.stored, again.skipped, again.failed)
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        assert any(r.prefix for r in meta.variants(key))
+
+
 def test_cli_fuse_neighbours_with_the_lexical_embedder(model_dir, tmp_path):
     chunks = tmp_path / "chunks.jsonl"
     chunks.write_text("".join(json.dumps({"text": text, "id": f"doc{i}"}) + "\n" for i, text in enumerate(CHUNKS)))
