@@ -38,8 +38,9 @@ Choices where the paper is ambiguous (each is pinned by a test in tests/metadata
    (no pair to disagree on). A chunk repeated in a prefix counts at its first occurrence.
 8. CFO is clamped to [0, 1] (alpha up to 3 in the paper's ablation overshoots 1); alpha must be
    finite and >= 0.
-9. Variant choice: the lowest CFO; ties go to the higher beta' (the closer prefix, which matters
-   when alpha = 0 or CFO is clamped to 1), then to the lower index (the older variant).
+9. Variant choice: the lowest CFO; ties go to the variant stored for exactly the new prefix (scores
+   see a repeated chunk once, so [x] and [x, x] tie), then to the higher beta' (the closer prefix,
+   which matters when alpha = 0 or CFO is clamped to 1), then to the lower index (the older variant).
 10. f_r: CFO = 0 (an exact prefix match) adds 1 / eps instead of dividing by zero.
 11. A CFO that is not a number (statistics that overflow: only a damaged or foreign row) is 1: the
     chunk is recomputed in full, and no NaN reaches the scheduler's arithmetic.
@@ -222,7 +223,8 @@ def score_variant(variant: Variant, new_prefix: Sequence[str], alpha: float) -> 
 
 
 def choose_variant(variants: Sequence[Variant], new_prefix: Sequence[str], alpha: float) -> tuple[int, float]:
-    """The variant to reuse: the lowest CFO, ties to the higher beta', then the lower index (choice 9).
+    """The variant to reuse: the lowest CFO, ties to the one stored for exactly this prefix, then to the
+    higher beta', then the lower index (choice 9).
 
     Args:
         variants: a chunk's stored variants (at least one).
@@ -235,9 +237,12 @@ def choose_variant(variants: Sequence[Variant], new_prefix: Sequence[str], alpha
     if not variants:
         raise ValueError("choose_variant: no variants (a chunk without variants is a miss)")
     best_key, best = None, (0, 0.0)
+    exact = tuple(new_prefix)
     for index, variant in enumerate(variants):
         value, beta_adj = score_variant(variant, new_prefix, alpha)
-        key = (value, -beta_adj, index)
+        # Scores see a repeated chunk once (choice 7), so [x] and [x, x] tie for a prompt x x x: the
+        # variant computed after exactly this prefix must win the tie, not the older one.
+        key = (value, tuple(variant.prefix) != exact, -beta_adj, index)
         if best_key is None or key < best_key:
             best_key, best = key, (index, value)
     return best

@@ -264,3 +264,13 @@ def test_statistics_that_overflow_give_a_cfo_of_one_not_nan():
 
     assert metadata_scores.cfo(1.0, 0.7, float("nan"), 0.0) == 1.0
     assert metadata_scores.cfo(1.0, 0.7, 1.0, 0.0) == 0.0  # a number is still clamped, not replaced
+
+
+def test_a_repeated_chunk_reuses_the_variant_stored_for_exactly_its_prefix():
+    """Scores see a repeated chunk once (choice 7), so after [x, x] the variants stored after [x] and
+    after [x, x] both score CFO 0: the tie goes to the exact one, not the older one (which was computed
+    in another context and would be reused with no row recomputed)."""
+    after_x = Variant(prefix=("X",), inter={"X": 1.0}, intra=1.0, num_tokens=4, prefix_num_tokens={"X": 4})
+    after_xx = Variant(prefix=("X", "X"), inter={"X": 1.0}, intra=1.0, num_tokens=4, prefix_num_tokens={"X": 4})
+    assert choose_variant([after_x, after_xx], ("X", "X"), alpha=1.0) == (1, 0.0)
+    assert choose_variant([after_x, after_xx], ("X",), alpha=1.0) == (0, 0.0)
