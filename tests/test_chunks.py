@@ -386,3 +386,17 @@ def test_chat_pieces_rebuild_the_rendered_conversation(tokenizer):
 
 def test_chat_pieces_without_a_template_is_none():
     assert chat_pieces(CharTokenizer(), "Answer briefly.") is None
+
+
+def test_chunks_from_texts_matches_whole_tokens_only_in_linear_time():
+    """A client could make every prompt position a near match one byte inside a token (8192 = 32 * 256:
+    as 8-byte strings, "0"'s id 32 repeated matches one byte into 8192 repeated), and the scheduler retried
+    each one: quadratic in the prompt. Matches are whole tokens; this prompt finishes at once."""
+    prompt = [256 * 32] * 65536
+    with pytest.raises(RequestError, match=r"chunk_texts\[0\]"):
+        chunks_from_texts(prompt, [[32] * 32768])
+    # ids on both sides of the surrogate range stay distinct, large ids too
+    ids = [0, 0xD7FF, 0xD800, 0xDFFF, 0xE000, 262143, 5]
+    assert chunks_from_texts(ids, [[0xD800, 0xDFFF], [262143]]) == [(2, 4), (5, 6)]
+    with pytest.raises(RequestError, match="token id outside"):
+        chunks_from_texts([1, 2, -1], [[2]])
