@@ -178,7 +178,9 @@ def _record(h: dict[str, str] | list[str]) -> VariantRecord:
             last_access=float(h["last_access"]),
             recompute_ratio=None if h["recompute_ratio"] == "" else float(h["recompute_ratio"]),
             has_stats=h["has_stats"] == "1")
-    except (KeyError, ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+    except (KeyError, ValueError, TypeError, ArithmeticError, RecursionError) as exc:
+        # json.JSONDecodeError is a ValueError; a deeply nested value a RecursionError, int(inf) an
+        # OverflowError: one bad hash is a miss, never an error that hides every other record
         raise StoreError(f"redis metastore: unreadable variant {h.get('variant_id')!r}: {exc!r}") from None
     if record.variant_id != h.get("variant_id"):
         raise StoreError(f"redis metastore: variant {h.get('variant_id')!r} holds the fields of "

@@ -340,7 +340,8 @@ class SqliteMetaStore:
         one damaged row is a miss for its variant, never an error for every other one."""
         try:
             return _from_row(row)
-        except (ValueError, TypeError, KeyError) as exc:  # json.JSONDecodeError is a ValueError
+        except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as exc:
+            # json.JSONDecodeError is a ValueError; a deeply nested value a RecursionError
             self.unreadable_rows += 1
             logger.warning("metadata store: unreadable variant row %r skipped (%s: %s)", row["variant_id"],
                            type(exc).__name__, exc)

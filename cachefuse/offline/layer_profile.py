@@ -121,7 +121,9 @@ def load_profile(store_dir: str | Path, fingerprint: str, num_layers: int) -> La
         return None
     try:
         profile = LayerProfile.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RecursionError) as exc:
+        # whatever a damaged or hand-edited file makes of the parse ([Infinity] layers, deep nesting): the
+        # engine starts without the profile, as the default layers promise
         logger.warning("cachefuse: layer profile %s ignored (%s); qcfuse uses its default layers", path, exc)
         return None
     if profile.fingerprint != fingerprint or profile.num_layers != num_layers:

@@ -76,3 +76,13 @@ def test_a_mutated_row_never_escapes_the_contract(open_store, index, field, valu
     others = {r.variant_id for r in RECORDS} - {damaged.variant_id} - evicted
     assert others <= {r.variant_id for r in store.all_records()}  # one damaged row hides no other
     assert store.get(damaged.variant_id) is not None  # the last put repaired it
+
+
+def test_a_deeply_nested_field_is_one_unreadable_row(open_store):  # noqa: F811
+    """json.loads raises RecursionError on deep nesting, which once escaped the row parse, so one planted
+    row (a shared Redis) stopped every engine's index from reloading."""
+    store = open_store(name=f"deep-{uuid.uuid4().hex[:8]}", max_variants=4)
+    for record in RECORDS:
+        store.put(record)
+    corrupt_row(store, RECORDS[2].variant_id, "prefix", "[" * 100_000 + "]" * 100_000)
+    assert {r.variant_id for r in store.all_records()} == {r.variant_id for r in RECORDS[:2]}

@@ -171,3 +171,15 @@ def test_cli_writes_the_profile_where_an_engine_on_the_store_finds_it(tiny_model
     assert config.qcfuse_critical_layers == printed.critical_layers
     with pytest.raises(SystemExit):
         cli_main(["profile-layers", "--model", str(model)])  # written nowhere: refused before the model loads
+
+
+def test_a_damaged_profile_never_stops_start_up(tmp_path):
+    """Read at every engine's start (qcfuse_critical_layers unset, whatever the selector): int(inf), deep
+    nesting or a list for an object once raised out of start-up instead of being ignored."""
+    data = _profile().to_dict()
+    profile_path(tmp_path, "inf").parent.mkdir(parents=True)
+    profile_path(tmp_path, "inf").write_text(json.dumps(data | {"critical_layers": [1e999]}))
+    profile_path(tmp_path, "deep").write_text("[" * 100_000 + "]" * 100_000)
+    profile_path(tmp_path, "list").write_text("[1, 2]")
+    for name in ("inf", "deep", "list"):
+        assert load_profile(tmp_path, name, 4) is None, name
