@@ -9,6 +9,7 @@ the timeout, and no message or log line carries a password.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -52,8 +53,10 @@ def redact_url(url: str) -> str:
 
     The password becomes `***` ("redis://user:secret@host:6379/0" -> "redis://user:***@host:6379/0");
     a lone user-info part ("redis://secret@host"), which some servers read as a password, and the
-    user-info of a URL that does not parse are masked whole; a URL without "@" is returned unchanged.
+    user-info of a URL that does not parse are masked whole; so is a `password=` (or `username=`) query
+    parameter, which redis-py reads as the password; a URL with none of these is returned unchanged.
     """
+    url = _QUERY_SECRET.sub(lambda m: f"{m.group(1)}***", url)
     try:
         parts = urlsplit(url)
         password = parts.password
@@ -70,6 +73,9 @@ def redact_url(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+_QUERY_SECRET = re.compile(r"([?&](?:password|username)=)[^&#]*", re.IGNORECASE)
 
 
 def url_with_password(url: str, password: str) -> str:

@@ -16,6 +16,11 @@ from cachefuse.redis_client import redact_url, redis_client
     ("redis://a@b:secret@host/0", "redis://a@b:***@host/0"),  # the user-info ends at the last "@"
     ("redis://host:6379/0", "redis://host:6379/0"),  # nothing to hide: unchanged
     ("unix:///run/redis.sock", "unix:///run/redis.sock"),
+    # redis-py also reads the password from the query
+    ("redis://host:6379/0?password=secret", "redis://host:6379/0?password=***"),
+    ("redis://host/0?db=1&Password=secret&x=1", "redis://host/0?db=1&Password=***&x=1"),
+    ("unix:///run/redis.sock?password=secret", "unix:///run/redis.sock?password=***"),
+    ("redis://u:secret@host/0?password=secret", "redis://u:***@host/0?password=***"),
 ])
 def test_redact_url_masks_credentials(url, expected):
     assert redact_url(url) == expected

@@ -158,15 +158,22 @@ def encode_fields(entry: ChunkKV, identity: StoreIdentity) -> dict[str, bytes]:
     return {"header": json.dumps(header, separators=(",", ":")).encode(), **fields}
 
 
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+"""A header past this is not one this tier wrote (checksums, shapes and a chunk's meta: kilobytes): parsed,
+a crafted one in a shared Redis would take ~23x its size in worker memory as Python objects."""
+
+
 def _parse_header(raw: bytes) -> dict[str, str]:
     """The header's JSON object of strings, or disk._Miss ("truncated" if it stops mid-document)."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise disk._Miss(base.MISS_CORRUPT, f"header of {len(raw)} bytes, over {MAX_HEADER_BYTES}")
     try:
         header = json.loads(raw)
     except json.JSONDecodeError as exc:
         cut = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated string")
         raise disk._Miss(base.MISS_TRUNCATED if cut else base.MISS_CORRUPT, f"header: {exc}") from None
-    except ValueError as exc:  # not UTF-8
-        raise disk._Miss(base.MISS_CORRUPT, f"header: {exc!r}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8; nested past the parser's depth
+        raise disk._Miss(base.MISS_CORRUPT, f"header: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not all(isinstance(v, str) for v in header.values()):
         raise disk._Miss(base.MISS_CORRUPT, "header is not a JSON object of strings")
     return header

@@ -178,6 +178,9 @@ def _write_as(identity: StoreIdentity, num_layers: int = 3, dtype=torch.float32)
         (_set_field("header", b""), "truncated"),
         (_set_field("header", b"\xff\xfe garbage \x00"), "corrupt"),
         (_set_field("header", b"[1, 2, 3]"), "corrupt"),
+        # a valid header padded past the cap: not parsed (a crafted one would take ~23x its size to parse)
+        (lambda client, key: client.hset(key, "header", client.hget(key, "header") + b" " * (16 << 20)), "corrupt"),
+        (_set_field("header", b"[" * 100_000 + b"]" * 100_000), "corrupt"),  # nested past the parser's depth
         (_edit_header(**{"shape.k.1": "five"}), "corrupt"),
         (_edit_header(**{"shape.k.1": "5,2,16"}), "truncated"),
         (_edit_header(**{"shape.k.1": "5,16"}), "shape_mismatch"),
@@ -191,7 +194,8 @@ def _write_as(identity: StoreIdentity, num_layers: int = 3, dtype=torch.float32)
         (lambda client, key: client.delete(key), "absent"),
     ],
     ids=["flipped", "truncated-field", "empty-field", "overlong-field", "missing-field", "no-header",
-         "truncated-header", "empty-header", "garbage-header", "header-not-object", "bad-shape", "long-shape",
+         "truncated-header", "empty-header", "garbage-header", "header-not-object", "huge-header", "deep-header",
+         "bad-shape", "long-shape",
          "2d-shape", "num-tokens", "num-tokens-garbage", "format-version", "wrong-redis-type",
          "fingerprint", "dtype", "layers", "deleted"],
 )
