@@ -93,7 +93,19 @@ def split_tokens(tokenizer: Any, context: str, chunk_tokens: int = 512) -> list[
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r}, expected >= 1")
     ids = tokenizer.encode(context, add_special_tokens=False)
-    pieces = [tokenizer.decode(ids[i:i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
+    pieces, start = [], 0
+    while start < len(ids):
+        end = min(start + chunk_tokens, len(ids))
+        piece = tokenizer.decode(ids[start:end])
+        # A byte-level BPE may split one character (an emoji, CJK) across tokens: a window ending between
+        # them decodes to U+FFFD. It takes the next tokens (at most 3: UTF-8 has 4 bytes a character).
+        for _ in range(3):
+            if not piece.endswith("\ufffd") or end == len(ids):
+                break
+            end += 1
+            piece = tokenizer.decode(ids[start:end])
+        pieces.append(piece)
+        start = end
     if "".join(pieces) != context:
         raise ValueError("split_tokens: the tokenizer does not decode windows back to the context; "
                          "use a byte-level BPE tokenizer or split by passages")

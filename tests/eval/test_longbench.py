@@ -57,6 +57,18 @@ def test_summaries_split_into_token_windows(tmp_path, tiny_model_dir):
         load_longbench_jsonl(path, "samsum")
 
 
+def test_token_windows_keep_characters_split_across_tokens_whole(tiny_model_dir):
+    """A byte-level BPE splits an emoji or a CJK character across tokens; a window ending between them
+    decoded to U+FFFD, and the whole file was refused. The window takes the rest of the character."""
+    from cachefuse.eval.longbench import split_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    context = "word " * 200 + "\U0001F600 \u6771\u4eac " * 40 + "end"
+    for width in (7, 8, 16, 64):
+        pieces = split_tokens(tokenizer, context, chunk_tokens=width)
+        assert "".join(pieces) == context and not any(p.endswith("\ufffd") for p in pieces), width
+
+
 @pytest.mark.parametrize(("line", "message"), [
     ("not json", "not valid JSON"), ("[1]", "expected a JSON object"),
     (json.dumps({"input": "q", "context": "", "answers": ["a"]}), "'context' is empty"),
