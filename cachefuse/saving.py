@@ -89,10 +89,14 @@ def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str]
                ratio: float, rope_spec: RopeSpec, max_prefix_chunks: int) -> list[HoleSave]:
     """Every hole of `result` as the variant for its prefix (metadata.index rule 1: the declared non-system
     chunks before it, in prompt order, the nearest `max_prefix_chunks`); a hole with no such prefix is
-    the chunk's base variant, stored under the plain chunk key."""
+    the chunk's base variant, stored under the plain chunk key. A hole after other chunks whose prefix
+    `max_prefix_chunks` cuts to nothing (0) is not saved: under the plain key it would pass for the base
+    variant, computed after the system prompt alone, and be reused as exact."""
     saves = []
     for index in result.hole_segments:
         prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
+        if prefix_ids and max_prefix_chunks == 0:
+            continue
         prefix_ids = prefix_ids[max(0, len(prefix_ids) - max_prefix_chunks):]
         prefix = tuple(meta_keys[i] for i in prefix_ids)
         store_key = keys[index] if not prefix else f"{keys[index]}-{make_variant_id(meta_keys[index], prefix)}"

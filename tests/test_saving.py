@@ -251,3 +251,14 @@ def test_background_engine_config_and_close(adapter, case):
     _, stats = engine.prefill(case.token_ids, case.chunks)
     assert stats.holes_saved == len(case.chunks)
     assert engine.close() == 0 and set(engine.store.inner.keys()) == set(stats.saved_keys)
+
+
+def test_with_no_prefix_chunks_kept_only_base_variants_are_saved(adapter, case):
+    """max_variant_prefix_chunks: 0 cut every hole's prefix to nothing, so a hole after other chunks was
+    stored under the plain key as if computed after the system prompt alone, and later reused as exact."""
+    engine = make_engine(adapter, CacheFuseConfig(max_variant_prefix_chunks=0))
+    _, stats = engine.prefill(case.token_ids, case.chunks, save_inline=True)  # a cold store: every chunk a hole
+    system, first = engine.key(case.system, at_prompt_start=True), engine.key(case.pieces[0])
+    assert set(stats.saved_keys) == {system, first}  # after the system prompt alone: the base variants
+    for piece in case.pieces[1:]:
+        assert not engine.store.contains(engine.key(piece))
