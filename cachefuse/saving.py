@@ -280,10 +280,17 @@ class BackgroundSaver:
         return report
 
     def entry(self, store_key: str) -> ChunkKV | None:
-        """The queued entry of `store_key` (not yet written), else None."""
+        """The queued entry of `store_key` (not yet written), else None. On a GPU its tensors are ready: their
+        copy out of the pass (and RoPE strip) ran on the pass's stream, and a reader on another stream (the
+        loader's) would otherwise read them before it finished. Long done by the next request, so the wait
+        costs nothing in practice."""
         with self._cond:
             save = self._pending.get(store_key)
-        return None if save is None else save.entry
+        if save is None:
+            return None
+        if save.ready is not None:
+            save.ready.synchronize()
+        return save.entry
 
     def pending_records(self) -> list[VariantRecord]:
         """The metadata rows of queued saves, as they will be written (none on ranks that write no rows)."""
