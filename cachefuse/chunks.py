@@ -75,7 +75,7 @@ def _tensor_ranges(path: Path, header: bytes, data_len: int) -> list[tuple[int, 
     if not all(len(r) == 2 and all(isinstance(x, int) for x in r) and 0 <= r[0] <= r[1] <= data_len
                for r in ranges):
         raise ConfigError(f"model: {path} has tensor offsets outside its {data_len} bytes of data")
-    return [(begin, end) for begin, end in ranges]
+    return ranges
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:

@@ -92,11 +92,12 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
     def kv_keys() -> set[str]:
         return set(list_keys(root)).union(*(list_keys(rank0) for rank0 in Path(root).glob("tp*-rank0")))
 
-    if not os.path.exists(meta_path):
-        if not kv_keys():
+    if not os.path.exists(meta_path):  # no rows to read first: the one listing serves both
+        listed = kv_keys()
+        if not listed:
             raise ConfigError(f"--store {url!r}: no cachefuse store there (no {META_FILE}, no entries); pass the "
                               "engine's store_dir")
-        return report_from(url, _EmptyMeta(), kv_keys)
+        return report_from(url, _EmptyMeta(), lambda: listed)
     uri = f"file:{meta_path}?mode=ro"  # read-only: inspecting never creates or changes a store
     metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)
     try:

@@ -107,12 +107,12 @@ class FrequencyPlacement:
         for key in self._known:
             frequency = self.counter.frequency(key)
             if frequency >= self.hot or frequency <= self.cold:
-                could_move.append((-abs(frequency - (self.hot + self.cold) / 2), key))
+                could_move.append((-abs(frequency - (self.hot + self.cold) / 2), key, frequency))
         where = {}
         slowest = self.store.tiers[-1].name if self.store.tiers else None
-        for _, key in sorted(could_move)[:self.MAX_LOOKUPS]:
+        for _, key, frequency in sorted(could_move)[:self.MAX_LOOKUPS]:
             fastest = next((tier.name for tier in self.store.tiers if tier.contains(key)), None)
-            if fastest is None or (fastest == slowest and self.counter.frequency(key) <= self.cold):
+            if fastest is None or (fastest == slowest and frequency <= self.cold):
                 self._known.discard(key)  # evicted everywhere, or cold where it belongs: nothing to place
                 self.counter.forget(key)
             else:

@@ -126,12 +126,14 @@ class TieredStore:
         meta = tier.get_meta(key) if hasattr(tier, "get_meta") else None
         return None if meta is None else ChunkKV(assembly.k_nope, assembly.v, meta)
 
-    def _fastest(self, key: str, read: Callable[[KVStore], T | None]) -> tuple[int, T] | None:
+    def _fastest(self, key: str, read: Callable[[KVStore], T | None],
+                 ask_fastest: bool = False) -> tuple[int, T] | None:
         """(depth, what `read(tier)` found) for the fastest tier where it found something; sets
-        `last_hit_tier`."""
+        `last_hit_tier`. Tiers below the first are read only when they hold the key; the first too with
+        `ask_fastest` (partial reads, which must not count a miss there)."""
         self.last_hit_tier = None
         for depth, tier in enumerate(self.tiers):
-            if depth > 0 and not tier.contains(key):
+            if (depth > 0 or ask_fastest) and not tier.contains(key):
                 continue  # skip the read and its "absent" count: the index already says no
             found = read(tier)
             if found is not None:
@@ -158,15 +160,10 @@ class TieredStore:
         return self._first("get_meta", key)
 
     def _first(self, method: str, key: str, *args):
-        self.last_hit_tier = None
-        for tier in self.tiers:
-            if not tier.contains(key) or not hasattr(tier, method):
-                continue
-            found = getattr(tier, method)(key, *args)
-            if found is not None:
-                self.last_hit_tier = getattr(tier, "name", type(tier).__name__)
-                return found
-        return None
+        """`method(key, *args)` of the fastest tier that holds the key and has the method."""
+        found = self._fastest(key, lambda tier: getattr(tier, method)(key, *args) if hasattr(tier, method) else None,
+                              ask_fastest=True)
+        return None if found is None else found[1]
 
     def put(self, key: str, entry: ChunkKV) -> bool:
         """Write through to every tier; True if at least one tier stored the entry."""
