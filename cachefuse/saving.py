@@ -346,12 +346,16 @@ class BackgroundSaver:
 
     def close(self, timeout_s: float | None = None) -> int:
         """Flushes (within `timeout_s`, default `flush_timeout_s`) and stops the thread; returns how many
-        saves were left unwritten. Later submits are skipped. Idempotent."""
+        saves were left unwritten. Saves still queued at the deadline are dropped (the metadata store closes
+        next: written later, their rows would fail and their K/V be removed again); a save already being
+        written cannot be interrupted and finishes on its own. Later submits are skipped. Idempotent."""
         timeout_s = self.flush_timeout_s if timeout_s is None else timeout_s
         flushed = self.flush(timeout_s)
         with self._cond:
             self._closed = True
             left = len(self._pending)
+            while self._queue:
+                self._forget(self._queue.popleft())
             self._cond.notify_all()
         self._thread.join(timeout=0 if not flushed else max(timeout_s, 0.0))
         if left:

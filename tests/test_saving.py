@@ -214,6 +214,11 @@ def test_close_writes_the_queue_and_reports_what_it_could_not():
     stalled.submit([_save("a" * 16), _save("b" * 16)])
     assert stalled.close(timeout_s=3.0) == 2  # the put never returns within the bound
     stuck.gate.set()
+    stalled._thread.join(WAIT_S)
+    assert not stalled._thread.is_alive()
+    # "a" was being written and finishes; "b", still queued at the deadline, is dropped rather than
+    # written behind a closed metadata store.
+    assert stuck.keys() == ["a" * 16]
 
 
 def test_pending_reads_serve_queued_entries_and_removal_drops_them():
