@@ -12,15 +12,22 @@ that nothing will load (a crash between the K/V write and the metadata row).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
+import sqlite3
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachefuse.errors import ConfigError
+from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata.base import MetaStore, VariantRecord
 from cachefuse.metadata.sqlite import META_FILE, SqliteMetaStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,11 +106,41 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
                               "engine's store_dir")
         return report_from(url, _EmptyMeta(), lambda: listed)
     uri = f"file:{meta_path}?mode=ro"  # read-only: inspecting never creates or changes a store
-    metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)
+    try:
+        metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)
+    except StoreError as exc:
+        if not _needs_rollback(exc):
+            raise
+        return _report_from_recovered_copy(url, meta_path, kv_keys)
     try:
         return report_from(url, metastore, kv_keys)
     finally:
         metastore.close()
+
+
+def _needs_rollback(exc: StoreError) -> bool:
+    """SQLite refused a read-only open because of a hot journal: a writer died inside a transaction, and the
+    next read-write open rolls its half-written pages back."""
+    cause = exc.__cause__
+    return isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK"
+
+
+def _report_from_recovered_copy(url: str, meta_path: str, kv_keys: Callable[[], set[str]]) -> StoreReport:
+    """Reads a store whose metadata has a hot journal: the file and its journal are copied and the copy rolled
+    back (what the next engine to open the store does), so inspecting still changes nothing. The rows are
+    the last committed ones."""
+    logger.warning("cachefuse inspect: %s has a hot journal (a writer died mid-transaction); reading a "
+                   "rolled-back copy, the store itself is left for the next engine to recover", meta_path)
+    with tempfile.TemporaryDirectory(prefix="cachefuse-inspect-") as tmp:
+        copy = os.path.join(tmp, META_FILE)
+        shutil.copyfile(meta_path, copy)
+        with contextlib.suppress(FileNotFoundError):  # committed meanwhile: the copy is consistent as it is
+            shutil.copyfile(meta_path + "-journal", copy + "-journal")
+        metastore = SqliteMetaStore(copy, max_variants=1 << 62)
+        try:
+            return report_from(url, metastore, kv_keys)
+        finally:
+            metastore.close()
 
 
 class _EmptyMeta:

@@ -124,3 +124,43 @@ def test_inspect_lists_entries_after_reading_rows(store_dir, monkeypatch):
     monkeypatch.setattr(disk_module, "list_keys", lambda root: order.append("entries") or real_keys(root))
     store_report.inspect_store(str(root))
     assert order.index("rows") < order.index("entries")
+
+
+def _die_mid_transaction(meta_path: str) -> None:
+    """A writer that deletes every row and is killed before committing: its journal stays, hot."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, sqlite3
+        conn = sqlite3.connect({meta_path!r}, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=TRUNCATE")
+        conn.execute("PRAGMA cache_size=1")  # the deleted pages reach the file before the commit
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("DELETE FROM variants")
+        for i in range(2000):
+            conn.execute("INSERT INTO generation (value) VALUES (?)", (i,))
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_inspect_reads_a_store_left_with_a_hot_journal(store_dir, capsys, tmp_path):
+    """A killed writer leaves a hot journal, and SQLite refuses to open the file read-only: inspect failed
+    with "not a cachefuse metadata store". It now reads a rolled-back copy and leaves the store alone."""
+    import shutil
+
+    root, _ = store_dir
+    copy = tmp_path / "store"
+    shutil.copytree(root, copy)
+    assert main(["inspect", "--store", str(copy), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)["variants"]
+    _die_mid_transaction(str(copy / "meta.sqlite"))
+    journal = copy / "meta.sqlite-journal"
+    assert journal.stat().st_size > 0
+    database = (copy / "meta.sqlite").read_bytes()
+    assert main(["inspect", "--store", str(copy), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["variants"] == before  # the committed rows, not the dead writer's
+    assert (copy / "meta.sqlite").read_bytes() == database and journal.stat().st_size > 0  # store untouched
+    assert SqliteMetaStore(str(copy / "meta.sqlite"), max_variants=100).all_records()  # an engine recovers it
