@@ -39,6 +39,11 @@ MISS_REASONS = (
     MISS_ABSENT, MISS_CORRUPT, MISS_TRUNCATED, MISS_FOREIGN_MODEL, MISS_SHAPE_MISMATCH, MISS_IO_ERROR,
 )
 
+MAX_ENTRY_HEADER_BYTES = 16 * 1024 * 1024
+"""A stored entry's header past this is not one a tier wrote (dtypes, shapes, checksums and a chunk's meta:
+kilobytes, under a megabyte for a 128K-token chunk's anchors). Parsed, a crafted one would take ~23x its
+size in worker memory as Python objects; every tier refuses it as corrupt before parsing."""
+
 # Keys become file names (disk) and Redis keys: a conservative alphabet, no path separators, and a
 # first character that can never start a temp-file name (".tmp-").
 _KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{1,199}")

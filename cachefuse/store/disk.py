@@ -64,7 +64,6 @@ FORMAT = "cachefuse-kv"
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 MAX_NUM_TOKENS = 1 << 20
 """More tokens than any chunk has: a header claiming more is not one of ours."""
 _Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]  # k_nope per layer, v per layer, meta
@@ -203,8 +202,8 @@ def _read_header(fh: BinaryIO, size: int) -> tuple[dict[str, str], dict[str, _Te
     if len(prefix) < 8:
         raise _Miss(base.MISS_TRUNCATED, f"{len(prefix)} bytes: no header length")
     (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > _MAX_HEADER_BYTES:
-        raise _Miss(base.MISS_CORRUPT, f"header length {header_len} over {_MAX_HEADER_BYTES}")
+    if header_len > base.MAX_ENTRY_HEADER_BYTES:
+        raise _Miss(base.MISS_CORRUPT, f"header length {header_len} over {base.MAX_ENTRY_HEADER_BYTES}")
     if size < 8 + header_len:
         raise _Miss(base.MISS_TRUNCATED, f"{size} bytes, header says {8 + header_len} before any tensor")
     raw = bytearray(header_len)

@@ -158,15 +158,10 @@ def encode_fields(entry: ChunkKV, identity: StoreIdentity) -> dict[str, bytes]:
     return {"header": json.dumps(header, separators=(",", ":")).encode(), **fields}
 
 
-MAX_HEADER_BYTES = 16 * 1024 * 1024
-"""A header past this is not one this tier wrote (checksums, shapes and a chunk's meta: kilobytes): parsed,
-a crafted one in a shared Redis would take ~23x its size in worker memory as Python objects."""
-
-
 def _parse_header(raw: bytes) -> dict[str, str]:
     """The header's JSON object of strings, or disk._Miss ("truncated" if it stops mid-document)."""
-    if len(raw) > MAX_HEADER_BYTES:
-        raise disk._Miss(base.MISS_CORRUPT, f"header of {len(raw)} bytes, over {MAX_HEADER_BYTES}")
+    if len(raw) > base.MAX_ENTRY_HEADER_BYTES:  # a shared Redis is anyone's to write
+        raise disk._Miss(base.MISS_CORRUPT, f"header of {len(raw)} bytes, over {base.MAX_ENTRY_HEADER_BYTES}")
     try:
         header = json.loads(raw)
     except json.JSONDecodeError as exc:

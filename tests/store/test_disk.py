@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from cachefuse.errors import StoreError
 from cachefuse.store import disk
-from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity
+from cachefuse.store.base import MAX_ENTRY_HEADER_BYTES, ChunkKV, KVStore, StoreIdentity
 from cachefuse.store.disk import DiskStore, encode_entry
 from cachefuse.store.memory import MemoryStore
 from cachefuse.store.tiered import TieredStore
@@ -176,6 +176,20 @@ def _truncate_header(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:20])
 
 
+def _pad_header(path: Path) -> None:
+    """The entry's own header, valid, padded past the cap every tier shares (parsed, a crafted one would
+    take ~23x its size in worker memory)."""
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + header_len] + b" " * MAX_ENTRY_HEADER_BYTES
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + header_len:])
+
+
+def _nest_header(path: Path) -> None:
+    header = b"[" * 100_000 + b"]" * 100_000  # nested past the JSON parser's depth
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+
+
 def _garbage(path: Path) -> None:
     path.write_bytes(os.urandom(300))
 
@@ -198,13 +212,15 @@ def _write_as(identity: StoreIdentity, num_layers: int = 3, dtype=torch.float32)
         (_truncate, "truncated"),
         (_truncate_header, "truncated"),
         (_garbage, "corrupt"),
+        (_pad_header, "corrupt"),
+        (_nest_header, "corrupt"),
         (_empty, "truncated"),
         (_write_as(StoreIdentity("other-model", 3, torch.float32)), "foreign_model"),
         (_write_as(IDENTITY_BF16, dtype=torch.bfloat16), "foreign_model"),
         (_write_as(StoreIdentity("fp-test", 4, torch.float32), num_layers=4), "shape_mismatch"),
         (lambda path: path.unlink(), "absent"),
     ],
-    ids=["flipped", "truncated", "truncated-header", "garbage", "empty", "fingerprint", "dtype", "layers",
+    ids=["flipped", "truncated", "truncated-header", "garbage", "padded-header", "nested-header", "empty", "fingerprint", "dtype", "layers",
          "deleted"],
 )
 def test_bad_files_are_counted_misses(tmp_path, damage, reason):
