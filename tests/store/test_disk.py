@@ -176,12 +176,11 @@ def _truncate_header(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:20])
 
 
-def _pad_header(path: Path) -> None:
-    """The entry's own header, valid, padded past the cap every tier shares (parsed, a crafted one would
-    take ~23x its size in worker memory)."""
+def _pad_header(path: Path, nbytes: int) -> None:
+    """The entry's own header, still valid JSON, with `nbytes` of spaces after it."""
     raw = path.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
-    header = raw[8:8 + header_len] + b" " * MAX_ENTRY_HEADER_BYTES
+    header = raw[8:8 + header_len] + b" " * nbytes
     path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + header_len:])
 
 
@@ -212,7 +211,6 @@ def _write_as(identity: StoreIdentity, num_layers: int = 3, dtype=torch.float32)
         (_truncate, "truncated"),
         (_truncate_header, "truncated"),
         (_garbage, "corrupt"),
-        (_pad_header, "corrupt"),
         (_nest_header, "corrupt"),
         (_empty, "truncated"),
         (_write_as(StoreIdentity("other-model", 3, torch.float32)), "foreign_model"),
@@ -220,7 +218,7 @@ def _write_as(identity: StoreIdentity, num_layers: int = 3, dtype=torch.float32)
         (_write_as(StoreIdentity("fp-test", 4, torch.float32), num_layers=4), "shape_mismatch"),
         (lambda path: path.unlink(), "absent"),
     ],
-    ids=["flipped", "truncated", "truncated-header", "garbage", "padded-header", "nested-header", "empty", "fingerprint", "dtype", "layers",
+    ids=["flipped", "truncated", "truncated-header", "garbage", "nested-header", "empty", "fingerprint", "dtype", "layers",
          "deleted"],
 )
 def test_bad_files_are_counted_misses(tmp_path, damage, reason):
@@ -235,6 +233,18 @@ def test_bad_files_are_counted_misses(tmp_path, damage, reason):
     assert store.get(KEY) is None and store.stats.misses.get("absent", 0) == 1 + (reason == "absent")
     assert store.put(KEY, make_entry(5, seed=3))
     assert_same_entry(store.get(KEY), make_entry(5, seed=3))
+
+
+def test_a_header_past_the_shared_cap_is_not_parsed(tmp_path):
+    """The disk tier parsed headers up to 100 MiB (~2.3 GB of Python objects); every tier now stops at
+    MAX_ENTRY_HEADER_BYTES, below a budget that would admit the file."""
+    store = DiskStore(tmp_path, IDENTITY, 4 * MAX_ENTRY_HEADER_BYTES)
+    path = tmp_path / KEY[:2] / f"{KEY}.safetensors"
+    store.put(KEY, make_entry(5))
+    _pad_header(path, 1 << 20)  # control: a padded header under the cap is read as before
+    assert_same_entry(store.get(KEY), make_entry(5))
+    _pad_header(path, MAX_ENTRY_HEADER_BYTES)
+    assert store.get(KEY) is None and store.stats.misses == {"corrupt": 1}
 
 
 def test_bad_file_found_by_the_scan_is_a_miss(tmp_path):
