@@ -3,6 +3,10 @@
 Devices: tests/helpers/triton_devices.py (interpreted on the CPU, compiled on a GPU).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +137,38 @@ def test_ops_dispatch(device):
         torch.testing.assert_close(actual, expected, **TOL[torch.float32], equal_nan=True)
     else:
         assert torch.equal(actual[dst_rows], expected[dst_rows])
+
+
+_PAST_INT32_SCRIPT = """
+import sys, torch
+from cachefuse import rope
+from tests.csrc_triton.test_gather_rotate import make_spec
+import csrc_triton.gather_rotate as tri
+
+path, stride = sys.argv[1], 1 << 30  # elements: token 2 of src starts at element 2**31
+nbytes = (2 * stride + 64) * 4
+with open(path, "wb") as f:
+    f.truncate(nbytes)  # sparse: only the three rows written below take pages
+flat = torch.tensor([], dtype=torch.float32).set_(torch.UntypedStorage.from_file(path, True, nbytes))
+src = flat.as_strided((3, 1, 64), (stride, 64, 1))
+values = torch.randn(3, 1, 64)
+src.copy_(values)
+spec = make_spec("cpu")
+rows, positions = torch.tensor([2, 0, 1]), torch.tensor([5, 900, 70000])
+expected = rope.gather_rotate(values, torch.zeros(3, 1, 64), rows, positions, spec)
+actual = tri.gather_rotate(src, torch.zeros(3, 1, 64), rows, positions, spec)
+print(float((actual - expected).abs().max()))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter reads CPU memory")
+def test_source_offsets_past_int32_do_not_wrap(tmp_path):
+    """Token x token-stride passed 2**31 elements on long prompts (a q view of Llama-3-8B from 349,526
+    tokens) and wrapped in int32 to an address before the tensor. src here is a view of a sparse 8 GiB
+    file whose third token starts at element 2**31. In a child process: the int32 kernel reads out of
+    bounds and dies with SIGSEGV (checked by hand), which must not take the suite with it."""
+    result = subprocess.run([sys.executable, "-c", _PAST_INT32_SCRIPT, str(tmp_path / "sparse")],
+                            capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, f"rc {result.returncode}: {result.stderr[-2000:]}"
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-5
