@@ -37,6 +37,12 @@ _LIST_FIELDS = ("cacheblend_check_layers", "cacheblend_ratio_schedule", "qcfuse_
 """Fields given as lists (YAML, JSON, Python) and stored as tuples."""
 
 
+def rank_dir_name(tp_size: int | str, tp_rank: int) -> str:
+    """The name of one tensor-parallel rank's K/V directory inside the store (`CacheFuseConfig.kv_store_path`);
+    `rank_dir_name("*", 0)` is the glob for rank 0's, whatever the TP size (as `cachefuse inspect` reads)."""
+    return f"tp{tp_size}-rank{tp_rank}"
+
+
 @dataclass(frozen=True)
 class CacheFuseConfig:
     selector: str = "cacheblend"
@@ -427,7 +433,7 @@ class CacheFuseConfig:
         unlink the others' files (tp_size x the budget on disk, pinned entries deleted under a reader)."""
         if tp_size == 1:
             return self.store_path
-        return self.store_path / f"tp{tp_size}-rank{tp_rank}"
+        return self.store_path / rank_dir_name(tp_size, tp_rank)
 
     def compute_hash(self) -> str:
         """Hash of what changes stored bytes; it joins every chunk key (docs/architecture.md, Definitions).

@@ -1,6 +1,6 @@
 """What a store holds, variant by variant, and what is out of step (`cachefuse inspect --store URL`).
 
-Imports the standard library and cachefuse.{metadata, store.disk}; Redis only for a redis:// URL.
+Imports the standard library and cachefuse.{config, metadata, store.disk}; Redis only for a redis:// URL.
 A store URL is a directory (the disk tier, with `meta.sqlite` next to it) or `redis://` / `rediss://`.
 
 Reported per variant: chunk key, variant id, prefix, CCI, f_r, access count, size, tier, whether it
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachefuse.config import rank_dir_name
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata.base import MetaStore, VariantRecord
 from cachefuse.metadata.sqlite import META_FILE, SqliteMetaStore
@@ -97,7 +98,7 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
     # Under tensor parallelism each rank's K/V have a directory (CacheFuseConfig.kv_store_path); the
     # metadata rows are rank 0's keys, so rank 0's entries are the ones to report.
     def kv_keys() -> set[str]:
-        return set(list_keys(root)).union(*(list_keys(rank0) for rank0 in Path(root).glob("tp*-rank0")))
+        return set(list_keys(root)).union(*(list_keys(rank0) for rank0 in Path(root).glob(rank_dir_name("*", 0))))
 
     if not os.path.exists(meta_path):  # no rows to read first: the one listing serves both
         listed = kv_keys()
