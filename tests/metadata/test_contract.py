@@ -358,7 +358,9 @@ def corrupt_row(store: MetaStore, variant_id: str, field: str = "inter", value: 
 
 
 @pytest.mark.parametrize(("field", "value"), [("inter", "{not json"), ("prefix", "[1, 2"),
-                                               ("num_tokens", "many"), ("ranked_tokens", "[99]")])
+                                               ("num_tokens", "many"), ("ranked_tokens", "[99]"),
+                                               ("ranked_tokens", "[0, true]"), ("ranked_tokens", "[0, -1]"),
+                                               ("ranked_tokens", "[0, 1.0]"), ("ranked_tokens", '[0, "1"]')])
 def test_an_unreadable_row_is_a_counted_miss_that_hides_nothing_else(open_store, field, value):
     store = open_store(max_variants=3)
     good, bad = alone("C1"), c3_after_c1_c2()
