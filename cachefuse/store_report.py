@@ -80,8 +80,10 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
         StoreError: Redis did not answer.
     """
     if url.startswith(("redis://", "rediss://")):
+        from cachefuse.redis_client import redact_url, require_redis_package
+
+        require_redis_package("--store redis://...")
         from cachefuse.metadata.redis import RedisMetaStore
-        from cachefuse.redis_client import redact_url
         from cachefuse.store.redis import list_redis_keys
 
         metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s)

@@ -129,3 +129,18 @@ def test_bad_yaml_file(tmp_path):
 
 def test_hash_ignores_selection_fields():
     assert CacheFuseConfig().compute_hash() == CacheFuseConfig(selector="epic", recompute_ratio=0.5).compute_hash()
+
+
+def test_a_redis_url_without_the_redis_package_names_the_field_and_the_install(monkeypatch):
+    """redis-py is an optional extra: without it a configured redis_url died in the worker with a bare
+    ModuleNotFoundError."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "redis" else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"redis_url needs the redis package.*cachefuse\[redis\]"):
+        CacheFuseConfig(redis_url="redis://localhost:6379/0")
+    CacheFuseConfig()  # control: no Redis configured, no package needed
+    monkeypatch.undo()
+    CacheFuseConfig(redis_url="redis://localhost:6379/0")  # control: installed here

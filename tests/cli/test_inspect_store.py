@@ -164,3 +164,14 @@ def test_inspect_reads_a_store_left_with_a_hot_journal(store_dir, capsys, tmp_pa
     assert json.loads(capsys.readouterr().out)["variants"] == before  # the committed rows, not the dead writer's
     assert (copy / "meta.sqlite").read_bytes() == database and journal.stat().st_size > 0  # store untouched
     assert SqliteMetaStore(str(copy / "meta.sqlite"), max_variants=100).all_records()  # an engine recovers it
+
+
+def test_inspect_of_a_redis_url_without_the_redis_package_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "redis" else real_find_spec(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", "--store", "redis://localhost:1/0"])
+    assert exc.value.code == 2 and "pip install 'cachefuse[redis]'" in capsys.readouterr().err
