@@ -144,3 +144,10 @@ def test_a_redis_url_without_the_redis_package_names_the_field_and_the_install(m
     CacheFuseConfig()  # control: no Redis configured, no package needed
     monkeypatch.undo()
     CacheFuseConfig(redis_url="redis://localhost:6379/0")  # control: installed here
+
+
+@pytest.mark.parametrize("path", [None, 3, "", ["a.yaml"]])
+def test_config_file_must_be_a_path(path):
+    """An int was opened as a file descriptor (and closed); None raised a bare TypeError."""
+    with pytest.raises(ConfigError, match=r"config_file=.* is invalid: expected the path of a YAML file"):
+        CacheFuseConfig.from_dict({"config_file": path})
