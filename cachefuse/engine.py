@@ -171,14 +171,15 @@ class FusionEngine:
                 selector: str | Selector | None = None, ratio: float | None = None,
                 save_holes: bool = True, preload_depth: int | None = None,
                 choices: Sequence[VariantChoice | None] | None = None,
-                save_inline: bool = False) -> tuple[FuseResult, FusionStats]:
+                save_inline: bool = False, record_uses: bool = True) -> tuple[FuseResult, FusionStats]:
         """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets).
 
         `selector` is a registry name (built from the config) or a ready Selector instance;
         `preload_depth` overrides the config's (the loading controller's L_p for this request);
         `choices` are the variants to reuse per declared chunk (the scheduler's plan; None: chosen
         here by `plan_variants`); `save_inline` writes the holes before returning even when the engine
-        saves in the background.
+        saves in the background; `record_uses` False leaves the reused variants' f_r alone (a blend
+        replayed after a preemption counted them the first time).
         """
         selector = selector or self.config.selector
         selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
@@ -207,7 +208,7 @@ class FusionEngine:
                                                                    figures, preload_depth, reuse)
         miss_reasons += more_misses
         blend_time = self.clock() - start
-        if metadata_ok:  # else the store has just failed: its timeout is not paid again for f_r
+        if metadata_ok and record_uses:  # else the store has just failed: its timeout is not paid again for f_r
             self._record_uses(chosen, loaded)
         saved = self._save_holes(result, segments, keys, meta_keys, ratio, save_inline) if save_holes else SaveReport()
         last = result.rows_per_layer[-1]

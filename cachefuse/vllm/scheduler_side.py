@@ -85,6 +85,8 @@ class _Pending:
     variants: list[VariantChoice | None] = field(default_factory=list)
     block_ids: list[int] | None = None
     sent: bool = False
+    replay: bool = False
+    """Preempted after its blend ran: the next blend replays this plan (SchedulerSide._replay)."""
 
 
 @dataclass
@@ -159,6 +161,10 @@ class SchedulerSide:
         if not wants_fusion(params, self.config):
             return 0, False
         req_id, prompt = request.request_id, list(request.prompt_token_ids or [])
+        if req_id in self._fallbacks and getattr(request, "num_output_tokens", 0):
+            # It ran as plain vLLM, was preempted and resumes: its tokens so far came from plain K/V, and a
+            # blend now would decode the rest over other K/V (an answer neither plain nor fused).
+            return 0, False
         try:
             fusion = parse_request(params, prompt, self.config, self._tokenize)
         except RequestLimitError as exc:
@@ -193,6 +199,9 @@ class SchedulerSide:
                 return None, False  # over this step's blend budget: retried next step
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
+        previous = self._pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
+        if previous is not None and (previous.sent or previous.replay):
+            return self._replay(req_id, previous, prompt)
         keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
         admission = None if fusion.store_variant else Admission.from_config(self.config)
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
@@ -210,17 +219,25 @@ class SchedulerSide:
             fusion = dataclasses.replace(fusion, recompute_ratio=controller["ratio"])
         outcome = {"status": "planned", "selector": fusion.selector, "recompute_ratio": fusion.recompute_ratio,
                    "chunks": len(keys), "chunks_indexed": sum(indexed)}
-        previous = self._pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
-        preemptions = previous.outcome.get("preemptions", 0) if previous is not None else 0
-        if previous is not None and previous.sent:  # its plan ran: vLLM preempted it and resumes it now
-            preemptions += 1
-            self.counters["requests_replanned_after_preemption"] += 1
-        if preemptions:
-            outcome["preemptions"] = preemptions
         if controller is not None:
             outcome["controller"] = controller
         self._pending[req_id] = _Pending(fusion, prompt, outcome, variants)  # idempotent: a re-call replaces it
         self._fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
+        return len(prompt) - 1, False
+
+    def _replay(self, req_id: str, previous: _Pending, prompt: list[int]) -> tuple[int, bool]:
+        """A request whose blend ran and that vLLM preempted and now resumes: its first blend's plan again,
+        the same variants (its own saved holes stay holes), selector and ratio, with no controller (no
+        no-go), so the K/V vLLM decodes the rest over are the ones its first tokens came from. Planned
+        afresh from today's index, the holes it saved became hits and the rows went elsewhere: another
+        answer than the same request unpreempted. The worker neither saves nor counts the replay."""
+        if previous.outcome.get("status") == "fallback":  # its blend failed and vLLM computed it plain: stays so
+            return 0, False
+        if previous.sent:  # a re-call while the replay waits for blocks counts once
+            previous.sent, previous.replay, previous.block_ids = False, True, None
+            previous.outcome["preemptions"] = previous.outcome.get("preemptions", 0) + 1
+            self.counters["requests_replanned_after_preemption"] += 1
+        self._fallbacks.pop(req_id, None)
         return len(prompt) - 1, False
 
     def _decide(self, fusion: FusionRequest, num_tokens: int, variants: list[VariantChoice | None]) -> dict[str, Any]:
@@ -291,7 +308,7 @@ class SchedulerSide:
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
                          slots, block_ids[: (num_tokens + bs - 1) // bs], block_ids[:num_hit_blocks],
-                         fusion.selected_rows, depth, pending.variants, fusion.sync_save)
+                         fusion.selected_rows, depth, pending.variants, fusion.sync_save, pending.replay)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -322,12 +339,15 @@ class SchedulerSide:
             self.counters[f"miss:{miss}"] += count
         self.counters["save_failures"] += figures.get("save_failures", 0)
         self.counters["saves_skipped"] += figures.get("saves_skipped", 0)
+        pending = self._pending.get(req_id)
+        if pending is not None and pending.replay:
+            figures = {**figures, **_replay_outcome(figures)}
         finished = self._awaiting.pop(req_id, None)
         if finished is not None:
             finished.update(figures)
             self._finish(req_id, finished)
-        elif req_id in self._pending:
-            self._pending[req_id].outcome.update(figures)
+        elif pending is not None:
+            pending.outcome.update(figures)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -380,6 +400,16 @@ class SchedulerSide:
         if self._tokenizer is None:
             return None
         return lambda text: tokenize_piece(self._tokenizer, text)
+
+
+def _replay_outcome(figures: dict[str, Any]) -> dict[str, Any]:
+    """What a preempted request's replayed blend adds to its outcome: `replay_exact`, whether the blend
+    rebuilt the K/V its first tokens came from (false: a chunk it loaded the first time was gone, evicted
+    meanwhile, and was computed in full); a replay that failed says its earlier tokens were fused."""
+    if figures.get("status") == "fallback":
+        return {"fused_before_preemption": True, "replay_exact": False}
+    lost = {reason: n for reason, n in (figures.get("miss_reasons") or {}).items() if reason != "not_stored"}
+    return {"replay_exact": not lost}
 
 
 def _log_outcome(req_id: str, outcome: dict[str, Any]) -> None:

@@ -135,16 +135,20 @@ class WorkerSide:
                                                            self.adapter.shape.scaling, fusor.block_rows,
                                                            fusor.attention_fn)
         try:
+            # A replay (the request's first blend ran before a preemption) saved its holes and counted its
+            # reuses the first time.
             _, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
-                                           ratio=plan.recompute_ratio, save_holes=self.config.save_holes,
+                                           ratio=plan.recompute_ratio,
+                                           save_holes=self.config.save_holes and not plan.replay,
                                            preload_depth=plan.preload_depth, choices=plan.variants,
-                                           save_inline=plan.sync_save)
+                                           save_inline=plan.sync_save, record_uses=not plan.replay)
         finally:
             fusor.attention_backend = None
         self._meta.evict(stats.evicted_variants)
         self._meta.announce(stats.saved_keys, [record_to_dict(r) for r in stats.saved_variants])
         self.figures.observe_blend(stats, len(plan.token_ids))
-        if self.placement is not None:  # the entries read: a variant's key, not its chunk's plain key
+        # The entries read (a variant's key, not its chunk's plain key), once per request: not again on a replay.
+        if self.placement is not None and not plan.replay:
             self.placement.record(stats.loaded_keys)
             for key, source, target in self.placement.apply():
                 logger.debug("cachefuse placement: %s %s -> %s", key, source, target)

@@ -378,8 +378,9 @@ def test_every_outcome_is_logged_once_at_debug(make_side, caplog):
 def test_cachecraft_admission_plans_one_chunk_in_full_and_its_save_serves_the_replan(make_side):
     """Under `selector: cachecraft` the scheduler computes in full the one chunk whose base variant scores
     CFO 0.5 (the default admission policy). Two requests planned in the same step both admit it and the
-    worker saves the same (chunk, prefix) twice: the index holds one variant for it. A request preempted
-    after its admission resumes with a plan that loads that variant at CFO 0. Negative control:
+    worker saves the same (chunk, prefix) twice: the index holds one variant for it, and a later request
+    loads it at CFO 0. A request preempted after its admission replays its first plan (the chunk in full
+    again, though its own save is now indexed): the K/V its first tokens came from. Negative control:
     `variant_admission_max_chunks: 0` loads the base variant at 0.5."""
     chunks = {"cachefuse": {"chunks": [[0, 10], [10, 60], [60, 90]]}}
     side = make_side(selector="cachecraft")
@@ -406,10 +407,16 @@ def test_cachecraft_admission_plans_one_chunk_in_full_and_its_save_serves_the_re
     (planned,) = schedule(side, preempted)
     assert planned.variants[2] is None  # admitted again: its variant is gone
     index_variants(side, after_a)  # the worker saved it; vLLM preempted r3 and now resumes it
+    worker_reports(side, "r3")
     (resumed,) = schedule(side, preempted, resumed_first_block=40)
-    assert resumed.variants[2].variant_id == after_a.variant_id and resumed.variants[2].cfo == 0.0
+    assert resumed.replay and resumed.variants == planned.variants and resumed.variants[2] is None
     side.request_finished(preempted, [])
     worker_reports(side, "r3")
+    assert_no_state(side)
+    (later,) = schedule(side, request("r4", params=chunks))  # a new request loads the saved variant
+    assert later.variants[2].variant_id == after_a.variant_id and later.variants[2].cfo == 0.0 and not later.replay
+    side.request_finished(request("r4", params=chunks), [])
+    worker_reports(side, "r4")
     assert_no_state(side)
 
     control = make_side(selector="cachecraft", variant_admission_max_chunks=0)
@@ -560,3 +567,94 @@ def test_an_unexpected_planning_error_runs_the_request_as_plain_vllm(make_side, 
     assert params["cachefuse"]["fallback_reason"] == "planning_error" and "ValueError" in params["cachefuse"]["detail"]
     assert side.counters["fallback:planning_error"] == 1
     assert_no_state(side)
+
+
+def no_go_figures() -> dict:
+    """Measured figures under which the controller turns every request down (vLLM's prefill far faster)."""
+    return {**measured(disk=1.0), "compute": {**measured()["compute"], "per_row_s": 1.0, "prefill_per_token_s": 1e-9}}
+
+
+def test_a_preempted_fused_request_replays_its_first_plan(make_side):
+    """Blended, preempted after its own holes were saved and indexed, resumed when the controller would say
+    no-go: the resumed blend replays the first plan (the holes in full again, no controller), so vLLM decodes
+    the rest over the K/V its first tokens came from. Planned afresh, the saved holes became hits and the
+    rows went elsewhere (another answer), or the request fell back and was reported as plain vLLM although
+    its first tokens were fused."""
+    side = make_side(ratio_mode="controller")
+    req = request("r1", params={"cachefuse": {"chunks": [[0, 10], [10, 60], [60, 90]]}})
+    prompt = req.prompt_token_ids
+    key_sys = chunk_key(prompt[0:10], side.key_context, at_prompt_start=True)
+    key_a = chunk_key(prompt[10:60], side.key_context)
+    index_variants(side, VariantRecord.without_stats(key_sys, (), 10), VariantRecord.without_stats(key_a, (), 50))
+    side.figures = {}  # no figures yet: the fixed ratio, fused
+    (first,) = schedule(side, req)
+    assert first.variants[2] is None and not first.replay  # chunk b: a hole
+    worker_reports(side, "r1", chunks_hit=2, miss_reasons={"not_stored": 1})
+    key_b = chunk_key(prompt[60:90], side.key_context)
+    index_variants(side, VariantRecord.without_stats(key_b, (key_a,), 30))  # its save of b, now indexed
+    side.figures = no_go_figures()
+    req.num_output_tokens = 7  # decoded 7 tokens over the fused K/V, then preempted
+    (replayed,) = schedule(side, req, resumed_first_block=40)
+    assert replayed.replay and replayed.variants == first.variants and replayed.recompute_ratio == first.recompute_ratio
+    assert replayed.slot_mapping[0] == 40 * 16  # into its new blocks
+    worker_reports(side, "r1", chunks_hit=2, miss_reasons={"not_stored": 1})
+    _, params = side.request_finished(req, [])
+    outcome = params["cachefuse"]
+    assert outcome["status"] == "fused" and outcome["preemptions"] == 1 and outcome["replay_exact"] is True
+    assert side.counters["requests_fused"] == 1 and side.counters["requests_fallback"] == 0
+    assert_no_state(side)
+
+    # Negative control: a new request with the same prompt is planned afresh, b loaded, the controller asked.
+    side.figures = {}
+    (fresh,) = schedule(side, request("r2", params=req.kv_transfer_params))
+    assert fresh.variants[2] is not None and not fresh.replay
+
+
+def test_a_replay_that_loses_a_chunk_or_fails_says_so(make_side):
+    side = make_side()
+    req = request("r1")
+    (first,) = schedule(side, req)
+    worker_reports(side, "r1", chunks_hit=2)
+    schedule(side, req, resumed_first_block=40)
+    worker_reports(side, "r1", chunks_hit=1, miss_reasons={"absent": 1})  # evicted between the two blends
+    _, params = side.request_finished(req, [])
+    assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["replay_exact"] is False
+
+    failing = request("r2")
+    schedule(side, failing)
+    worker_reports(side, "r2", chunks_hit=2)
+    schedule(side, failing, resumed_first_block=40)
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        {"r2": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+    _, params = side.request_finished(failing, [])
+    outcome = params["cachefuse"]
+    assert outcome["status"] == "fallback" and outcome["fused_before_preemption"] is True
+    assert outcome["preemptions"] == 1
+    worker_reports(side, None)
+    assert_no_state(side)
+
+
+def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed(make_side):
+    """Its first tokens came from plain K/V (vLLM recomputed it): blended on resumption, the rest would be
+    decoded over fused K/V. A request that fell back before it produced a token may still be planned."""
+    side = make_side(ratio_mode="controller")
+    failed = request("r1")
+    side.figures = {}
+    schedule(side, failed)
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
+        {"r1": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+    assert side.get_num_new_matched_tokens(failed, 0) == (0, False)  # resumed: plain again
+    assert side.build_connector_meta(step_output(resumed=[failed])).plans == []
+
+    turned_down = request("r2")
+    side.figures = no_go_figures()
+    assert side.get_num_new_matched_tokens(turned_down, 0) == (0, False)
+    turned_down.num_output_tokens = 3  # ran plain, preempted, resumes with figures that would fuse
+    side.figures = {}
+    assert side.get_num_new_matched_tokens(turned_down, 0) == (0, False)
+    for req in (failed, turned_down):
+        _, params = side.request_finished(req, [])
+        assert params["cachefuse"]["status"] == "fallback"
+    worker_reports(side, None)
+    assert_no_state(side)
+    assert side.counters["requests_fallback"] == 2
