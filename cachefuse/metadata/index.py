@@ -177,6 +177,10 @@ class VariantIndex:
             gone = self._announced.pop(variant_id, None)
             if gone is not None:
                 self._announced_plain.discard(gone.store_key)
+                # kept for the next snapshot's verdict; with the variant gone there is none to give (and
+                # without a refresher nothing else would ever drop it)
+                self._written.discard(gone.store_key)
+                self._expiring.discard(gone.store_key)
             self._remove(variant_id)
 
     def _remove(self, variant_id: str) -> None:

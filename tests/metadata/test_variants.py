@@ -350,3 +350,17 @@ def test_a_reload_honours_what_changed_while_its_snapshot_was_read():
     assert index.variants("C") == [confirmed]  # written after the read began: this snapshot cannot know
     store.on_read, store.records, store.gen = (lambda: None), [], 2
     assert refresher.refresh_once(store) and index.variants("C") == []  # the next one decides
+
+
+def test_an_index_without_a_refresher_forgets_written_keys_with_their_variants():
+    """Without a disk tier or Redis no refresher runs, and the keys the worker reported written were only
+    ever dropped by a snapshot: one key kept per hole ever saved, evicted or not."""
+    index = VariantIndex()
+    for i in range(200):
+        record = VariantRecord.without_stats(f"chunk{i}", (), 10)
+        index.announce([record], [record.store_key])  # queued for the writer
+        index.confirm_written([record.store_key])  # written
+        if i % 2:
+            index.remove(record.variant_id)  # evicted under the N x M budget
+    assert len(index) == 100 and len(index._written) == 100 and not index._expiring
+    assert len(index._announced_plain) == 100

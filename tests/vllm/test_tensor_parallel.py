@@ -45,6 +45,7 @@ def test_tp2_selects_the_same_rows_as_tp1(tiny_model_dir, tmp_path):
     rank_keys = [list_keys(tmp_path / "tp2" / f"tp2-rank{rank}") for rank in (0, 1)]
     assert len(rank_keys[0]) == len(rank_keys[1]) == len(tp1_keys) and not rank_keys[0] & rank_keys[1]
     assert not list_keys(tmp_path / "tp2") and (tmp_path / "tp2" / META_FILE).exists()
+    assert set(tp2["index_keys"]) <= rank_keys[0] and rank_keys[0] <= set(tp2["index_keys"])  # not rank 1's
     summary = inspect_store(str(tmp_path / "tp2")).summary  # `cachefuse inspect` finds every row's entry (rank 0's)
     assert summary["variants"] > 0 and summary["stale"] == 0 and summary["orphans"] == 0
 

@@ -49,6 +49,9 @@ def main() -> None:
         (out,) = llm.generate([{"prompt_token_ids": ids}], sampling, use_tqdm=False)
         results[name] = {"logprobs": {str(t): lp.logprob for t, lp in out.outputs[0].logprobs[0].items()},
                          "stats": out.kv_transfer_params["cachefuse"]}
+    # What the scheduler's index learned of the saves: rank 0's keys only (another rank's would match no row)
+    index = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.index
+    results["index_keys"] = sorted(set(index._plain) | {r.store_key for r in index.records()})
     print("RESULT " + json.dumps(results), flush=True)
 
 
