@@ -95,6 +95,11 @@ class CacheFuseConfig:
     0: entries are read whole before the pass (serial; the default, since on CPU a page-cache read
     competes with compute); k >= 1: per-layer pipelined loading, at most k layers buffered;
     None: derive from measured figures (today: 2)."""
+    load_timeout_s: float | None = 5.0
+    """Seconds one blend may spend reading chunks from the store, from its start; a chunk not read by then
+    is computed in full (miss reason "load_timeout"). A slow tier (a Redis answering each call just inside
+    `redis_timeout_s`, a cold network disk) otherwise holds the step for every request for as many calls
+    as the request makes. None: no bound."""
     store_dir: str = "~/.cache/cachefuse"
     """Directory of the local disk tier (the embedded default store)."""
     device_capacity_bytes: int = 0
@@ -218,6 +223,9 @@ class CacheFuseConfig:
             _fail("attention_block_rows", self.attention_block_rows, "an integer in 1..4096")
         if self.preload_depth is not None and (not _is_int(self.preload_depth) or self.preload_depth < 0):
             _fail("preload_depth", self.preload_depth, "null or an integer >= 0")
+        if self.load_timeout_s is not None and (not _is_number(self.load_timeout_s)
+                                                or not 0.0 < self.load_timeout_s <= 3600.0):
+            _fail("load_timeout_s", self.load_timeout_s, "null (no bound) or a positive number of seconds (at most 3600)")
         if not isinstance(self.store_dir, str) or not self.store_dir:
             _fail("store_dir", self.store_dir, "a non-empty directory path")
         for name in ("device_capacity_bytes", "memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):

@@ -83,6 +83,7 @@ class FusionEngine:
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
         self.clock = clock
+        self._load_deadline: float | None = None  # the running prefill's, on `clock` (config load_timeout_s)
         self.rank_agreement: RankAgreement | None = None
         """Under tensor parallelism: (this rank's hits, whether it failed) -> (hits every rank has, whether
         any rank failed); a collective, so every rank calls it once per pass, before the pass. Set, it
@@ -201,6 +202,8 @@ class FusionEngine:
         load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
         reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
         start = self.clock()
+        timeout = self.config.load_timeout_s
+        self._load_deadline = None if timeout is None else start + timeout
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
         with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()) as metadata_ok:
@@ -234,24 +237,20 @@ class FusionEngine:
     @contextlib.contextmanager
     def _pinned_variants(self, choices: Iterable[VariantChoice]):
         """Pins the chosen variants' metadata for the pass (an eviction must not pick them meanwhile); yields
-        whether the metadata store answered. Its first failure ends the pinning: a stalled Redis or a
+        whether the metadata store answered. One call for all of them (`pin_many`): a stalled Redis or a
         meta.sqlite locked by another process costs its whole timeout per call, and one call per chunk
         (up to `max_chunks_per_request`) would hold the step for minutes. Unpinned, a variant may be
         evicted meanwhile: its K/V load decides (a miss, then a hole)."""
         pinned, answered = [], True
+        wanted = [c.variant_id for c in choices if c.has_metadata] if self.writes_metadata else []
         try:
-            for choice in choices:
-                if choice.has_metadata and self.writes_metadata:
-                    try:
-                        self.metastore.pin(choice.variant_id)
-                        pinned.append(choice.variant_id)
-                    except KeyError:
-                        pass  # gone since planning: its K/V load decides (a miss, then stale)
-                    except StoreError as exc:
-                        logger.warning("cachefuse: variant metadata unavailable (%s): this request pins and "
-                                       "records no variants", exc)
-                        answered = False
-                        break
+            if wanted:
+                try:  # one call: a variant gone since planning is skipped, its K/V load decides
+                    pinned = self.metastore.pin_many(wanted)
+                except StoreError as exc:
+                    logger.warning("cachefuse: variant metadata unavailable (%s): this request pins and "
+                                   "records no variants", exc)
+                    answered = False
             yield answered
         finally:
             for variant_id in pinned:
@@ -311,7 +310,8 @@ class FusionEngine:
                 fetched[index] = key
             else:
                 miss_reasons["not_stored"] += 1
-        fetch = self._reader().timed(store_layer_fetcher(self.store, dict.fromkeys(fetched.values())), figures)
+        fetched_keys = list(dict.fromkeys(fetched.values()))
+        fetch = self._reader().timed(store_layer_fetcher(self.store, fetched_keys), figures, fetched_keys)
         # A query-aware selector's probe reads its view and score-layer keys first, straight from the
         # store (counted in bytes_loaded); the pass then fetches every layer.
         probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers) if probes else None
@@ -337,8 +337,9 @@ class FusionEngine:
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
     def _reader(self) -> EntryReader:
-        """Reads from the engine's current store (`save_in_background` wraps it) on its clock."""
-        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock)
+        """Reads from the engine's current store (`save_in_background` wraps it) on its clock, within the
+        running prefill's load deadline."""
+        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, self._load_deadline)
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
                     meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:

@@ -226,7 +226,8 @@ def test_stats_to_dict_is_json_and_blend_time_comes_from_the_clock(adapter, case
 
     store = make_engine(adapter).store
     engine = FusionEngine(adapter, store, KeyContext("test-model", "float32"),
-                          CacheFuseConfig(collect_attention_stats=True), clock=clock)
+                          CacheFuseConfig(collect_attention_stats=True, load_timeout_s=None),  # a tick per call
+                          clock=clock)
     precompute_case(engine, case)
     ticks.clear()
     _, stats = engine.prefill(case.token_ids, case.chunks)
@@ -292,8 +293,8 @@ def test_tensor_parallel_ranks_agree_on_hits_before_the_pass(adapter, case):
 
 
 def test_a_failing_metadata_store_costs_one_call_per_request(adapter, case):
-    """A stalled Redis or a meta.sqlite locked by another process costs its timeout per call: after the
-    first failure the request pins no more variants and records no uses, and is fused all the same."""
+    """A stalled Redis or a meta.sqlite locked by another process costs its timeout per call: the request
+    pins all its variants in one call, after its failure records no uses, and is fused all the same."""
     from cachefuse.errors import StoreError
 
     engine = _full(adapter, case)
@@ -307,7 +308,51 @@ def test_a_failing_metadata_store_costs_one_call_per_request(adapter, case):
         return call
 
     engine.metastore.pin = failing("pin")
+    engine.metastore.pin_many = failing("pin_many")
     engine.metastore.record_uses = failing("record_uses")
     result, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
-    assert calls == ["pin"] and stats.chunks_hit == 4  # four chunks with metadata rows, one call
+    assert calls == ["pin_many"] and stats.chunks_hit == 4  # four chunks with metadata rows, one call
     assert torch.equal(result.logits, healthy.logits)
+
+
+class _SlowReads:
+    """A store whose every read takes `seconds` on the engine's clock (a Redis answering each call just
+    inside its timeout, a cold network disk)."""
+
+    def __init__(self, inner, clock: list[float], seconds: float) -> None:
+        self.inner, self.now, self.seconds = inner, clock, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key):
+        self.now[0] += self.seconds
+        return self.inner.get(key)
+
+    def get_layer(self, key, layer):
+        self.now[0] += self.seconds
+        return self.inner.get_layer(key, layer)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_slow_store_costs_a_blend_at_most_its_load_timeout(adapter, case, depth):
+    """Every read of this store takes 3 s: past `load_timeout_s` (5 s) the blend reads nothing more and
+    computes the rest in full (miss reason "load_timeout"), so one request's reads cannot hold the step
+    for as many calls as it makes. The answer is that of a store without those chunks."""
+    now = [0.0]
+    engine = _full(adapter, case, CacheFuseConfig(preload_depth=depth, load_timeout_s=5.0))
+    engine.clock = lambda: now[0]
+    engine.store = _SlowReads(engine.store, now, 3.0)
+    result, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    assert stats.miss_reasons.get("load_timeout", 0) >= 2 and stats.chunks_hit <= 2, stats.miss_reasons
+    assert now[0] <= 5.0 + 3.0 * (1 if depth == 0 else len(case.chunks))  # the reads begun before the deadline
+    without = make_engine(adapter, CacheFuseConfig(preload_depth=0, load_timeout_s=None))
+    for key in stats.loaded_keys:  # a store holding only what the slow blend read in time
+        assert without.store.put(key, engine.store.inner.get(key))
+    expected, _ = without.prefill(case.token_ids, case.chunks, save_holes=False)
+    torch.testing.assert_close(result.logits, expected.logits, rtol=0, atol=1e-5)
+
+    now[0] = 0.0  # control: no bound, every chunk read however long it takes
+    engine.config = CacheFuseConfig(preload_depth=depth, load_timeout_s=None)
+    _, unbounded = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    assert unbounded.chunks_hit == len(case.chunks) and not unbounded.miss_reasons

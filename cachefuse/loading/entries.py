@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 
 from cachefuse.chunks import Segment
 from cachefuse.errors import CacheFuseError
-from cachefuse.loading.loader import FetchLayer, LayerKV
+from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable
 from cachefuse.store.base import ChunkKV, KVStore
 
 logger = logging.getLogger(__name__)
+
+MISS_LOAD_TIMEOUT = "load_timeout"
+"""A chunk the blend did not read because its `load_timeout_s` had passed (computed in full instead)."""
 
 RankAgreement = Callable[[list[bool], bool], tuple[list[bool], bool]]
 """(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed): a collective."""
@@ -54,10 +57,18 @@ class EntryReader:
     store: KVStore
     num_layers: int
     clock: Callable[[], float]
+    deadline: float | None = None
+    """On `clock`: no read starts after it (config `load_timeout_s`); None: no bound."""
 
-    def timed(self, fetch: FetchLayer, figures: LoadFigures) -> FetchLayer:
-        """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass)."""
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and self.clock() > self.deadline
+
+    def timed(self, fetch: FetchLayer, figures: LoadFigures, keys: list[str] | None = None) -> FetchLayer:
+        """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass).
+        Past the deadline it reads nothing: LayerUnavailable("load_timeout") for the first of `keys`."""
         def timed_fetch(layer: int) -> LayerKV:
+            if keys and self.past_deadline():
+                raise LayerUnavailable(keys[0], layer, MISS_LOAD_TIMEOUT)
             start = self.clock()
             out = fetch(layer)
             tier = serving_tier(self.store)
@@ -74,6 +85,9 @@ class EntryReader:
         loaded, miss_reasons = {}, Counter()
         for index, key in keys.items():
             seg = segments[index]
+            if self.past_deadline():  # computed in full rather than waited for (asking costs a call too)
+                miss_reasons[MISS_LOAD_TIMEOUT] += 1
+                continue
             if not self.store.contains(key):
                 miss_reasons["not_stored"] += 1
                 continue

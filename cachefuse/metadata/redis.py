@@ -311,12 +311,23 @@ class RedisMetaStore:
         return records[index], cfo_value
 
     def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int:
-        """`record_use` for each (variant id, CFO) pair; each is atomic on its own (a script per use).
+        """`record_use` for each (variant id, CFO) pair, in one round trip; each is atomic on its own (a
+        script per use, pipelined).
 
         Returns:
             How many of the variants still existed.
         """
-        return sum(self.record_use(variant_id, cfo, eps) is not None for variant_id, cfo in uses)
+        if not uses:
+            return 0
+        if not eps > 0.0:
+            raise ValueError(f"eps={eps!r}, expected > 0")
+        now = repr(float(self._clock()))
+        with self._redis("record_use"):
+            pipe = self._client.pipeline(transaction=False)
+            for variant_id, cfo in uses:
+                self._use_script(args=[self._prefix, variant_id, repr(1.0 / max(cfo, eps)), now], client=pipe)
+            replies = pipe.execute()
+        return sum(bool(flat) and self._parse(flat) is not None for flat in replies)
 
     def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None:
         """Persist one reuse atomically: access_count += 1, f_r += 1 / max(CFO, eps), last_access.
@@ -371,6 +382,20 @@ class RedisMetaStore:
             if not exists:
                 raise KeyError(variant_id)
             self._pins.add(variant_id)
+
+    def pin_many(self, variant_ids: Sequence[str]) -> list[str]:
+        """`pin` of every variant that exists, in one round trip (a request's chunks each cost a call's
+        latency otherwise); returns those pinned (absent ones are skipped)."""
+        with self._lock:
+            with self._redis("pin"):
+                pipe = self._client.pipeline(transaction=False)
+                for variant_id in variant_ids:
+                    pipe.exists(self._prefix + "v:" + variant_id)
+                exists = pipe.execute()
+            pinned = [variant_id for variant_id, found in zip(variant_ids, exists, strict=True) if found]
+            for variant_id in pinned:
+                self._pins.add(variant_id)
+        return pinned
 
     def unpin(self, variant_id: str) -> None:
         """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""

@@ -314,6 +314,21 @@ class SqliteMetaStore:
                 raise KeyError(variant_id)
             self._pins.add(variant_id)
 
+    def pin_many(self, variant_ids: Sequence[str]) -> list[str]:
+        """`pin` of every variant that exists, in one read; returns those pinned (absent ones are skipped)."""
+        ids = list(dict.fromkeys(variant_ids))
+        with self._locked():
+            found: set[str] = set()
+            for begin in range(0, len(ids), 500):  # under SQLite's bound on query parameters
+                part = ids[begin:begin + 500]
+                marks = ",".join("?" * len(part))
+                found.update(row[0] for row in self._conn.execute(
+                    f"SELECT variant_id FROM variants WHERE variant_id IN ({marks})", part))
+            pinned = [variant_id for variant_id in variant_ids if variant_id in found]
+            for variant_id in pinned:
+                self._pins.add(variant_id)
+        return pinned
+
     def unpin(self, variant_id: str) -> None:
         """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
         with self._locked():

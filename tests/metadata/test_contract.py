@@ -230,6 +230,23 @@ def test_f_r_eviction_pins_and_refusal(open_store):
         store.pin(d)
 
 
+def test_pin_many_and_record_uses_act_on_what_exists(open_store):
+    """One call per request (a slow Redis costs its latency once, not once per chunk)."""
+    store = open_store(max_variants=3)
+    a, b = alone("A", f_r=1.0), alone("B", f_r=5.0)
+    store.put(a)
+    store.put(b)
+    assert store.pin_many([a.variant_id, "gone", b.variant_id, a.variant_id]) == [a.variant_id, b.variant_id,
+                                                                                 a.variant_id]
+    assert store.pin_count(a.variant_id) == 2 and store.pin_count(b.variant_id) == 1 and store.pin_count("gone") == 0
+    store.put(alone("C", f_r=9.0))
+    assert [r.chunk_key for r in store.put(alone("D"))] == ["C"]  # A (lowest f_r) and B are pinned
+    assert store.pin_many([]) == []
+    assert store.record_uses([(a.variant_id, 0.5), ("gone", 0.5), (b.variant_id, 0.25)]) == 2
+    assert store.get(a.variant_id).f_r == pytest.approx(3.0) and store.get(b.variant_id).f_r == pytest.approx(9.0)
+    assert store.get(a.variant_id).access_count == 1 and store.record_uses([]) == 0
+
+
 def test_f_r_ties_go_to_least_recently_used_then_oldest(open_store):
     store = open_store(max_variants=3)
     for key in "ABC":

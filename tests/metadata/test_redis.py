@@ -28,6 +28,8 @@ CALLS = {
     "record_use": lambda s: s.record_use(alone("A").variant_id, 0.5),
     "remove": lambda s: s.remove(alone("A").variant_id),
     "pin": lambda s: s.pin(alone("A").variant_id),
+    "pin_many": lambda s: s.pin_many([alone("A").variant_id]),
+    "record_uses": lambda s: s.record_uses([(alone("A").variant_id, 0.5)]),
     "count": lambda s: s.count(),
     "all_records": lambda s: s.all_records(),
     "size_by_tier": lambda s: s.size_by_tier(),
