@@ -1,6 +1,7 @@
 """Selector sets: sizes follow the ratio (and schedule), gradual-filtering sets nest, EPIC picks chunk
 heads, the control is seeded. Forced rows are the fusor's job: see tests/test_fusor.py."""
 
+import dataclasses
 import math
 
 import pytest
@@ -156,3 +157,19 @@ def test_random_is_seeded_and_sized():
     c = make_selector("random", CacheFuseConfig(random_seed=2)).initial_rows(ctx)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.numel() == math.ceil(0.3 * 87)
+
+
+@pytest.mark.parametrize("name", ["fusionrag", "qcfuse"])
+@pytest.mark.parametrize("ratio", [0.1, 0.3, 0.55])
+def test_query_aware_selectors_recompute_the_rows_the_probe_scores_highest(name, ratio):
+    """The probe's scores decide: the ceil(r x n) candidates it scored highest, no others (picking the
+    lowest passed every other test)."""
+    ctx = make_ctx(ratio)
+    scores = torch.randperm(ctx.candidate_rows.numel(), generator=torch.Generator().manual_seed(5)).float()
+    ctx = dataclasses.replace(ctx, probe_scores=scores)
+    count = num_rows_for_ratio(ratio, ctx.candidate_rows.numel())
+    expected = ctx.candidate_rows[scores.argsort(descending=True)[:count]].sort().values
+    rows = make_selector(name, CacheFuseConfig()).initial_rows(ctx)
+    assert torch.equal(rows, expected)
+    lowest = ctx.candidate_rows[scores.argsort()[:count]].sort().values
+    assert not torch.equal(rows, lowest)  # control: the other end of the ranking is another set

@@ -160,6 +160,10 @@ def test_budget_defers_but_always_admits_one(make_side):
     side.build_connector_meta(step_output())  # the step ends: the budget resets
     assert side.get_num_new_matched_tokens(small, 0) == (99, False)
     assert side.get_num_new_matched_tokens(other, 0) == (None, False)  # 100 + 100 > 150
+    side.build_connector_meta(step_output())
+    fits = request("fits", 50, params={"cachefuse": {"chunks": [[0, 10], [10, 40]]}})
+    assert side.get_num_new_matched_tokens(other, 0) == (99, False)
+    assert side.get_num_new_matched_tokens(fits, 0) == (49, False)  # 100 + 50 == 150: an exact fit is admitted
 
 
 def test_requests_without_fusion_and_malformed_ones(make_side):
@@ -594,6 +598,8 @@ def test_a_preempted_fused_request_replays_its_first_plan(make_side):
     index_variants(side, VariantRecord.without_stats(key_b, (key_a,), 30))  # its save of b, now indexed
     side.figures = no_go_figures()
     req.num_output_tokens = 7  # decoded 7 tokens over the fused K/V, then preempted
+    for _ in range(3):  # resumed: vLLM asks again every step it waits for blocks, counted once
+        assert side.get_num_new_matched_tokens(req, 0) == (99, False)
     (replayed,) = schedule(side, req, resumed_first_block=40)
     assert replayed.replay and replayed.variants == first.variants and replayed.recompute_ratio == first.recompute_ratio
     assert replayed.slot_mapping[0] == 40 * 16  # into its new blocks
@@ -602,6 +608,7 @@ def test_a_preempted_fused_request_replays_its_first_plan(make_side):
     outcome = params["cachefuse"]
     assert outcome["status"] == "fused" and outcome["preemptions"] == 1 and outcome["replay_exact"] is True
     assert side.counters["requests_fused"] == 1 and side.counters["requests_fallback"] == 0
+    assert side.counters["requests_replanned_after_preemption"] == 1
     assert_no_state(side)
 
     # Negative control: a new request with the same prompt is planned afresh, b loaded, the controller asked.
@@ -658,3 +665,15 @@ def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed
     worker_reports(side, None)
     assert_no_state(side)
     assert side.counters["requests_fallback"] == 2
+
+
+def test_the_blocks_reported_on_a_failed_blend_cover_the_hit_only(make_side):
+    """error_block_ids cover positions 0..N-2 (cachefuse's hit; vLLM computes N-1): with 97 tokens in blocks
+    of 16, the seventh block holds only position 96 and is not reported (100 tokens cannot tell)."""
+    side = make_side()
+    req = request("r1", 97)
+    (plan,) = schedule(side, req)
+    assert len(plan.block_ids) == 7 and plan.error_block_ids == plan.block_ids[:-1]
+    side.request_finished(req, [])
+    worker_reports(side, "r1")
+    assert_no_state(side)
