@@ -7,7 +7,7 @@ when the network fails mid-flight. Registered as a pytest plugin by tests/confte
 
 - `redis_url` (session): a shared server; each test keeps to its own namespace (`redis_namespace`).
 - `redis_namespace` (function): a unique key prefix, its keys deleted after the test.
-- `private_redis` (function): a server of the test's own, to stop, restart or pause.
+- `private_redis` (function): a server of the test's own, to stop, restart, pause or freeze.
 
 A missing redis-server fails these fixtures (never skips): the Redis backends must be tested in CI.
 """
@@ -15,8 +15,10 @@ A missing redis-server fails these fixtures (never skips): the Redis backends mu
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -114,6 +116,18 @@ class RedisServer:
         """
         with contextlib.closing(self.client()) as admin:
             admin.client_pause(ms, all=True)
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """The server stopped (SIGSTOP) until the block ends (SIGCONT): connections open and every reply
+        waits, for however long the block takes. Unlike `pause`, nothing ends it early, so a test on a
+        loaded machine cannot see it answer before the block is done."""
+        assert self._proc is not None and self._proc.poll() is None, "the server is not running"
+        os.kill(self._proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self._proc.pid, signal.SIGCONT)
 
     def wait_unpaused(self, timeout_s: float = 10.0) -> None:
         """Block until the server answers again (a blocking PING returns once a pause ends)."""

@@ -157,14 +157,13 @@ def test_failing_redis_gives_plain_output_and_recovers(shared, pieces, monkeypat
     assert stats["chunks_hit"] == 3, stats  # back: the entries were never lost
 
     scheduler = scheduler_connector(shared.llm)._scheduler
-    shared.server.pause(3000)  # CLIENT PAUSE: every call waits, then times out (0.3 s)
-    request = SimpleNamespace(request_id="probe", prompt_token_ids=ids, kv_transfer_params=params)
-    with redis_sends_on_this_thread(monkeypatch) as sends:  # planning reads only the in-process index
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (len(ids) - 1, False)
-        scheduler.request_finished(request, [])
-    assert sends == []
-    assert_plain_output(shared, pieces, "paused")
-    shared.server.wait_unpaused()
+    with shared.server.frozen():  # every call waits, then times out (0.3 s), however long the run takes
+        request = SimpleNamespace(request_id="probe", prompt_token_ids=ids, kv_transfer_params=params)
+        with redis_sends_on_this_thread(monkeypatch) as sends:  # planning reads only the in-process index
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (len(ids) - 1, False)
+            scheduler.request_finished(request, [])
+        assert sends == []
+        assert_plain_output(shared, pieces, "paused")
 
     shared.server.stop()  # gone for good (its data with it)
     assert_plain_output(shared, pieces, "stopped")
