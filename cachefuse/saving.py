@@ -196,11 +196,23 @@ class HoleWriter:
             victims = self.metastore.put(record)
         except StoreError as exc:  # full of pinned variants, or the metadata store is unreachable
             logger.warning("cachefuse: hole %s not admitted as a variant (%s)", key, exc)
-            self.store.remove(store_key)
+            if not self._row_may_exist(variant_id):
+                self.store.remove(store_key)
             return SaveReport(failures=1)
         for victim in victims:
             self.store.remove(victim.store_key)
         return SaveReport(saved_keys=[store_key], records=[record], evicted=[v.variant_id for v in victims])
+
+    def _row_may_exist(self, variant_id: str) -> bool:
+        """After a refused row: does one exist all the same? Another engine sharing the store may have
+        written it (its K/V under the same key, which removing would leave its row pointing at nothing),
+        or the put landed and only its reply was lost. Unknown (the store still failing) counts as yes: a
+        K/V entry kept without a row costs budget until it ages out, one removed under a row is a miss
+        for every engine until the variant is saved again."""
+        try:
+            return self.metastore.get(variant_id) is not None
+        except StoreError:
+            return True
 
     def record_uses(self, uses: Sequence[tuple[str, float]]) -> None:
         """Reuses of variants this writer has just written (deferred while they were queued)."""

@@ -267,3 +267,34 @@ def test_with_no_prefix_chunks_kept_only_base_variants_are_saved(adapter, case):
     assert set(stats.saved_keys) == {system, first}  # after the system prompt alone: the base variants
     for piece in case.pieces[1:]:
         assert not engine.store.contains(engine.key(piece))
+
+
+@pytest.mark.parametrize("row", ["another engine's", "none", "unknown"])
+def test_a_refused_row_removes_the_k_v_only_when_no_row_points_at_them(row):
+    """The metadata put fails (a timeout whose script may have landed, a connection dropped): removing the
+    K/V then left a row another engine had written for the same variant meanwhile pointing at nothing, a
+    miss for every engine. They are removed only when the store says no row exists."""
+    from cachefuse.errors import StoreError
+
+    store = MemoryStore(_identity(), capacity_bytes=1 << 20)
+    metastore = SqliteMetaStore(":memory:", max_variants=100)
+    save = _save("a" * 16)
+    writer = HoleWriter(store, metastore, True, "memory")
+    real_get, gets = metastore.get, []
+
+    def put(record):
+        if row == "another engine's":  # the other engine's save lands between this one's check and put
+            SqliteMetaStore.put(metastore, record)
+        raise StoreError("redis metastore put: ConnectionError")
+
+    def get(variant_id):
+        gets.append(variant_id)
+        if len(gets) > 1 and row == "unknown":
+            raise StoreError("redis metastore get: ConnectionError")
+        return real_get(variant_id)
+
+    metastore.put, metastore.get = put, get
+    store.put(save.store_key, save.entry)  # K/V there, no row yet: the writer goes on to write both
+    report = writer.write(save)
+    assert report.failures == 1 and len(gets) == 2
+    assert store.contains(save.store_key) == (row != "none")
