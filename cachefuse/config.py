@@ -299,6 +299,11 @@ class CacheFuseConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 _fail(name, value, f"an integer >= {low}")
+        from cachefuse.metadata.base import MAX_PREFIX_CHUNKS
+
+        if self.max_variant_prefix_chunks > MAX_PREFIX_CHUNKS:  # rows past it are refused as foreign
+            _fail("max_variant_prefix_chunks", self.max_variant_prefix_chunks,
+                  f"an integer in 0..{MAX_PREFIX_CHUNKS}")
 
     def _resolve_redis_password(self) -> None:
         """Reads the password named by redis_password_env / _file (the config is where the environment is

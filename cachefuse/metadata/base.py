@@ -73,6 +73,14 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+MAX_PREFIX_CHUNKS = 4096
+"""More prefix chunks than a variant is ever saved with (config `max_variant_prefix_chunks` is capped here):
+a row claiming more was written by something else, and planning would pay for its length in `schedule()`
+(a 300,000-chunk prefix cost 1 s per request that held the chunk)."""
+MAX_NUM_TOKENS = 1 << 20
+"""More tokens than any chunk has (the disk tier's bound too)."""
+
+
 def _all_ints(values: Sequence[object]) -> bool:
     """Every value an int, not a bool. Rankings hold a chunk's every token and are checked on each index
     reload (10,000 variants of 512 tokens: 5 M values): the type set is built in C, the per-value Python
@@ -103,6 +111,14 @@ def _check_types(record: VariantRecord) -> None:
     ) if not ok]
     if bad:
         raise TypeError(f"VariantRecord fields of the wrong type: {', '.join(bad)}")
+    sizes = {"prefix": (len(record.prefix), MAX_PREFIX_CHUNKS),
+             "inter": (len(record.inter), len(record.prefix) + 1),
+             "prefix_num_tokens": (len(record.prefix_num_tokens), len(record.prefix) + 1),
+             "num_tokens": (record.num_tokens, MAX_NUM_TOKENS),
+             "ranked_tokens": (len(record.ranked_tokens), record.num_tokens)}
+    over = [f"{name} ({size} > {limit})" for name, (size, limit) in sizes.items() if size > limit]
+    if over:
+        raise ValueError(f"VariantRecord fields past their bounds: {', '.join(over)}")
 
 
 @dataclass(frozen=True)

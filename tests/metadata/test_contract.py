@@ -9,6 +9,7 @@ tests/metadata/test_sqlite.py; Redis-only failure behaviour in tests/metadata/te
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -366,6 +367,20 @@ def test_budget_and_eviction_order_hold_under_random_ops(open_store, policy, max
     store.close()
 
 
+def test_a_row_past_the_bounds_is_unreadable(open_store, monkeypatch):
+    """Planning pays for a variant's prefix length in `schedule()`: a row with a longer prefix than any
+    engine saves (a foreign writer's; 300,000 chunks cost 1 s per request) is skipped like a damaged one."""
+    from cachefuse.metadata import base
+
+    store = open_store(max_variants=3)
+    long_prefix = c3_after_c1_c2()  # two prefix chunks
+    store.put(long_prefix)
+    assert store.get(long_prefix.variant_id) is not None  # control: within the bound
+    monkeypatch.setattr(base, "MAX_PREFIX_CHUNKS", 1)
+    assert store.get(long_prefix.variant_id) is None and store.unreadable_rows == 1
+    assert store.all_records() == []
+
+
 def corrupt_row(store: MetaStore, variant_id: str, field: str = "inter", value: str = "{not json") -> None:
     """What a damaged disk block or another writer leaves: one field of one stored variant unreadable."""
     if isinstance(store, SqliteMetaStore):
@@ -377,7 +392,8 @@ def corrupt_row(store: MetaStore, variant_id: str, field: str = "inter", value: 
 @pytest.mark.parametrize(("field", "value"), [("inter", "{not json"), ("prefix", "[1, 2"),
                                                ("num_tokens", "many"), ("ranked_tokens", "[99]"),
                                                ("ranked_tokens", "[0, true]"), ("ranked_tokens", "[0, -1]"),
-                                               ("ranked_tokens", "[0, 1.0]"), ("ranked_tokens", '[0, "1"]')])
+                                               ("ranked_tokens", "[0, 1.0]"), ("ranked_tokens", '[0, "1"]'),
+                                               ("ranked_tokens", json.dumps([0, 1, 2, 3] * 3))])  # > num_tokens
 def test_an_unreadable_row_is_a_counted_miss_that_hides_nothing_else(open_store, field, value):
     store = open_store(max_variants=3)
     good, bad = alone("C1"), c3_after_c1_c2()
