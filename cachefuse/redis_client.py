@@ -96,3 +96,34 @@ def url_with_password(url: str, password: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+def check_eviction_policy(client: redis.Redis) -> None:
+    """Refuses a server that may evict any key when full (`maxmemory-policy allkeys-*` with a `maxmemory`):
+    Redis would drop cachefuse's bookkeeping (the K/V tier's byte count and LRU order, the metadata's
+    eviction order, generation and counters) as readily as entries, and the byte budget then breaks for
+    good (entries past it, or every save refused). Entries carry no TTL, so `noeviction` and the
+    `volatile-*` policies never evict them behind cachefuse's back. Unreachable, or CONFIG refused (a
+    managed Redis), it checks nothing.
+
+    Raises:
+        ConfigError: the policy evicts any key.
+    """
+    import redis
+
+    try:
+        config = client.config_get("maxmemory*")
+    except redis.RedisError:
+        return
+    config = {_text(k): _text(v) for k, v in config.items()}
+    policy, maxmemory = config.get("maxmemory-policy", ""), config.get("maxmemory", "0")
+    if policy.startswith("allkeys-") and maxmemory not in ("", "0"):
+        raise ConfigError(
+            f"redis_url: the server's maxmemory-policy is {policy} (maxmemory {maxmemory} bytes): when full, "
+            "Redis would evict cachefuse's bookkeeping keys along with entries and break its byte budget for "
+            "good. Set maxmemory-policy to noeviction (or a volatile-* policy) and bound cachefuse's share "
+            "with redis_capacity_bytes")
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -47,7 +47,7 @@ import redis
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
-from cachefuse.redis_client import redis_client
+from cachefuse.redis_client import check_eviction_policy, redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +244,7 @@ class RedisMetaStore:
                                   "password (in the URL, redis_password_env or redis_password_file)") from None
             logger.warning("redis metastore %r unreachable at start-up (%s); variant metadata calls fail, as "
                            "misses and unsaved variants, until it answers", namespace, exc)
+        check_eviction_policy(self._client)
 
     def _check_layout(self) -> None:
         """Checks (once) that the namespace holds this layout version; creates it when empty."""

@@ -385,3 +385,27 @@ def test_bookkeeping_keys_of_the_wrong_type_are_misses_not_exceptions(make_store
     assert isinstance(store.nbytes, int)
     store.remove(KEY)
     store.remove("other1")
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru", "noeviction"])
+def test_a_server_that_evicts_any_key_when_full_is_refused_at_start(private_redis, policy):
+    """Under allkeys-* Redis evicted the tiers' bookkeeping keys (byte count, LRU order, generation) along
+    with entries once full, and the byte budget broke for good; entries have no TTL, so volatile-* and
+    noeviction never evict them."""
+    from cachefuse.errors import ConfigError
+    from cachefuse.metadata.redis import RedisMetaStore
+
+    with private_redis.client() as admin:
+        admin.config_set("maxmemory", 64 << 20)
+        admin.config_set("maxmemory-policy", policy)
+    if policy.startswith("allkeys-"):
+        with pytest.raises(ConfigError, match=f"maxmemory-policy is {policy}.*noeviction"):
+            RedisKVStore(private_redis.url, IDENTITY, timeout_s=0.5, namespace="t")
+        with pytest.raises(ConfigError, match="maxmemory-policy"):
+            RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
+    else:
+        assert RedisKVStore(private_redis.url, IDENTITY, timeout_s=0.5, namespace="t").put(KEY, make_entry(5))
+        RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5).close()
+    with private_redis.client() as admin:  # no maxmemory: an allkeys policy never runs
+        admin.config_set("maxmemory", 0)
+    RedisKVStore(private_redis.url, IDENTITY, timeout_s=0.5, namespace="t")
