@@ -40,6 +40,8 @@ import json
 import logging
 import threading
 import time
+import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 
 import redis
@@ -250,6 +252,7 @@ class RedisMetaStore:
         """Checks (once) that the namespace holds this layout version; creates it when empty."""
         with self._redis("open"):
             self._client.set(self._prefix + "schema_version", SCHEMA_VERSION, nx=True)
+            self._client.set(self._prefix + "epoch", uuid.uuid4().hex, nx=True)  # see `generation`
             found = self._client.get(self._prefix + "schema_version")
         if found != SCHEMA_VERSION:
             raise _LayoutMismatch(f"redis namespace {self.namespace!r}: metadata layout version {found!r}, "
@@ -367,9 +370,13 @@ class RedisMetaStore:
         return [record for record in map(self._parse, replies) if record is not None]
 
     def generation(self) -> int:
-        """A counter that changes whenever the set of variants changes (choice 7), in any instance."""
+        """A value that changes whenever the set of variants changes (choice 7), in any instance: the
+        counter, with the namespace's epoch (a random token set when the layout is created) in its high
+        bits. A Redis that restarts empty (or loses the counter) and takes as many saves as there were
+        before shows the same counter, and an index would keep the old variants; the epoch differs."""
         with self._redis("generation"):
-            return int(self._client.get(self._prefix + "generation") or 0)
+            counter, epoch = self._client.mget(self._prefix + "generation", self._prefix + "epoch")
+        return (zlib.crc32((epoch or "").encode()) << 40) + int(counter or 0)
 
     def pin(self, variant_id: str) -> None:
         """Protect a stored variant from eviction by this process until the matching unpin (nested).
@@ -418,6 +425,25 @@ class RedisMetaStore:
         with self._redis("all_records"):
             replies = self._records_script(args=[self._prefix, "seq"])
         return self._readable(replies)
+
+    def variant_ids(self) -> list[str]:
+        """Every variant's id in insertion order, without reading the rows (an index refresh's cheap part:
+        kilobytes per thousand variants, where the rows are megabytes to send and parse)."""
+        with self._redis("variant_ids"):
+            return list(self._client.zrange(self._prefix + "seq", 0, -1))
+
+    def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
+        """The readable variants among `variant_ids`, in their order (absent and unreadable ones skipped), in
+        one pipelined round trip."""
+        ids = list(dict.fromkeys(variant_ids))
+        if not ids:
+            return []
+        with self._redis("get_many"):
+            pipe = self._client.pipeline(transaction=False)
+            for variant_id in ids:
+                pipe.hgetall(self._prefix + "v:" + variant_id)
+            replies = pipe.execute()
+        return self._readable([fields for fields in replies if fields])
 
     def size_by_tier(self) -> dict[str, int]:
         """tier -> total size_bytes of its variants."""

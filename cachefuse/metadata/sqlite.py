@@ -235,6 +235,22 @@ class SqliteMetaStore:
             row = self._conn.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
         return None if row is None else self._parse(row)
 
+    def variant_ids(self) -> list[str]:
+        """Every variant's id in insertion order, without reading the rows (an index refresh's cheap part)."""
+        with self._locked():
+            return [row[0] for row in self._conn.execute("SELECT variant_id FROM variants ORDER BY seq")]
+
+    def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
+        """The readable variants among `variant_ids`, in insertion order (absent and unreadable ones skipped)."""
+        ids, rows = list(dict.fromkeys(variant_ids)), []
+        with self._locked():
+            for begin in range(0, len(ids), 500):  # under SQLite's bound on query parameters
+                part = ids[begin:begin + 500]
+                rows += self._conn.execute(
+                    f"SELECT * FROM variants WHERE variant_id IN ({','.join('?' * len(part))})", part).fetchall()
+        rows.sort(key=lambda row: row["seq"])
+        return [record for record in map(self._parse, rows) if record is not None]
+
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         """The chunk's variants in insertion order (empty: a miss)."""
         with self._locked():

@@ -417,3 +417,46 @@ def test_eviction_removes_an_unreadable_row_and_admits_the_new_variant(open_stor
     assert store.count() == 2 and store.get(alone("C4").variant_id) is not None
     assert [r.variant_id for r in evicted] in ([], [alone("C2").variant_id])
     assert alone("C1").variant_id not in {r.variant_id for r in store.all_records()}
+
+
+# --------------------------------------------------------------------------- incremental index reloads
+
+
+def test_an_incremental_reload_equals_a_full_one_and_reads_only_new_rows(open_store):
+    """Another engine puts, evicts and removes variants; after each change the index refreshed
+    incrementally (ids, then only unseen rows) holds what a full reload of every row holds."""
+    import random
+
+    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+
+    store = open_store(max_variants=6)
+    incremental, full = VariantIndex(), VariantIndex()
+    now = [0.0]
+    refresher = IndexRefresher(incremental, lambda: store, 3600, full_interval_s=1e9, clock=lambda: now[0])
+    reference = IndexRefresher(full, lambda: store, 3600)
+    rng = random.Random(3)
+    assert refresher.refresh_once(store) and refresher.full_reloads == 1  # the first load reads every row
+    live: list[str] = []
+    for step in range(40):
+        if live and rng.random() < 0.3:
+            store.remove(live.pop(rng.randrange(len(live))))
+        else:
+            record = alone(f"K{step}", f_r=rng.random())
+            evicted = store.put(record)
+            live = [v for v in live if v not in {e.variant_id for e in evicted}] + [record.variant_id]
+        before = refresher.rows_read
+        assert refresher.refresh_once(store) and reference.refresh_once(store, full=True)
+        assert sorted(r.variant_id for r in incremental.records()) == sorted(live)
+        assert sorted(map(repr, incremental.records())) == sorted(map(repr, full.records()))
+        assert refresher.rows_read - before <= 1  # at most the one new row, never all of them
+    assert refresher.full_reloads == 1
+
+    upserted = dataclasses.replace(store.get(live[-1]), intra=7.0)  # changed in place: no new id
+    store.put(upserted)
+    store.remove(live[0])
+    assert refresher.refresh_once(store)
+    assert incremental.variants(upserted.chunk_key)[0].intra != 7.0  # an incremental reload keeps its row
+    now[0] = 2e9  # the backstop: every row read again
+    store.put(alone("late"))
+    assert refresher.refresh_once(store) and refresher.full_reloads == 2
+    assert incremental.variants(upserted.chunk_key)[0].intra == 7.0

@@ -121,3 +121,26 @@ def test_an_unreadable_variant_is_skipped_by_list_reads(redis_url, redis_namespa
     assert store.get(damaged) is None and store.unreadable_rows >= 1  # a miss, as in SQLite (the contract)
     assert store.remove(damaged) is None  # the damaged hash is removed all the same
     assert store.count() == 1
+
+
+def test_a_redis_restarted_empty_shows_a_new_generation_at_the_same_count(private_redis):
+    """Restarted empty, then three saves: the counter is 3 again, and an index that had seen 3 skipped the
+    reload, planning loads of gone variants and holes of stored ones. The namespace's epoch differs."""
+    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+
+    before = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
+    for key in "ABC":
+        before.put(alone(key))
+    index = VariantIndex()
+    refresher = IndexRefresher(index, lambda: before, 3600)
+    assert refresher.refresh_once(before) and sorted(r.chunk_key for r in index.records()) == ["A", "B", "C"]
+    seen = before.generation()
+    private_redis.stop()
+    private_redis.start()  # empty: no persistence
+    after = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)  # another engine, after
+    for key in "XYZ":
+        after.put(alone(key))
+    with private_redis.client() as raw:
+        assert int(raw.get("cachefuse:meta:generation")) == 3  # the counter alone cannot tell
+    assert before.generation() != seen
+    assert refresher.refresh_once(before) and sorted(r.chunk_key for r in index.records()) == ["X", "Y", "Z"]

@@ -249,6 +249,13 @@ class FlakyStore:
     def all_records(self):
         return list(self.records)
 
+    def variant_ids(self):
+        return [r.variant_id for r in self.records]
+
+    def get_many(self, variant_ids):
+        wanted = set(variant_ids)
+        return [r for r in self.records if r.variant_id in wanted]
+
     def close(self) -> None:
         pass
 
@@ -303,6 +310,11 @@ class DuringRead(FlakyStore):
         records = list(self.records)
         self.on_read()
         return records
+
+    def variant_ids(self):  # an incremental reload's snapshot is its id listing
+        ids = [r.variant_id for r in self.records]
+        self.on_read()
+        return ids
 
 
 def test_announced_variants_outlive_reloads_until_written_and_seen():
