@@ -11,8 +11,12 @@ Choices every backend follows (tests/metadata/test_contract.py runs one suite ov
 
 1. Identity. A variant is one (chunk key, ordered prefix) pair; `variant_id` is the first 16 hex
    digits of sha256 over the JSON of both, so the same pair always gets the same id. `put` of an
-   existing id is an upsert: every field is replaced (f_r and access_count too) and the variant keeps
-   its insertion order, which `variants()` returns and `choose()` breaks ties by (scores choice 9).
+   existing id is an upsert (`merged_upsert`): the fields are replaced but the uses it has gathered
+   (access_count and f_r keep the larger value) and, when the new record has no attention statistics,
+   the old record's statistics; the variant keeps its insertion order, which `variants()` returns and
+   `choose()` breaks ties by (scores choice 9). Two engines saving the same variant at once (each
+   checked before the other's row existed) otherwise reset a popular variant's f_r to that of a new
+   one, the first in line for eviction. A row that does not parse is replaced whole (choice 6).
 2. Budget. `max_variants` is N x M, the total number of variants over all chunks; one chunk may own
    all of them (M is not a per-chunk cap). The per-tier byte budget belongs to the K/V tiers; a
    metadata store only reports `size_by_tier()`.
@@ -119,6 +123,19 @@ def _check_types(record: VariantRecord) -> None:
     over = [f"{name} ({size} > {limit})" for name, (size, limit) in sizes.items() if size > limit]
     if over:
         raise ValueError(f"VariantRecord fields past their bounds: {', '.join(over)}")
+
+
+def merged_upsert(old: VariantRecord | None, new: VariantRecord) -> VariantRecord:
+    """What a put of `new` over the stored `old` (None: absent or unreadable) writes (choice 1)."""
+    if old is None:
+        return new
+    merged = dataclasses.replace(new, access_count=max(old.access_count, new.access_count),
+                                 f_r=max(old.f_r, new.f_r))
+    if old.has_stats and not new.has_stats:
+        merged = dataclasses.replace(merged, inter=old.inter, intra=old.intra,
+                                     prefix_num_tokens=old.prefix_num_tokens, ranked_tokens=old.ranked_tokens,
+                                     recompute_ratio=old.recompute_ratio, has_stats=True)
+    return merged
 
 
 @dataclass(frozen=True)

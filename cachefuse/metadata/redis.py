@@ -48,7 +48,7 @@ import redis
 
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
-from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
+from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord, merged_upsert
 from cachefuse.redis_client import check_eviction_policy, redis_client
 
 logger = logging.getLogger(__name__)
@@ -280,6 +280,13 @@ class RedisMetaStore:
                 failed (then the put may or may not have happened, never half of it).
         """
         record = dataclasses.replace(record, last_access=self._clock())
+        with self._redis("put"):
+            old = self._client.hgetall(self._prefix + "v:" + record.variant_id)
+        try:  # a damaged hash is replaced whole (choice 6), uncounted
+            stored = _record(old) if old else None
+        except StoreError:
+            stored = None
+        record = merged_upsert(stored, record)
         fields = _fields(record)
         flat = [item for pair in fields.items() for item in pair]
         with self._lock, self._redis("put"):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
-from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
+from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord, merged_upsert
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,14 @@ def _from_row(row: sqlite3.Row) -> VariantRecord:
     if record.variant_id != row["variant_id"]:
         raise ValueError(f"the row holds the fields of variant {record.variant_id!r}")
     return record
+
+
+def _quiet(parse: Callable[[sqlite3.Row], VariantRecord], row: sqlite3.Row) -> VariantRecord | None:
+    """The row's record, or None when it does not parse: a put replaces a damaged row whole, uncounted."""
+    try:
+        return parse(row)
+    except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError):
+        return None
 
 
 class SqliteMetaStore:
@@ -191,7 +199,9 @@ class SqliteMetaStore:
         """
         record = dataclasses.replace(record, last_access=self._clock())
         with self._txn() as cur:
-            exists = cur.execute("SELECT 1 FROM variants WHERE variant_id = ?", (record.variant_id,)).fetchone()
+            exists = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (record.variant_id,)).fetchone()
+            if exists is not None:
+                record = merged_upsert(_quiet(_from_row, exists), record)
             evicted: list[VariantRecord] = []
             if exists is None:
                 count = cur.execute("SELECT COUNT(*) FROM variants").fetchone()[0]

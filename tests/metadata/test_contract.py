@@ -102,10 +102,10 @@ def test_round_trip_upsert_variants_remove(open_store):
 
     store.put(c3_alone())
     store.put(alone("C9"))
-    store.put(dataclasses.replace(record, f_r=0.0, tier="disk"))  # upsert: replaced, keeps its order
+    store.put(dataclasses.replace(record, f_r=0.0, tier="disk"))  # upsert: replaced, keeps its order and uses
     assert store.count() == 4
     assert [r.prefix for r in store.variants("C3")] == [("C1", "C2"), ()]
-    assert store.get(record.variant_id).f_r == 0.0 and store.get(record.variant_id).tier == "disk"
+    assert store.get(record.variant_id).f_r == 1.25 and store.get(record.variant_id).tier == "disk"
     assert store.variants("nope") == [] and store.get("nope") is None
     assert store.size_by_tier() == {"disk": 4096}
 
@@ -460,3 +460,26 @@ def test_an_incremental_reload_equals_a_full_one_and_reads_only_new_rows(open_st
     store.put(alone("late"))
     assert refresher.refresh_once(store) and refresher.full_reloads == 2
     assert incremental.variants(upserted.chunk_key)[0].intra == 7.0
+
+
+def test_an_upsert_keeps_the_uses_and_the_statistics_it_would_lose(open_store):
+    """Two engines save the same variant at once (each checked before the other's row existed): the later
+    put replaced every field, resetting a popular variant's f_r and access count (first in line for
+    eviction) and, from a save without statistics, dropping the ranking."""
+    store = open_store(max_variants=3)
+    with_stats = c3_after_c1_c2(ranked_tokens=(3, 0, 2))
+    store.put(with_stats)
+    for _ in range(5):
+        store.record_use(with_stats.variant_id, 0.1)
+    popular = store.get(with_stats.variant_id)
+    assert popular.access_count == 5 and popular.f_r == pytest.approx(50.0)
+    late = VariantRecord.without_stats(with_stats.chunk_key, with_stats.prefix, with_stats.num_tokens,
+                                       dict(with_stats.prefix_num_tokens))
+    assert late.variant_id == with_stats.variant_id
+    store.put(late)
+    kept = store.get(with_stats.variant_id)
+    assert kept.access_count == 5 and kept.f_r == pytest.approx(50.0)
+    assert kept.has_stats and kept.ranked_tokens == (3, 0, 2) and kept.inter == with_stats.inter
+    richer = dataclasses.replace(with_stats, ranked_tokens=(0, 2, 3), intra=9.0)
+    store.put(richer)  # statistics replace statistics
+    assert store.get(with_stats.variant_id).ranked_tokens == (0, 2, 3) and store.get(with_stats.variant_id).f_r == 50.0

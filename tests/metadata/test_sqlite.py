@@ -47,11 +47,10 @@ def test_persists_across_reopen_with_a_rollback_journal(tmp_path):
         assert store.record_uses([(c3_alone().variant_id, 0.25), ("gone", 0.5)]) == 1  # one transaction
         assert store.get(c3_alone().variant_id).f_r == 6.0
         store.record_uses([(c3_alone().variant_id, 0.25)])
-        store.put(c3_alone(size_bytes=5, tier="cpu", f_r=2.0, access_count=1))  # back to `before`
         before = store.all_records()
     with open_store(path) as store:
         assert store.all_records() == before
-        assert store.get(c3_alone().variant_id).f_r == 2.0
+        assert store.get(c3_alone().variant_id).f_r == 10.0
         assert store.size_by_tier() == {"disk": 10, "cpu": 5}
 
 
