@@ -29,7 +29,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion_stats import FusionStats
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loading.entries import EntryReader, LoadFigures, RankAgreement
+from cachefuse.loading.entries import MISS_LOAD_TIMEOUT, EntryReader, LoadFigures, RankAgreement
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
 from cachefuse.metadata.base import MetaStore, VariantRecord
@@ -230,6 +230,7 @@ class FusionEngine:
             load_bytes_by_tier=dict(figures.bytes), layer_seconds=list(result.layer_seconds),
             layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer],
             chunk_cfo=[None if c is None else c.cfo for c in choices],
+            chunks_loaded=[i in loaded for i in chunk_indices],
             saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted),
             probe_time_s=result.probe_seconds, probe_layers=result.probe_layers, probe_rows=result.probe_rows)
         return result, stats
@@ -305,16 +306,20 @@ class FusionEngine:
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         miss_reasons = Counter()
         fetched = {}
+        reader = self._reader()
         for index, key in keys.items():
-            if self.store.contains(key):
+            if reader.past_deadline():  # asking costs a call too: the rest are computed in full
+                miss_reasons[MISS_LOAD_TIMEOUT] += 1
+            elif self.store.contains(key):
                 fetched[index] = key
             else:
                 miss_reasons["not_stored"] += 1
         fetched_keys = list(dict.fromkeys(fetched.values()))
-        fetch = self._reader().timed(store_layer_fetcher(self.store, fetched_keys), figures, fetched_keys)
+        fetch = reader.timed(store_layer_fetcher(self.store, fetched_keys), figures, fetched_keys)
         # A query-aware selector's probe reads its view and score-layer keys first, straight from the
         # store (counted in bytes_loaded); the pass then fetches every layer.
-        probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers) if probes else None
+        probe_reads = (StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers, reader.past_deadline)
+                       if probes else None)
         request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
                               preload_depth=depth, reuse=reuse or {}, collect_attention_stats=stats,
                               probe_source=probe_reads)

@@ -49,6 +49,9 @@ class FusionStats:
     """Rows computed at each layer."""
     chunk_cfo: list[float | None] = field(default_factory=list)
     """Per declared chunk, the CFO of the variant it reused (None: computed in full)."""
+    chunks_loaded: list[bool] = field(default_factory=list)
+    """Per declared chunk, whether its K/V were loaded (False: computed in full, planned so or missed). A
+    blend replayed after a preemption reloads exactly these."""
     saved_variants: tuple[VariantRecord, ...] = ()
     """Metadata of the variants this request stored (the scheduler's index learns them)."""
     evicted_variants: tuple[str, ...] = ()

@@ -315,44 +315,46 @@ def test_a_failing_metadata_store_costs_one_call_per_request(adapter, case):
     assert torch.equal(result.logits, healthy.logits)
 
 
-class _SlowReads:
-    """A store whose every read takes `seconds` on the engine's clock (a Redis answering each call just
-    inside its timeout, a cold network disk)."""
+class _SlowStore:
+    """A store whose every call takes `seconds` on the engine's clock (a Redis answering each call just
+    inside its timeout, a cold network disk): existence checks, whole and per-layer reads, the probe's."""
+
+    SLOW = ("contains", "get", "get_layer", "get_rows", "get_meta")
 
     def __init__(self, inner, clock: list[float], seconds: float) -> None:
         self.inner, self.now, self.seconds = inner, clock, seconds
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        attr = getattr(self.inner, name)
+        if name not in self.SLOW:
+            return attr
 
-    def get(self, key):
-        self.now[0] += self.seconds
-        return self.inner.get(key)
-
-    def get_layer(self, key, layer):
-        self.now[0] += self.seconds
-        return self.inner.get_layer(key, layer)
+        def slow(*args, **kwargs):
+            self.now[0] += self.seconds
+            return attr(*args, **kwargs)
+        return slow
 
 
-@pytest.mark.parametrize("depth", [0, 2])
-def test_a_slow_store_costs_a_blend_at_most_its_load_timeout(adapter, case, depth):
-    """Every read of this store takes 3 s: past `load_timeout_s` (5 s) the blend reads nothing more and
-    computes the rest in full (miss reason "load_timeout"), so one request's reads cannot hold the step
-    for as many calls as it makes. The answer is that of a store without those chunks."""
+@pytest.mark.parametrize(("selector", "depth"), [("cacheblend", 0), ("cacheblend", 2), ("fusionrag", 2)])
+def test_a_slow_store_costs_a_blend_at_most_its_load_timeout(adapter, case, selector, depth):
+    """Every call to this store takes 3 s: past `load_timeout_s` (5 s) the blend starts no read (existence
+    checks and the question probe's reads included) and computes the rest in full (miss reason
+    "load_timeout"), so one request cannot hold the step for as many calls as it makes. The answer is that
+    of a store holding only what was read in time."""
     now = [0.0]
     engine = _full(adapter, case, CacheFuseConfig(preload_depth=depth, load_timeout_s=5.0))
     engine.clock = lambda: now[0]
-    engine.store = _SlowReads(engine.store, now, 3.0)
-    result, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    engine.store = _SlowStore(engine.store, now, 3.0)
+    result, stats = engine.prefill(case.token_ids, case.chunks, selector=selector, save_holes=False)
     assert stats.miss_reasons.get("load_timeout", 0) >= 2 and stats.chunks_hit <= 2, stats.miss_reasons
-    assert now[0] <= 5.0 + 3.0 * (1 if depth == 0 else len(case.chunks))  # the reads begun before the deadline
+    assert stats.blend_time_s <= 5.0 + 3.0  # the deadline and the one call begun before it
     without = make_engine(adapter, CacheFuseConfig(preload_depth=0, load_timeout_s=None))
     for key in stats.loaded_keys:  # a store holding only what the slow blend read in time
         assert without.store.put(key, engine.store.inner.get(key))
-    expected, _ = without.prefill(case.token_ids, case.chunks, save_holes=False)
+    expected, _ = without.prefill(case.token_ids, case.chunks, selector=selector, save_holes=False)
     torch.testing.assert_close(result.logits, expected.logits, rtol=0, atol=1e-5)
 
     now[0] = 0.0  # control: no bound, every chunk read however long it takes
     engine.config = CacheFuseConfig(preload_depth=depth, load_timeout_s=None)
-    _, unbounded = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    _, unbounded = engine.prefill(case.token_ids, case.chunks, selector=selector, save_holes=False)
     assert unbounded.chunks_hit == len(case.chunks) and not unbounded.miss_reasons

@@ -8,9 +8,11 @@ probe's load small when the pass itself then fetches layer by layer (cachefuse.l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
-from cachefuse.loading.loader import read_or_unavailable
+from cachefuse.loading.loader import LayerUnavailable, read_or_unavailable
 from cachefuse.store.base import KVStore
 
 
@@ -24,10 +26,14 @@ class StoreProbeReads:
         store: a store with `get_rows` and `get_meta` (every tier here; `supports_probe_reads`).
         keys: segment index -> chunk key.
         num_layers: the model's layers (the length of `layer_keys`).
+        past_deadline: True once the blend's load deadline has passed (config `load_timeout_s`): no read
+            starts after it (LayerUnavailable "load_timeout"); None: no bound.
     """
 
-    def __init__(self, store: KVStore, keys: dict[int, str], num_layers: int) -> None:
+    def __init__(self, store: KVStore, keys: dict[int, str], num_layers: int,
+                 past_deadline: Callable[[], bool] | None = None) -> None:
         self.store, self.keys_by_index, self.num_layers = store, dict(keys), num_layers
+        self.past_deadline = past_deadline
         self.bytes_read = 0
 
     def indices(self) -> list[int]:
@@ -35,6 +41,7 @@ class StoreProbeReads:
 
     def meta(self, index: int) -> dict[str, str]:
         key = self.keys_by_index[index]
+        self._check_deadline(key, 0)
         return read_or_unavailable(self.store, key, 0, lambda: self.store.get_meta(key))
 
     def rows(self, index: int, layer: int, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -46,8 +53,13 @@ class StoreProbeReads:
     def layer_keys(self, index: int) -> _LayerKeys:
         return _LayerKeys(self, index)
 
+    def _check_deadline(self, key: str, layer: int) -> None:
+        if self.past_deadline is not None and self.past_deadline():
+            raise LayerUnavailable(key, layer, "load_timeout")
+
     def _read(self, index: int, layer: int, offsets: Tensor | None, values: bool):
         key = self.keys_by_index[index]
+        self._check_deadline(key, layer)
         kv = read_or_unavailable(self.store, key, layer, lambda: self.store.get_rows(key, layer, offsets, values))
         self.bytes_read += sum(t.nbytes for t in kv if t is not None)
         return kv

@@ -333,11 +333,21 @@ class RedisMetaStore:
         if not eps > 0.0:
             raise ValueError(f"eps={eps!r}, expected > 0")
         now = repr(float(self._clock()))
+        calls = [[self._prefix, variant_id, repr(1.0 / max(cfo, eps)), now] for variant_id, cfo in uses]
         with self._redis("record_use"):
-            pipe = self._client.pipeline(transaction=False)
-            for variant_id, cfo in uses:
-                self._use_script(args=[self._prefix, variant_id, repr(1.0 / max(cfo, eps)), now], client=pipe)
-            replies = pipe.execute()
+            for attempt in range(2):
+                # EVALSHA straight into the pipeline: a queued Script object makes redis-py send SCRIPT
+                # EXISTS first, a second round trip
+                pipe = self._client.pipeline(transaction=False)
+                for args in calls:
+                    pipe.evalsha(self._use_script.sha, 0, *args)
+                try:
+                    replies = pipe.execute()
+                    break
+                except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load it, once
+                    if attempt:
+                        raise
+                    self._client.script_load(_LUA_RECORD_USE)
         return sum(bool(flat) and self._parse(flat) is not None for flat in replies)
 
     def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None:

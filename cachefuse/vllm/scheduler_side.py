@@ -87,6 +87,8 @@ class _Pending:
     sent: bool = False
     replay: bool = False
     """Preempted after its blend ran: the next blend replays this plan (SchedulerSide._replay)."""
+    figures_due: bool = False
+    """Its plan was sent and the worker's figures for it have not arrived yet."""
 
 
 @dataclass
@@ -194,13 +196,20 @@ class SchedulerSide:
         if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
             self._fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
             return 0, False
+        previous = self._pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
+        replaying = previous is not None and (previous.sent or previous.replay)
+        if replaying and previous.outcome.get("status") == "fallback":
+            # Its blend (or replay) failed and vLLM computed it plain: it stays plain, with that outcome (left
+            # pending, vLLM's allocation hook would have taken it for a skipped load).
+            self._pending.pop(req_id)
+            self._fallbacks[req_id] = previous.outcome
+            return 0, False
         if req_id not in self._budget.req_ids:
             if self._budget.req_ids and self._budget.tokens + len(prompt) > self.config.max_blend_tokens_per_step:
                 return None, False  # over this step's blend budget: retried next step
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
-        previous = self._pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
-        if previous is not None and (previous.sent or previous.replay):
+        if replaying:
             return self._replay(req_id, previous, prompt)
         keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
         admission = None if fusion.store_variant else Admission.from_config(self.config)
@@ -230,10 +239,13 @@ class SchedulerSide:
         the same variants (its own saved holes stay holes), selector and ratio, with no controller (no
         no-go), so the K/V vLLM decodes the rest over are the ones its first tokens came from. Planned
         afresh from today's index, the holes it saved became hits and the rows went elsewhere: another
-        answer than the same request unpreempted. The worker neither saves nor counts the replay."""
-        if previous.outcome.get("status") == "fallback":  # its blend failed and vLLM computed it plain: stays so
-            return 0, False
+        answer than the same request unpreempted. Chunks the last blend did not load (a miss, a load timeout,
+        another rank's miss) are computed in full again, whatever the store holds now. The worker neither
+        saves nor counts the replay, and says whether it loaded every chunk it was sent to (`replay_exact`)."""
         if previous.sent:  # a re-call while the replay waits for blocks counts once
+            loaded = previous.outcome.get("chunks_loaded")
+            if isinstance(loaded, list) and len(loaded) == len(previous.variants):
+                previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
             previous.outcome["preemptions"] = previous.outcome.get("preemptions", 0) + 1
             self.counters["requests_replanned_after_preemption"] += 1
@@ -293,7 +305,7 @@ class SchedulerSide:
         for req_id, pending in self._pending.items():
             if pending.sent or req_id not in block_ids_of:
                 continue
-            pending.sent = True
+            pending.sent = pending.figures_due = True
             plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
         self._budget = _StepBudget()
         return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
@@ -339,15 +351,18 @@ class SchedulerSide:
             self.counters[f"miss:{miss}"] += count
         self.counters["save_failures"] += figures.get("save_failures", 0)
         self.counters["saves_skipped"] += figures.get("saves_skipped", 0)
-        pending = self._pending.get(req_id)
-        if pending is not None and pending.replay:
-            figures = {**figures, **_replay_outcome(figures)}
         finished = self._awaiting.pop(req_id, None)
+        pending = self._pending.get(req_id)
+        outcome = finished if finished is not None else pending.outcome if pending is not None else None
+        if outcome is None:
+            return
+        if pending is not None:
+            pending.figures_due = False
+        if outcome.get("preemptions"):  # a replay's figures
+            figures = {**figures, **_replay_outcome(figures)}
+        outcome.update(figures)
         if finished is not None:
-            finished.update(figures)
             self._finish(req_id, finished)
-        elif pending is not None:
-            pending.outcome.update(figures)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -356,10 +371,12 @@ class SchedulerSide:
         outcome = pending.outcome if pending is not None else fallback
         if outcome is None:
             return False, None
+        if pending is not None and pending.sent and pending.figures_due:
+            # vLLM frees a request finished in a step before it hands the connector that step's worker
+            # output: the figures of the blend (or replay) that ran in it fill (and count) it in place
+            self._awaiting[req_id] = outcome
+            return False, {"cachefuse": outcome}
         if pending is not None and outcome.get("status") == "planned":
-            if pending.sent:
-                self._awaiting[req_id] = outcome  # this step's worker figures will fill (and count) it in place
-                return False, {"cachefuse": outcome}
             # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
             outcome.update(status="not_run", detail="the request finished before its blend ran")
         self._finish(req_id, outcome)  # a fallback decided here, or a blend whose figures came in an earlier step
@@ -403,13 +420,11 @@ class SchedulerSide:
 
 
 def _replay_outcome(figures: dict[str, Any]) -> dict[str, Any]:
-    """What a preempted request's replayed blend adds to its outcome: `replay_exact`, whether the blend
-    rebuilt the K/V its first tokens came from (false: a chunk it loaded the first time was gone, evicted
-    meanwhile, and was computed in full); a replay that failed says its earlier tokens were fused."""
+    """What a replay that failed adds to its request's outcome: its earlier tokens were fused (a replay
+    that ran says itself whether it was exact: `replay_exact`, from the worker)."""
     if figures.get("status") == "fallback":
         return {"fused_before_preemption": True, "replay_exact": False}
-    lost = {reason: n for reason, n in (figures.get("miss_reasons") or {}).items() if reason != "not_stored"}
-    return {"replay_exact": not lost}
+    return {}
 
 
 def _log_outcome(req_id: str, outcome: dict[str, Any]) -> None:

@@ -158,6 +158,8 @@ class WorkerSide:
                 logger.debug("cachefuse placement: %s %s -> %s", key, source, target)
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
         figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
+        if plan.replay and plan.variants is not None:  # loaded exactly what the last blend loaded
+            figures["replay_exact"] = stats.chunks_loaded == [v is not None for v in plan.variants]
         return figures
 
     def on_step_start(self, metadata: CacheFuseMetadata) -> None:

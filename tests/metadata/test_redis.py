@@ -144,3 +144,27 @@ def test_a_redis_restarted_empty_shows_a_new_generation_at_the_same_count(privat
         assert int(raw.get("cachefuse:meta:generation")) == 3  # the counter alone cannot tell
     assert before.generation() != seen
     assert refresher.refresh_once(before) and sorted(r.chunk_key for r in index.records()) == ["X", "Y", "Z"]
+
+
+def test_record_uses_is_one_round_trip_and_survives_a_flushed_script_cache(private_redis, monkeypatch):
+    """A queued Script object made redis-py send SCRIPT EXISTS before the EVALSHAs: two round trips, each a
+    call's latency on a slow Redis. A server that lost its scripts (restarted, SCRIPT FLUSH) loads it again."""
+    import redis as redis_py
+
+    store = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
+    ids = []
+    for key in "ABCD":
+        store.put(alone(key))
+        ids.append(alone(key).variant_id)
+    sends = []
+    real = redis_py.connection.Connection.send_packed_command
+    monkeypatch.setattr(redis_py.connection.Connection, "send_packed_command",
+                        lambda self, command, *a, **k: sends.append(command) or real(self, command, *a, **k))
+    assert store.record_uses([(v, 0.5) for v in ids]) == 4  # the script is loaded here
+    sends.clear()
+    assert store.record_uses([(v, 0.5) for v in ids]) == 4
+    assert len(sends) == 1
+    with private_redis.client() as admin:
+        admin.script_flush()
+    assert store.record_uses([(v, 0.5) for v in ids]) == 4
+    assert [store.get(v).access_count for v in ids] == [3, 3, 3, 3]

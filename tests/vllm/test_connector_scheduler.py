@@ -593,7 +593,7 @@ def test_a_preempted_fused_request_replays_its_first_plan(make_side):
     side.figures = {}  # no figures yet: the fixed ratio, fused
     (first,) = schedule(side, req)
     assert first.variants[2] is None and not first.replay  # chunk b: a hole
-    worker_reports(side, "r1", chunks_hit=2, miss_reasons={"not_stored": 1})
+    worker_reports(side, "r1", chunks_hit=2, miss_reasons={"not_stored": 1}, chunks_loaded=[True, True, False])
     key_b = chunk_key(prompt[60:90], side.key_context)
     index_variants(side, VariantRecord.without_stats(key_b, (key_a,), 30))  # its save of b, now indexed
     side.figures = no_go_figures()
@@ -603,7 +603,8 @@ def test_a_preempted_fused_request_replays_its_first_plan(make_side):
     (replayed,) = schedule(side, req, resumed_first_block=40)
     assert replayed.replay and replayed.variants == first.variants and replayed.recompute_ratio == first.recompute_ratio
     assert replayed.slot_mapping[0] == 40 * 16  # into its new blocks
-    worker_reports(side, "r1", chunks_hit=2, miss_reasons={"not_stored": 1})
+    worker_reports(side, "r1", chunks_hit=2, miss_reasons={"not_stored": 1}, chunks_loaded=[True, True, False],
+                   replay_exact=True)
     _, params = side.request_finished(req, [])
     outcome = params["cachefuse"]
     assert outcome["status"] == "fused" and outcome["preemptions"] == 1 and outcome["replay_exact"] is True
@@ -617,26 +618,39 @@ def test_a_preempted_fused_request_replays_its_first_plan(make_side):
     assert fresh.variants[2] is not None and not fresh.replay
 
 
-def test_a_replay_that_loses_a_chunk_or_fails_says_so(make_side):
+def test_a_replay_recomputes_what_the_last_blend_did_not_load_and_one_that_fails_says_so(make_side):
+    """The first blend missed chunk a (a load timeout; under TP another rank's miss): it computed a in
+    full, so the replay must too, whatever the store holds now. The replay's figures arrive after vLLM
+    freed the request (vLLM finishes a request before it hands over the step's worker output)."""
     side = make_side()
     req = request("r1")
+    prompt = req.prompt_token_ids
+    index_variants(side, VariantRecord.without_stats(chunk_key(prompt[0:10], side.key_context, at_prompt_start=True),
+                                                     (), 10),
+                   VariantRecord.without_stats(chunk_key(prompt[10:60], side.key_context), (), 50))
     (first,) = schedule(side, req)
-    worker_reports(side, "r1", chunks_hit=2)
-    schedule(side, req, resumed_first_block=40)
-    worker_reports(side, "r1", chunks_hit=1, miss_reasons={"absent": 1})  # evicted between the two blends
-    _, params = side.request_finished(req, [])
+    assert all(v is not None for v in first.variants)
+    worker_reports(side, "r1", chunks_hit=1, chunks_loaded=[True, False], miss_reasons={"load_timeout": 1})
+    (replayed,) = schedule(side, req, resumed_first_block=40)
+    assert replayed.variants == [first.variants[0], None]
+    _, params = side.request_finished(req, [])  # its last token came in the replay's step
+    worker_reports(side, "r1", chunks_hit=1, chunks_loaded=[True, False], replay_exact=False)
     assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["replay_exact"] is False
+    assert side.counters["requests_fused"] == 1
 
     failing = request("r2")
     schedule(side, failing)
-    worker_reports(side, "r2", chunks_hit=2)
+    worker_reports(side, "r2", chunks_hit=2, chunks_loaded=[True, True])
     schedule(side, failing, resumed_first_block=40)
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
         {"r2": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+    failing.num_output_tokens = 4
+    assert side.get_num_new_matched_tokens(failing, 0) == (0, False)  # preempted again: plain from here on
+    side.update_state_after_alloc(failing, blocks(100, first=60), 0)  # vLLM admits it, loading nothing
     _, params = side.request_finished(failing, [])
     outcome = params["cachefuse"]
-    assert outcome["status"] == "fallback" and outcome["fused_before_preemption"] is True
-    assert outcome["preemptions"] == 1
+    assert outcome["status"] == "fallback" and outcome["fallback_reason"] == "blend_error"
+    assert outcome["fused_before_preemption"] is True and outcome["preemptions"] == 1
     worker_reports(side, None)
     assert_no_state(side)
 
@@ -644,13 +658,16 @@ def test_a_replay_that_loses_a_chunk_or_fails_says_so(make_side):
 def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed(make_side):
     """Its first tokens came from plain K/V (vLLM recomputed it): blended on resumption, the rest would be
     decoded over fused K/V. A request that fell back before it produced a token may still be planned."""
-    side = make_side(ratio_mode="controller")
+    side = make_side(ratio_mode="controller", max_blend_tokens_per_step=150)
     failed = request("r1")
     side.figures = {}
     schedule(side, failed)
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
         {"r1": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
     assert side.get_num_new_matched_tokens(failed, 0) == (0, False)  # resumed: plain again
+    side.update_state_after_alloc(failed, blocks(100, first=60), 0)  # vLLM admits it, loading nothing
+    assert side.get_num_new_matched_tokens(request("next"), 0) == (99, False)  # it took no blend budget
+    side.request_finished(request("next"), [])
     assert side.build_connector_meta(step_output(resumed=[failed])).plans == []
 
     turned_down = request("r2")
@@ -659,9 +676,12 @@ def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed
     turned_down.num_output_tokens = 3  # ran plain, preempted, resumes with figures that would fuse
     side.figures = {}
     assert side.get_num_new_matched_tokens(turned_down, 0) == (0, False)
+    reasons = []
     for req in (failed, turned_down):
         _, params = side.request_finished(req, [])
         assert params["cachefuse"]["status"] == "fallback"
+        reasons.append(params["cachefuse"]["fallback_reason"])
+    assert reasons == ["blend_error", "no_go"]  # the reasons they ran plain for, not a skipped load
     worker_reports(side, None)
     assert_no_state(side)
     assert side.counters["requests_fallback"] == 2
