@@ -12,7 +12,6 @@ that nothing will load (a crash between the K/V write and the metadata row).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -86,7 +85,7 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
         from cachefuse.metadata.redis import RedisMetaStore
         from cachefuse.store.redis import list_redis_keys
 
-        metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s)
+        metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s, check_eviction=False)
         try:
             return report_from(redact_url(url), metastore, lambda: list_redis_keys(url, timeout_s=timeout_s))
         finally:
@@ -109,16 +108,21 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
                               "engine's store_dir")
         return report_from(url, _EmptyMeta(), lambda: listed)
     uri = f"file:{meta_path}?mode=ro"  # read-only: inspecting never creates or changes a store
-    try:
-        metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)
-    except StoreError as exc:
-        if not _needs_rollback(exc):
-            raise
-        return _report_from_recovered_copy(url, meta_path, kv_keys)
-    try:
-        return report_from(url, metastore, kv_keys)
-    finally:
-        metastore.close()
+    for _ in range(3):  # an engine recovering the store while inspect copies it: read the store again
+        try:
+            metastore = SqliteMetaStore(uri, max_variants=1 << 62, uri=True)
+        except StoreError as exc:
+            if not _needs_rollback(exc):
+                raise
+            report = _report_from_recovered_copy(url, meta_path, kv_keys)
+            if report is not None:
+                return report
+            continue
+        try:
+            return report_from(url, metastore, kv_keys)
+        finally:
+            metastore.close()
+    raise StoreError(f"{meta_path}: its hot journal changed under every attempt to read a copy; retry")
 
 
 def _needs_rollback(exc: StoreError) -> bool:
@@ -128,17 +132,31 @@ def _needs_rollback(exc: StoreError) -> bool:
     return isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK"
 
 
-def _report_from_recovered_copy(url: str, meta_path: str, kv_keys: Callable[[], set[str]]) -> StoreReport:
-    """Reads a store whose metadata has a hot journal: the file and its journal are copied and the copy rolled
-    back (what the next engine to open the store does), so inspecting still changes nothing. The rows are
-    the last committed ones."""
+def _report_from_recovered_copy(url: str, meta_path: str, kv_keys: Callable[[], set[str]]) -> StoreReport | None:
+    """Reads a store whose metadata has a hot journal: the journal and then the file are copied and the copy
+    rolled back (what the next engine to open the store does), so inspecting still changes nothing. The rows
+    are the last committed ones. None when the journal changed while the file was copied (an engine
+    recovered the store meanwhile: the file copied may be recovered or not, and the old journal no longer
+    matches it); the caller reads the store again."""
     logger.warning("cachefuse inspect: %s has a hot journal (a writer died mid-transaction); reading a "
                    "rolled-back copy, the store itself is left for the next engine to recover", meta_path)
+    journal = meta_path + "-journal"
     with tempfile.TemporaryDirectory(prefix="cachefuse-inspect-") as tmp:
         copy = os.path.join(tmp, META_FILE)
+        try:
+            with open(journal, "rb") as f:
+                before = f.read()
+        except FileNotFoundError:
+            return None
+        Path(copy + "-journal").write_bytes(before)
         shutil.copyfile(meta_path, copy)
-        with contextlib.suppress(FileNotFoundError):  # committed meanwhile: the copy is consistent as it is
-            shutil.copyfile(meta_path + "-journal", copy + "-journal")
+        try:
+            with open(journal, "rb") as f:
+                unchanged = f.read() == before
+        except FileNotFoundError:
+            unchanged = False
+        if not unchanged:
+            return None
         metastore = SqliteMetaStore(copy, max_variants=1 << 62)
         try:
             return report_from(url, metastore, kv_keys)

@@ -83,6 +83,8 @@ a row claiming more was written by something else, and planning would pay for it
 (a 300,000-chunk prefix cost 1 s per request that held the chunk)."""
 MAX_NUM_TOKENS = 1 << 20
 """More tokens than any chunk has (the disk tier's bound too)."""
+MAX_KEY_CHARS = 200
+"""A chunk key past this is not one (32 hex digits; the K/V tiers' keys stop at 200 characters too)."""
 
 
 def _all_ints(values: Sequence[object]) -> bool:
@@ -115,7 +117,9 @@ def _check_types(record: VariantRecord) -> None:
     ) if not ok]
     if bad:
         raise TypeError(f"VariantRecord fields of the wrong type: {', '.join(bad)}")
-    sizes = {"prefix": (len(record.prefix), MAX_PREFIX_CHUNKS),
+    sizes = {"chunk_key": (len(record.chunk_key), MAX_KEY_CHARS),
+             "prefix keys": (max(map(len, record.prefix), default=0), MAX_KEY_CHARS),
+             "prefix": (len(record.prefix), MAX_PREFIX_CHUNKS),
              "inter": (len(record.inter), len(record.prefix) + 1),
              "prefix_num_tokens": (len(record.prefix_num_tokens), len(record.prefix) + 1),
              "num_tokens": (record.num_tokens, MAX_NUM_TOKENS),
@@ -279,7 +283,7 @@ class MetaStore(Protocol):
 
     def all_records(self) -> list[VariantRecord]: ...
 
-    def variant_ids(self) -> list[str]: ...
+    def variant_versions(self) -> list[tuple[str, tuple]]: ...
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]: ...
 

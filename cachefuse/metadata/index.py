@@ -126,7 +126,8 @@ class VariantIndex:
         return sum(len(records) for records in self._by_chunk.values())
 
     def records(self) -> list[VariantRecord]:
-        return [record for records in self._by_chunk.values() for record in records]
+        with self._lock:  # another thread's announce or remove may change the chunks meanwhile
+            return [record for records in self._by_chunk.values() for record in records]
 
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         return list(self._by_chunk.get(chunk_key, ()))
@@ -291,13 +292,17 @@ class IndexRefresher:
     """Keeps a VariantIndex current from a metadata store on a daemon thread, never on the caller's.
 
     Every `interval_s` it reads the store's `generation()`; when it changed, it reloads and swaps the
-    snapshot in. A reload reads the store's variant ids and only the rows the index has not seen (new
-    variants; removed ones drop out with their ids): parsing every row cost ~3 s of the scheduler
+    snapshot in. A reload reads every variant's id and version (`variant_versions`: no row is parsed)
+    and reads only the rows whose version it has not read before: new variants, rows written since
+    (an upsert, a use, a removal and a new save of the same id), and none of the others; removed ones
+    drop out with their ids. It keeps the rows it read from the store, never the index's own records
+    (those include announcements not written yet). Parsing every row cost ~3 s of the scheduler
     process's CPU per reload at 10,000 variants, about once a second under load, competing with
-    `schedule()` for the GIL, and held a shared Redis for 0.3 s per engine. Every `full_interval_s`, and
-    at the first load, it reads every row instead: rows changed in place (an upsert by another engine)
-    are picked up there. Errors (a Redis that is down, paused or answering garbage) are logged once per
-    outage and retried at the next tick; the index keeps its last snapshot meanwhile.
+    `schedule()` for the GIL, and held a shared Redis for 0.3 s per engine. A row that does not parse is
+    remembered by its version and not read again until it changes. The first reload, and the first after
+    `full_interval_s`, read every row (a backstop). Errors (a Redis that is down, paused or answering
+    garbage) are logged once per outage and retried at the next tick; the index keeps its last snapshot
+    meanwhile.
 
     Args:
         index: the index to refresh.
@@ -321,6 +326,7 @@ class IndexRefresher:
         self._seen_generation: int | None = None
         self.full_interval_s, self._clock = full_interval_s, clock
         self._last_full: float | None = None
+        self._rows: dict[str, tuple[tuple, VariantRecord | None]] = {}  # id -> (version, its row as read)
         self.reloads = 0
         self.full_reloads = 0
         self.rows_read = 0
@@ -348,29 +354,32 @@ class IndexRefresher:
         if full is None:
             full = self._last_full is None or now - self._last_full >= self.full_interval_s
         index.snapshot_started()
+        records = self._read_rows(store, full)
         if full:
-            records = store.all_records()
             self._last_full = now
             self.full_reloads += 1
-            self.rows_read += len(records)
-        else:
-            records = self._changed_records(index, store)
         plain = None if self._plain_keys is None else list(self._plain_keys())
         index.replace_all(records, plain, self._plain_tier)
         self._seen_generation = generation
         self.reloads += 1
         return True
 
-    def _changed_records(self, index: VariantIndex, store: MetaStore) -> list[VariantRecord]:
-        """The store's variants as a snapshot, reading only rows the index does not hold: the ids come
-        from the store, the known rows from the index (a row an index holds only as announced, not yet
-        written, is not in the ids and stays announced)."""
-        ids = store.variant_ids()
-        known = {record.variant_id: record for record in index.records()}
-        new = store.get_many([variant_id for variant_id in ids if variant_id not in known])
-        self.rows_read += len(new)
-        fetched = {record.variant_id: record for record in new}
-        return [r for r in (known.get(i) or fetched.get(i) for i in ids) if r is not None]
+    def _read_rows(self, store: MetaStore, full: bool) -> list[VariantRecord]:
+        """The store's readable variants in insertion order, reading the rows whose version this refresher
+        has not read (all of them when `full`). Versions are listed first: a row written after its
+        version was listed is read again next time, never kept at a version it does not have."""
+        versions = store.variant_versions()
+        stale = [vid for vid, version in versions if full or self._rows.get(vid, (None,))[0] != version]
+        fetched = {record.variant_id: record for record in (store.all_records() if full else store.get_many(stale))}
+        self.rows_read += len(fetched)
+        rows = {}
+        for vid, version in versions:
+            if vid in fetched or full or vid in stale:
+                rows[vid] = (version, fetched.get(vid))  # None: unreadable (or removed meanwhile)
+            else:
+                rows[vid] = self._rows[vid]
+        self._rows = rows
+        return [record for _, record in rows.values() if record is not None]
 
     def _run(self) -> None:
         store, failing = None, False

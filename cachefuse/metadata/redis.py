@@ -140,7 +140,9 @@ return fields
 _LUA_RECORDS = """
 local out = {}
 for _, id in ipairs(redis.call('ZRANGE', ARGV[1] .. ARGV[2], 0, -1)) do
-  out[#out + 1] = redis.call('HGETALL', ARGV[1] .. 'v:' .. id)
+  local fields = redis.pcall('HGETALL', ARGV[1] .. 'v:' .. id)
+  if fields.err then fields = {'variant_id', id} end  -- another type under the key: an unreadable row
+  out[#out + 1] = fields
 end
 return out
 """
@@ -203,7 +205,7 @@ class RedisMetaStore:
 
     def __init__(self, url: str, *, max_variants: int, policy: str = "f_r",
                  clock: Callable[[], float] = time.time, timeout_s: float = 0.5,
-                 namespace: str = "cachefuse") -> None:
+                 namespace: str = "cachefuse", check_eviction: bool = True) -> None:
         """Connect and check the layout version.
 
         Args:
@@ -215,6 +217,8 @@ class RedisMetaStore:
                 namespace should share a time base (wall clock) for the LRU order to mean anything.
             timeout_s: socket connect/read timeout of every call.
             namespace: key prefix; instances sharing metadata use the same one.
+            check_eviction: refuse a server whose eviction policy would drop bookkeeping keys
+                (redis_client.check_eviction_policy); off for `cachefuse inspect`, which only reads.
 
         Raises:
             ConfigError: a bad argument. StoreError: Redis unreachable or holding another layout version.
@@ -246,7 +250,9 @@ class RedisMetaStore:
                                   "password (in the URL, redis_password_env or redis_password_file)") from None
             logger.warning("redis metastore %r unreachable at start-up (%s); variant metadata calls fail, as "
                            "misses and unsaved variants, until it answers", namespace, exc)
-        check_eviction_policy(self._client)
+        else:
+            if check_eviction:  # the K/V tier shares the server (redis_url): one check serves both
+                check_eviction_policy(self._client)
 
     def _check_layout(self) -> None:
         """Checks (once) that the namespace holds this layout version; creates it when empty."""
@@ -393,6 +399,9 @@ class RedisMetaStore:
         before shows the same counter, and an index would keep the old variants; the epoch differs."""
         with self._redis("generation"):
             counter, epoch = self._client.mget(self._prefix + "generation", self._prefix + "epoch")
+            if epoch is None:  # restarted empty under running engines: a new epoch, whoever sets it first
+                self._client.set(self._prefix + "epoch", uuid.uuid4().hex, nx=True)
+                counter, epoch = self._client.mget(self._prefix + "generation", self._prefix + "epoch")
         return (zlib.crc32((epoch or "").encode()) << 40) + int(counter or 0)
 
     def pin(self, variant_id: str) -> None:
@@ -443,11 +452,18 @@ class RedisMetaStore:
             replies = self._records_script(args=[self._prefix, "seq"])
         return self._readable(replies)
 
-    def variant_ids(self) -> list[str]:
-        """Every variant's id in insertion order, without reading the rows (an index refresh's cheap part:
-        kilobytes per thousand variants, where the rows are megabytes to send and parse)."""
-        with self._redis("variant_ids"):
-            return list(self._client.zrange(self._prefix + "seq", 0, -1))
+    def variant_versions(self) -> list[tuple[str, tuple]]:
+        """(id, version) of every variant in insertion order, without reading the rows (an index refresh's
+        cheap part: the three order sets, kilobytes per thousand variants, where the rows are megabytes to
+        send and parse). The version changes with every write to the row: a put (a new seq for a new id,
+        last_access), a use (last_access, f_r)."""
+        with self._redis("variant_versions"):
+            pipe = self._client.pipeline(transaction=True)  # one consistent reading of the three
+            for order in ("seq", "by_last_access", "by_f_r"):
+                pipe.zrange(self._prefix + order, 0, -1, withscores=True)
+            by_seq, by_access, by_f_r = pipe.execute()
+        access, f_r = dict(by_access), dict(by_f_r)
+        return [(vid, (seq, access.get(vid), f_r.get(vid))) for vid, seq in by_seq]
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
         """The readable variants among `variant_ids`, in their order (absent and unreadable ones skipped), in
@@ -459,7 +475,9 @@ class RedisMetaStore:
             pipe = self._client.pipeline(transaction=False)
             for variant_id in ids:
                 pipe.hgetall(self._prefix + "v:" + variant_id)
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)  # another type under one key: that row unreadable
+        replies = [{"variant_id": vid} if isinstance(fields, Exception) else fields
+                   for vid, fields in zip(ids, replies, strict=True)]
         return self._readable([fields for fields in replies if fields])
 
     def size_by_tier(self) -> dict[str, int]:

@@ -245,10 +245,13 @@ class SqliteMetaStore:
             row = self._conn.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
         return None if row is None else self._parse(row)
 
-    def variant_ids(self) -> list[str]:
-        """Every variant's id in insertion order, without reading the rows (an index refresh's cheap part)."""
+    def variant_versions(self) -> list[tuple[str, tuple]]:
+        """(id, version) of every variant in insertion order, without parsing the rows (an index refresh's
+        cheap part). The version changes with every write to the row: a put (its seq, and last_access),
+        a use (last_access, f_r, access_count), a removal and a new put of the same id."""
         with self._locked():
-            return [row[0] for row in self._conn.execute("SELECT variant_id FROM variants ORDER BY seq")]
+            return [(row[0], tuple(row[1:])) for row in self._conn.execute(
+                "SELECT variant_id, seq, last_access, f_r, access_count FROM variants ORDER BY seq")]
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
         """The readable variants among `variant_ids`, in insertion order (absent and unreadable ones skipped)."""

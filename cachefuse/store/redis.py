@@ -23,7 +23,8 @@ the tensor bytes never pass through Lua. A refused put (does not fit) leaves the
 that times out returns False but may still land later, whole. capacity_bytes > 0 is a budget over the
 namespace, shared by every instance on it; 0 is no budget of ours (Redis's own maxmemory applies with
 `noeviction`: a full Redis refuses puts; a server whose policy evicts any key, `allkeys-*`, is refused at
-start-up, since it would drop the bookkeeping keys with the entries: redis_client.check_eviction_policy). The scripts derive key names from the
+start-up by the metadata store on the same server, since it would drop the bookkeeping keys with the
+entries: redis_client.check_eviction_policy). The scripts derive key names from the
 namespace, so they need standalone Redis (or one shard), not Redis Cluster.
 
 Misses, as in disk.py: "foreign_model", "shape_mismatch", "corrupt" (bad checksum, missing or
@@ -46,7 +47,7 @@ import redis
 import torch
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.redis_client import check_eviction_policy, redact_url, redis_client
+from cachefuse.redis_client import redact_url, redis_client
 from cachefuse.store import base, disk
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
@@ -239,7 +240,6 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         self._pins = _Pins()
         self._lock = threading.Lock()  # guards stats and the reachability flag
         self._unreachable = False
-        check_eviction_policy(self._client)
 
     def _entry(self, key: str) -> str:
         return f"{self._prefix}e:{key}"

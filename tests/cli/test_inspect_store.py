@@ -175,3 +175,30 @@ def test_inspect_of_a_redis_url_without_the_redis_package_says_what_to_install(m
     with pytest.raises(SystemExit) as exc:
         main(["inspect", "--store", "redis://localhost:1/0"])
     assert exc.value.code == 2 and "pip install 'cachefuse[redis]'" in capsys.readouterr().err
+
+
+def test_inspect_reads_again_when_an_engine_recovers_the_store_while_it_copies(store_dir, capsys, tmp_path, monkeypatch):
+    """An engine opening the store between inspect's copies of the file and its journal rolled the journal
+    back: the dead writer's half-written file paired with no journal read as 0 variants."""
+    import shutil
+
+    from cachefuse import store_report
+
+    root, _ = store_dir
+    copy = tmp_path / "store"
+    shutil.copytree(root, copy)
+    assert main(["inspect", "--store", str(copy), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)["variants"]
+    _die_mid_transaction(str(copy / "meta.sqlite"))
+    real_copyfile, opened = shutil.copyfile, []
+
+    def copy_while_an_engine_opens_the_store(src, dst, *args, **kwargs):
+        done = real_copyfile(src, dst, *args, **kwargs)
+        if not opened:  # right after the first copy, an engine's open rolls the hot journal back
+            opened.append(SqliteMetaStore(str(copy / "meta.sqlite"), max_variants=100))
+            opened[0].close()
+        return done
+
+    monkeypatch.setattr(store_report.shutil, "copyfile", copy_while_an_engine_opens_the_store)
+    assert main(["inspect", "--store", str(copy), "--json"]) == 0
+    assert opened and json.loads(capsys.readouterr().out)["variants"] == before

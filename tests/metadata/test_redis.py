@@ -168,3 +168,36 @@ def test_record_uses_is_one_round_trip_and_survives_a_flushed_script_cache(priva
         admin.script_flush()
     assert store.record_uses([(v, 0.5) for v in ids]) == 4
     assert [store.get(v).access_count for v in ids] == [3, 3, 3, 3]
+
+
+def test_an_epoch_lost_under_running_engines_is_set_again(private_redis):
+    """The epoch was only written when a process opened the namespace: a Redis restarted empty under
+    running engines had none, and a second empty restart with as many saves went unnoticed."""
+    store = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
+    seen = []
+    for life in range(3):
+        for key in "ABC":
+            store.put(alone(f"{key}{life}"))
+        seen.append(store.generation())
+        private_redis.stop()
+        private_redis.start()  # empty: no persistence; the engine keeps running, nothing reopens
+    assert len(set(seen)) == 3
+
+
+def test_a_key_of_another_type_is_an_unreadable_row_not_a_failed_reload(private_redis):
+    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+
+    store = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
+    good, bad = alone("A"), alone("B")
+    store.put(good)
+    store.put(bad)
+    with private_redis.client() as raw:
+        raw.delete(f"cachefuse:meta:v:{bad.variant_id}")
+        raw.set(f"cachefuse:meta:v:{bad.variant_id}", "a string, not a hash")
+    assert [r.chunk_key for r in store.all_records()] == ["A"]
+    assert [r.chunk_key for r in store.get_many([good.variant_id, bad.variant_id])] == ["A"]
+    index = VariantIndex()
+    refresher = IndexRefresher(index, lambda: store, 3600, full_interval_s=1e9)
+    assert refresher.refresh_once(store) and "A" in index and "B" not in index
+    store.put(alone("C"))
+    assert refresher.refresh_once(store, full=False) and "C" in index

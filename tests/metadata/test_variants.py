@@ -249,8 +249,8 @@ class FlakyStore:
     def all_records(self):
         return list(self.records)
 
-    def variant_ids(self):
-        return [r.variant_id for r in self.records]
+    def variant_versions(self):
+        return [(r.variant_id, (r.last_access, r.f_r, r.access_count)) for r in self.records]
 
     def get_many(self, variant_ids):
         wanted = set(variant_ids)
@@ -311,10 +311,10 @@ class DuringRead(FlakyStore):
         self.on_read()
         return records
 
-    def variant_ids(self):  # an incremental reload's snapshot is its id listing
-        ids = [r.variant_id for r in self.records]
+    def variant_versions(self):  # an incremental reload's snapshot is its version listing
+        versions = super().variant_versions()
         self.on_read()
-        return ids
+        return versions
 
 
 def test_announced_variants_outlive_reloads_until_written_and_seen():
