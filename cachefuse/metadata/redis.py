@@ -65,6 +65,7 @@ local function drop(p, id)
   redis.call('ZREM', p .. 'seq', id)
   redis.call('ZREM', p .. 'by_f_r', id)
   redis.call('ZREM', p .. 'by_last_access', id)
+  redis.call('ZREM', p .. 'by_rev', id)
   if chunk then redis.call('ZREM', p .. 'chunk:' .. chunk, id) end
   return fields
 end
@@ -110,6 +111,7 @@ redis.call('ZADD', p .. 'seq', seq, id)
 redis.call('ZADD', p .. 'chunk:' .. chunk, seq, id)
 redis.call('ZADD', p .. 'by_f_r', f_r, id)
 redis.call('ZADD', p .. 'by_last_access', last, id)
+redis.call('ZADD', p .. 'by_rev', redis.call('INCR', p .. 'writes'), id)  -- the row's revision
 if not exists then redis.call('INCR', p .. 'generation') end
 return out
 """
@@ -124,6 +126,7 @@ local f_r = string.format('%.17g', tonumber(redis.call('HGET', key, 'f_r')) + to
 redis.call('HSET', key, 'f_r', f_r, 'last_access', ARGV[4])
 redis.call('ZADD', p .. 'by_f_r', f_r, id)
 redis.call('ZADD', p .. 'by_last_access', ARGV[4], id)
+redis.call('ZADD', p .. 'by_rev', redis.call('INCR', p .. 'writes'), id)
 return redis.call('HGETALL', key)
 """
 
@@ -135,16 +138,19 @@ redis.call('INCR', ARGV[1] .. 'generation')
 return fields
 """
 
-# ARGV: prefix. Returns one string: a line "id seq last_access f_r" per variant, in insertion order.
+# ARGV: prefix. Returns {ids, revisions}: the variant ids in insertion order joined by newlines, and
+# "id revision" lines (the store's write count when the row was last written) in revision order. Two
+# strings from one script: a consistent reading, and no RESP array of 10,000 members for redis-py to
+# parse (~0.3 s in the scheduler's process). A revision set of another type reads as no revisions.
 _LUA_VERSIONS = """
-local p, out = ARGV[1], {}
-local listed = redis.call('ZRANGE', p .. 'seq', 0, -1, 'WITHSCORES')
-for i = 1, #listed, 2 do
-  local id = listed[i]
-  out[#out + 1] = id .. ' ' .. listed[i + 1] .. ' ' .. (redis.call('ZSCORE', p .. 'by_last_access', id) or '-')
-    .. ' ' .. (redis.call('ZSCORE', p .. 'by_f_r', id) or '-')
+local p = ARGV[1]
+local ids = redis.call('ZRANGE', p .. 'seq', 0, -1)
+local revs = redis.pcall('ZRANGE', p .. 'by_rev', 0, -1, 'WITHSCORES')
+local lines = {}
+if not revs.err then
+  for i = 1, #revs, 2 do lines[#lines + 1] = revs[i] .. ' ' .. revs[i + 1] end
 end
-return table.concat(out, '\\n')
+return {table.concat(ids, '\\n'), table.concat(lines, '\\n')}
 """
 
 # ARGV: prefix, index zset suffix ('seq' or 'chunk:<key>'). Returns every listed variant's fields, in
@@ -468,13 +474,15 @@ class RedisMetaStore:
     def variant_versions(self) -> list[tuple[str, tuple]]:
         """(id, version) of every variant in insertion order, without reading the rows (an index refresh's
         cheap part: the three order sets, kilobytes per thousand variants, where the rows are megabytes to
-        send and parse). The version changes with every write to the row: a put (a new seq for a new id,
-        last_access), a use (last_access, f_r)."""
+        send and parse). The version is the row's revision: the store's write count when the row was last
+        written (a put, an upsert, a use, a new put after a removal), whatever the clock says; "-" for a
+        row written before revisions existed (unchanged since)."""
         with self._redis("variant_versions"):
             # One string from one script (a consistent reading): three sorted sets of 10,000 members as
             # RESP replies took redis-py's parser ~0.3 s in the scheduler's process.
-            listing = self._versions_script(args=[self._prefix])
-        return [(line[0], tuple(line[1:])) for line in (row.split(" ") for row in listing.split("\n") if row)]
+            ids, revisions = self._versions_script(args=[self._prefix])
+        revision_of = dict(line.split(" ", 1) for line in revisions.split("\n") if " " in line)
+        return [(vid, (revision_of.get(vid, "-"),)) for vid in ids.split("\n") if vid]
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
         """The readable variants among `variant_ids`, in their order (absent and unreadable ones skipped), in
@@ -486,7 +494,10 @@ class RedisMetaStore:
             pipe = self._client.pipeline(transaction=False)
             for variant_id in ids:
                 pipe.hgetall(self._prefix + "v:" + variant_id)
-            replies = pipe.execute(raise_on_error=False)  # another type under one key: that row unreadable
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:  # another type under one key makes that row unreadable; other errors (BUSY,
+            if isinstance(reply, Exception) and not str(reply).startswith("WRONGTYPE"):  # LOADING) fail the read
+                raise StoreError(f"redis metastore get_many: {reply!r}")
         replies = [{"variant_id": vid} if isinstance(fields, Exception) else fields
                    for vid, fields in zip(ids, replies, strict=True)]
         return self._readable([fields for fields in replies if fields])

@@ -57,10 +57,12 @@ CREATE TABLE IF NOT EXISTS variants (
     tier TEXT NOT NULL,
     last_access REAL NOT NULL,
     recompute_ratio REAL,               -- ratio the prefix was fused under; NULL: computed alone (precompute)
-    has_stats INTEGER NOT NULL          -- 0: no attention statistics (inter/intra are zeros, CCI 0.5)
+    has_stats INTEGER NOT NULL,         -- 0: no attention statistics (inter/intra are zeros, CCI 0.5)
+    rev INTEGER NOT NULL DEFAULT 0      -- the store's write count when the row was last written
 );
 CREATE INDEX IF NOT EXISTS variants_chunk ON variants (chunk_key);
 CREATE TABLE IF NOT EXISTS generation (value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS revision (value INTEGER NOT NULL);
 """
 _ORDER = {"f_r": "f_r, last_access, seq", "lru": "last_access, f_r, seq"}
 
@@ -92,6 +94,12 @@ def _quiet(parse: Callable[[sqlite3.Row], VariantRecord], row: sqlite3.Row) -> V
         return parse(row)
     except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError):
         return None
+
+
+def _next_revision(cur: sqlite3.Cursor) -> int:
+    """The store's next write count (inside the caller's transaction)."""
+    cur.execute("UPDATE revision SET value = value + 1")
+    return int(cur.execute("SELECT value FROM revision").fetchone()[0])
 
 
 class SqliteMetaStore:
@@ -153,6 +161,10 @@ class SqliteMetaStore:
                 raise StoreError(f"{path}: schema version {[r[0] for r in rows]}, expected [{SCHEMA_VERSION}]")
             if cur.execute("SELECT COUNT(*) FROM generation").fetchone()[0] == 0:
                 cur.execute("INSERT INTO generation (value) VALUES (0)")
+            if cur.execute("SELECT COUNT(*) FROM revision").fetchone()[0] == 0:
+                cur.execute("INSERT INTO revision (value) VALUES (0)")
+            if "rev" not in {row[1] for row in cur.execute("PRAGMA table_info(variants)")}:  # written before revs
+                cur.execute("ALTER TABLE variants ADD COLUMN rev INTEGER NOT NULL DEFAULT 0")
 
     def _check_schema(self, path: str) -> None:
         try:
@@ -210,6 +222,7 @@ class SqliteMetaStore:
             updates = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS[1:])
             cur.execute(f"INSERT INTO variants ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
                         f"ON CONFLICT (variant_id) DO UPDATE SET {updates}", _row_values(record))
+            cur.execute("UPDATE variants SET rev = ? WHERE variant_id = ?", (_next_revision(cur), record.variant_id))
             if exists is None:
                 cur.execute("UPDATE generation SET value = value + 1")
         return evicted
@@ -247,11 +260,11 @@ class SqliteMetaStore:
 
     def variant_versions(self) -> list[tuple[str, tuple]]:
         """(id, version) of every variant in insertion order, without parsing the rows (an index refresh's
-        cheap part). The version changes with every write to the row: a put (its seq, and last_access),
-        a use (last_access, f_r, access_count), a removal and a new put of the same id."""
+        cheap part). The version is the row's revision: the store's write count when the row was last
+        written (a put, an upsert, a use, a new put after a removal), whatever the clock says."""
         with self._locked():
-            return [(row[0], tuple(row[1:])) for row in self._conn.execute(
-                "SELECT variant_id, seq, last_access, f_r, access_count FROM variants ORDER BY seq")]
+            return [(row[0], (row[1],)) for row in self._conn.execute(
+                "SELECT variant_id, rev FROM variants ORDER BY seq")]
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
         """The readable variants among `variant_ids`, in insertion order (absent and unreadable ones skipped)."""
@@ -295,8 +308,8 @@ class SqliteMetaStore:
             scores.record_use(variant, cfo, eps)
             record = dataclasses.replace(record, access_count=variant.access_count, f_r=variant.f_r,
                                          last_access=self._clock())
-            cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
-                        (record.access_count, record.f_r, record.last_access, variant_id))
+            cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ?, rev = ? WHERE variant_id = ?",
+                        (record.access_count, record.f_r, record.last_access, _next_revision(cur), variant_id))
         return record
 
     def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int:
@@ -309,6 +322,7 @@ class SqliteMetaStore:
             return 0
         now, found = self._clock(), 0
         with self._txn() as cur:
+            rev = _next_revision(cur)  # one write of the store: every row it changes gets it
             for variant_id, cfo in uses:
                 row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
                 record = None if row is None else self._parse(row)
@@ -316,8 +330,8 @@ class SqliteMetaStore:
                     continue
                 variant = record.to_variant()
                 scores.record_use(variant, cfo, eps)
-                cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ? WHERE variant_id = ?",
-                            (variant.access_count, variant.f_r, now, variant_id))
+                cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ?, rev = ? "
+                            "WHERE variant_id = ?", (variant.access_count, variant.f_r, now, rev, variant_id))
                 found += 1
         return found
 

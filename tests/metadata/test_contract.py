@@ -422,15 +422,18 @@ def test_eviction_removes_an_unreadable_row_and_admits_the_new_variant(open_stor
 # --------------------------------------------------------------------------- incremental index reloads
 
 
-def test_an_incremental_reload_equals_a_full_one_and_reads_only_changed_rows(open_store):
+@pytest.mark.parametrize("clock", ["advancing", "constant"])
+def test_an_incremental_reload_equals_a_full_one_and_reads_only_changed_rows(open_store, clock):
     """Another engine puts, upserts, uses, evicts, removes and saves again; this engine announces saves of
     its own. After each change the index refreshed incrementally (versions, then only rows written since
-    it read them) holds what a full reload of every row holds, and reads at most the rows written."""
+    it read them) holds what a full reload of every row holds, and reads at most the rows written. With a
+    constant clock too: a version made of the row's stamps missed upserts that changed only tier, size or
+    statistics, and SQLite reused a removed row's seq."""
     import random
 
     from cachefuse.metadata.index import IndexRefresher, VariantIndex
 
-    store = open_store(max_variants=6)
+    store = open_store(max_variants=6, **({"clock": lambda: 1.0} if clock == "constant" else {}))
     incremental, full = VariantIndex(), VariantIndex()
     refresher = IndexRefresher(incremental, lambda: store, 3600, full_interval_s=1e9)
     reference = IndexRefresher(full, lambda: store, 3600)
@@ -487,3 +490,26 @@ def test_an_unreadable_row_is_not_read_again_until_it_changes(open_store):
     store.put(bad)  # repaired: a new version, read again
     store.put(alone("D"))
     assert refresher.refresh_once(store) and bad.chunk_key in index
+
+
+def test_an_upsert_keeps_the_uses_and_the_statistics_it_would_lose(open_store):
+    """Two engines save the same variant at once (each checked before the other's row existed): the later
+    put replaced every field, resetting a popular variant's f_r and access count (first in line for
+    eviction) and, from a save without statistics, dropping the ranking."""
+    store = open_store(max_variants=3)
+    with_stats = c3_after_c1_c2(ranked_tokens=(3, 0, 2))
+    store.put(with_stats)
+    for _ in range(5):
+        store.record_use(with_stats.variant_id, 0.1)
+    popular = store.get(with_stats.variant_id)
+    assert popular.access_count == 5 and popular.f_r == pytest.approx(50.0)
+    late = VariantRecord.without_stats(with_stats.chunk_key, with_stats.prefix, with_stats.num_tokens,
+                                       dict(with_stats.prefix_num_tokens))
+    assert late.variant_id == with_stats.variant_id
+    store.put(late)
+    kept = store.get(with_stats.variant_id)
+    assert kept.access_count == 5 and kept.f_r == pytest.approx(50.0)
+    assert kept.has_stats and kept.ranked_tokens == (3, 0, 2) and kept.inter == with_stats.inter
+    richer = dataclasses.replace(with_stats, ranked_tokens=(0, 2, 3), intra=9.0)
+    store.put(richer)  # statistics replace statistics
+    assert store.get(with_stats.variant_id).ranked_tokens == (0, 2, 3) and store.get(with_stats.variant_id).f_r == 50.0

@@ -201,3 +201,32 @@ def test_a_key_of_another_type_is_an_unreadable_row_not_a_failed_reload(private_
     assert refresher.refresh_once(store) and "A" in index and "B" not in index
     store.put(alone("C"))
     assert refresher.refresh_once(store, full=False) and "C" in index
+
+
+def test_a_passing_error_reply_fails_the_read_instead_of_hiding_the_row(private_redis, monkeypatch):
+    """Every error reply in get_many was taken for a damaged row: one BUSY (another client's slow script)
+    left a variant out of the index, remembered as unreadable until a full reload."""
+    import redis as redis_py
+
+    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+
+    store = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
+    store.put(alone("A"))
+    index = VariantIndex()
+    refresher = IndexRefresher(index, lambda: store, 3600, full_interval_s=1e9)
+    assert refresher.refresh_once(store)
+    store.put(alone("B"))
+    real_execute = redis_py.client.Pipeline.execute
+    busy = [True]
+
+    def execute(self, raise_on_error=True):
+        replies = real_execute(self, raise_on_error)
+        if busy and not raise_on_error:
+            busy.clear()
+            return [redis_py.exceptions.BusyLoadingError("BUSY Redis is busy running a script")] * len(replies)
+        return replies
+
+    monkeypatch.setattr(redis_py.client.Pipeline, "execute", execute)
+    with pytest.raises(StoreError, match="get_many"):
+        refresher.refresh_once(store)
+    assert refresher.refresh_once(store) and "B" in index and store.unreadable_rows == 0
