@@ -126,3 +126,31 @@ def test_a_commit_refused_by_a_reader_leaves_the_store_writable(tmp_path):
     other = open_store(path)
     other.put(VariantRecord.without_stats("dd", (), 4))
     assert sorted(r.chunk_key for r in store.all_records()) == ["aa", "cc", "dd"]
+
+
+def test_a_store_written_before_revisions_is_migrated_in_place(tmp_path):
+    """meta.sqlite files from before the rev column: opened, given the column (rows at revision 0) and the
+    counter, and every later write gets a new revision."""
+    path = tmp_path / "meta.sqlite"
+    with SqliteMetaStore(str(path), max_variants=10, clock=FakeClock()) as store:
+        store.put(c3_alone())
+    conn = sqlite3.connect(path)  # as an older cachefuse left it: no rev column, no revision table
+    columns = ("seq, variant_id, chunk_key, prefix, inter, intra, num_tokens, prefix_num_tokens, ranked_tokens, "
+               "cci, access_count, f_r, size_bytes, tier, last_access, recompute_ratio, has_stats")
+    conn.executescript(f"""
+        CREATE TABLE old (seq INTEGER PRIMARY KEY, variant_id TEXT NOT NULL UNIQUE, chunk_key TEXT NOT NULL,
+            prefix TEXT NOT NULL, inter TEXT NOT NULL, intra REAL NOT NULL, num_tokens INTEGER NOT NULL,
+            prefix_num_tokens TEXT NOT NULL, ranked_tokens TEXT NOT NULL, cci REAL NOT NULL,
+            access_count INTEGER NOT NULL, f_r REAL NOT NULL, size_bytes INTEGER NOT NULL, tier TEXT NOT NULL,
+            last_access REAL NOT NULL, recompute_ratio REAL, has_stats INTEGER NOT NULL);
+        INSERT INTO old ({columns}) SELECT {columns} FROM variants;
+        DROP TABLE variants; ALTER TABLE old RENAME TO variants; DROP TABLE revision;
+    """)
+    conn.close()
+    with SqliteMetaStore(str(path), max_variants=10, clock=FakeClock()) as store:
+        (vid, version), = store.variant_versions()
+        assert vid == c3_alone().variant_id and version == (0,) and store.get(vid) == store.all_records()[0]
+        store.record_use(vid, 0.5)
+        assert store.variant_versions() == [(vid, (1,))]
+        store.put(c3_after_c1_c2())
+        assert [version for _, version in store.variant_versions()] == [(1,), (2,)]
