@@ -96,8 +96,9 @@ class CacheFuseConfig:
     competes with compute); k >= 1: per-layer pipelined loading, at most k layers buffered;
     None: derive from measured figures (today: 2)."""
     load_timeout_s: float | None = 5.0
-    """Seconds one blend may spend reading chunks from the store, from its start; a chunk not read by then
-    is computed in full (miss reason "load_timeout"). A slow tier (a Redis answering each call just inside
+    """Seconds one blend may spend in store calls, all of them together (the calls' own time: a pipelined
+    pass computes beside its reads, and compute is never charged); a chunk not read once it is spent is
+    computed in full (miss reason "load_timeout"). A slow tier (a Redis answering each call just inside
     `redis_timeout_s`, a cold network disk) otherwise holds the step for every request for as many calls
     as the request makes. None: no bound."""
     store_dir: str = "~/.cache/cachefuse"

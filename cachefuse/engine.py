@@ -29,7 +29,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion_stats import FusionStats
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loading.entries import MISS_LOAD_TIMEOUT, EntryReader, LoadFigures, RankAgreement
+from cachefuse.loading.entries import MISS_LOAD_TIMEOUT, EntryReader, LoadBudget, LoadFigures, RankAgreement
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
 from cachefuse.metadata.base import MetaStore, VariantRecord
@@ -83,7 +83,7 @@ class FusionEngine:
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
         self.fusor.clock = clock
         self.clock = clock
-        self._load_deadline: float | None = None  # the running prefill's, on `clock` (config load_timeout_s)
+        self._load_budget = LoadBudget(None)  # the running prefill's store time (config load_timeout_s)
         self.rank_agreement: RankAgreement | None = None
         """Under tensor parallelism: (this rank's hits, whether it failed) -> (hits every rank has, whether
         any rank failed); a collective, so every rank calls it once per pass, before the pass. Set, it
@@ -202,8 +202,7 @@ class FusionEngine:
         load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
         reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
         start = self.clock()
-        timeout = self.config.load_timeout_s
-        self._load_deadline = None if timeout is None else start + timeout
+        self._load_budget = LoadBudget(self.config.load_timeout_s)
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
         with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()) as metadata_ok:
@@ -308,9 +307,9 @@ class FusionEngine:
         fetched = {}
         reader = self._reader()
         for index, key in keys.items():
-            if reader.past_deadline():  # asking costs a call too: the rest are computed in full
+            if reader.budget.exhausted():  # asking costs a call too: the rest are computed in full
                 miss_reasons[MISS_LOAD_TIMEOUT] += 1
-            elif self.store.contains(key):
+            elif reader.timed_call(lambda key=key: self.store.contains(key)):
                 fetched[index] = key
             else:
                 miss_reasons["not_stored"] += 1
@@ -318,8 +317,7 @@ class FusionEngine:
         fetch = reader.timed(store_layer_fetcher(self.store, fetched_keys), figures, fetched_keys)
         # A query-aware selector's probe reads its view and score-layer keys first, straight from the
         # store (counted in bytes_loaded); the pass then fetches every layer.
-        probe_reads = (StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers, reader.past_deadline)
-                       if probes else None)
+        probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers, reader) if probes else None
         request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
                               preload_depth=depth, reuse=reuse or {}, collect_attention_stats=stats,
                               probe_source=probe_reads)
@@ -343,8 +341,8 @@ class FusionEngine:
 
     def _reader(self) -> EntryReader:
         """Reads from the engine's current store (`save_in_background` wraps it) on its clock, within the
-        running prefill's load deadline."""
-        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, self._load_deadline)
+        running prefill's load budget."""
+        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, self._load_budget)
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
                     meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:

@@ -358,3 +358,23 @@ def test_a_slow_store_costs_a_blend_at_most_its_load_timeout(adapter, case, sele
     engine.config = CacheFuseConfig(preload_depth=depth, load_timeout_s=None)
     _, unbounded = engine.prefill(case.token_ids, case.chunks, selector=selector, save_holes=False)
     assert unbounded.chunks_hit == len(case.chunks) and not unbounded.miss_reasons
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_compute_time_never_counts_against_the_load_timeout(adapter, case, depth):
+    """load_timeout_s bounds the time spent in store calls, not the blend: on a slow machine (here the
+    clock jumps 100 s while the pass computes) a pipelined blend, whose reads run beside the compute,
+    found its deadline passed at the next layer and recomputed every chunk in full."""
+    now = [0.0]
+    engine = _full(adapter, case, CacheFuseConfig(preload_depth=depth, load_timeout_s=5.0))
+    engine.clock = lambda: now[0]
+    real_fuse = engine.fusor.fuse
+
+    def slow_fuse(request, selector):
+        now[0] += 100.0  # the pass's compute, on a slow machine
+        return real_fuse(request, selector)
+
+    engine.fusor.fuse = slow_fuse
+    _, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    assert stats.chunks_hit == len(case.chunks) and not stats.miss_reasons, stats.miss_reasons
+    assert stats.blend_time_s >= 100.0

@@ -14,6 +14,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cachefuse.chunks import Segment
 from cachefuse.errors import CacheFuseError
@@ -21,9 +22,28 @@ from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable
 from cachefuse.store.base import ChunkKV, KVStore
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MISS_LOAD_TIMEOUT = "load_timeout"
-"""A chunk the blend did not read because its `load_timeout_s` had passed (computed in full instead)."""
+"""A chunk the blend did not read because its `load_timeout_s` was spent (computed in full instead)."""
+
+
+@dataclass
+class LoadBudget:
+    """The seconds one blend may spend in store calls (config `load_timeout_s`), shared by every reader of
+    the blend: the serial reads, the loader thread's layer fetches, the question probe's reads. Only the
+    calls' own time is charged: a pipelined pass computes beside its reads, and a slow machine's compute
+    must not turn a blend's hits into holes."""
+
+    seconds: float | None
+    """None: no bound."""
+    spent: float = 0.0
+
+    def exhausted(self) -> bool:
+        return self.seconds is not None and self.spent >= self.seconds
+
+    def charge(self, seconds: float) -> None:
+        self.spent += seconds  # one float add: the loader thread and the pass's thread may both charge
 
 RankAgreement = Callable[[list[bool], bool], tuple[list[bool], bool]]
 """(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed): a collective."""
@@ -57,20 +77,28 @@ class EntryReader:
     store: KVStore
     num_layers: int
     clock: Callable[[], float]
-    deadline: float | None = None
-    """On `clock`: no read starts after it (config `load_timeout_s`); None: no bound."""
+    budget: LoadBudget = field(default_factory=lambda: LoadBudget(None))
+    """The blend's store time: no read starts once it is spent."""
 
-    def past_deadline(self) -> bool:
-        return self.deadline is not None and self.clock() > self.deadline
+    def timed_call(self, call: Callable[[], T]) -> T:
+        """`call()` (one store call), its time charged to the budget."""
+        start = self.clock()
+        try:
+            return call()
+        finally:
+            self.budget.charge(self.clock() - start)
 
     def timed(self, fetch: FetchLayer, figures: LoadFigures, keys: list[str] | None = None) -> FetchLayer:
         """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass).
-        Past the deadline it reads nothing: LayerUnavailable("load_timeout") for the first of `keys`."""
+        Once the budget is spent it reads nothing: LayerUnavailable("load_timeout") for the first of `keys`."""
         def timed_fetch(layer: int) -> LayerKV:
-            if keys and self.past_deadline():
+            if keys and self.budget.exhausted():
                 raise LayerUnavailable(keys[0], layer, MISS_LOAD_TIMEOUT)
             start = self.clock()
-            out = fetch(layer)
+            try:
+                out = fetch(layer)
+            finally:
+                self.budget.charge(self.clock() - start)
             tier = serving_tier(self.store)
             figures.seconds[tier] += self.clock() - start
             figures.bytes[tier] += sum(k.nbytes + v.nbytes for k, v in out.values())
@@ -85,15 +113,15 @@ class EntryReader:
         loaded, miss_reasons = {}, Counter()
         for index, key in keys.items():
             seg = segments[index]
-            if self.past_deadline():  # computed in full rather than waited for (asking costs a call too)
+            if self.budget.exhausted():  # computed in full rather than waited for (asking costs a call too)
                 miss_reasons[MISS_LOAD_TIMEOUT] += 1
                 continue
-            if not self.store.contains(key):
+            if not self.timed_call(lambda key=key: self.store.contains(key)):
                 miss_reasons["not_stored"] += 1
                 continue
             before = dict(self.store.stats.misses)
             start = self.clock()
-            entry = self.store.get(key)
+            entry = self.timed_call(lambda key=key: self.store.get(key))
             if entry is None:
                 after = self.store.stats.misses
                 new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]

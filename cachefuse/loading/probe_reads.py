@@ -1,7 +1,7 @@
 """The question probe's partial reads of stored chunks, before the blend pass selects its rows.
 
-Imports torch and `cachefuse.store.base` (and the loader's miss reporting); never vllm. A query-aware
-selector (qcfuse, fusionrag) scores rows with a probe over each chunk's metadata, anchor rows and
+Imports torch, `cachefuse.store.base` and `cachefuse.loading.{loader, entries}` (miss reporting, the
+blend's load budget); never vllm. A query-aware selector (qcfuse, fusionrag) scores rows with a probe over each chunk's metadata, anchor rows and
 score-layer keys (cachefuse.probe); reading only those instead of whole entries is what keeps the
 probe's load small when the pass itself then fetches layer by layer (cachefuse.loading.loader).
 """
@@ -9,11 +9,15 @@ probe's load small when the pass itself then fetches layer by layer (cachefuse.l
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from torch import Tensor
 
+from cachefuse.loading.entries import MISS_LOAD_TIMEOUT, EntryReader
 from cachefuse.loading.loader import LayerUnavailable, read_or_unavailable
 from cachefuse.store.base import KVStore
+
+T = TypeVar("T")
 
 
 class StoreProbeReads:
@@ -26,14 +30,14 @@ class StoreProbeReads:
         store: a store with `get_rows` and `get_meta` (every tier here; `supports_probe_reads`).
         keys: segment index -> chunk key.
         num_layers: the model's layers (the length of `layer_keys`).
-        past_deadline: True once the blend's load deadline has passed (config `load_timeout_s`): no read
-            starts after it (LayerUnavailable "load_timeout"); None: no bound.
+        reader: the blend's EntryReader, whose budget (config `load_timeout_s`) these reads are charged
+            to: none starts once it is spent (LayerUnavailable "load_timeout"); None: no bound.
     """
 
     def __init__(self, store: KVStore, keys: dict[int, str], num_layers: int,
-                 past_deadline: Callable[[], bool] | None = None) -> None:
+                 reader: EntryReader | None = None) -> None:
         self.store, self.keys_by_index, self.num_layers = store, dict(keys), num_layers
-        self.past_deadline = past_deadline
+        self.reader = reader
         self.bytes_read = 0
 
     def indices(self) -> list[int]:
@@ -41,8 +45,7 @@ class StoreProbeReads:
 
     def meta(self, index: int) -> dict[str, str]:
         key = self.keys_by_index[index]
-        self._check_deadline(key, 0)
-        return read_or_unavailable(self.store, key, 0, lambda: self.store.get_meta(key))
+        return self._call(key, 0, lambda: read_or_unavailable(self.store, key, 0, lambda: self.store.get_meta(key)))
 
     def rows(self, index: int, layer: int, offsets: Tensor | None) -> tuple[Tensor, Tensor]:
         return self._read(index, layer, offsets, values=True)
@@ -53,14 +56,17 @@ class StoreProbeReads:
     def layer_keys(self, index: int) -> _LayerKeys:
         return _LayerKeys(self, index)
 
-    def _check_deadline(self, key: str, layer: int) -> None:
-        if self.past_deadline is not None and self.past_deadline():
-            raise LayerUnavailable(key, layer, "load_timeout")
+    def _call(self, key: str, layer: int, read: Callable[[], T]) -> T:
+        if self.reader is None:
+            return read()
+        if self.reader.budget.exhausted():
+            raise LayerUnavailable(key, layer, MISS_LOAD_TIMEOUT)
+        return self.reader.timed_call(read)
 
     def _read(self, index: int, layer: int, offsets: Tensor | None, values: bool):
         key = self.keys_by_index[index]
-        self._check_deadline(key, layer)
-        kv = read_or_unavailable(self.store, key, layer, lambda: self.store.get_rows(key, layer, offsets, values))
+        kv = self._call(key, layer, lambda: read_or_unavailable(
+            self.store, key, layer, lambda: self.store.get_rows(key, layer, offsets, values)))
         self.bytes_read += sum(t.nbytes for t in kv if t is not None)
         return kv
 
