@@ -117,6 +117,7 @@ class SchedulerSide:
         self._pending: dict[str, _Pending] = {}
         self._fallbacks: dict[str, dict[str, Any]] = {}  # req_id -> outcome of a request running as plain vLLM
         self._awaiting: dict[str, dict[str, Any]] = {}  # outcomes returned, awaiting this step's worker figures
+        self._resumed_plain: set[str] = set()  # resumed as plain vLLM after a blend ran: counted when admitted
         self._budget = _StepBudget()
         self.counters: Counter[str] = Counter()
         self.figures: dict[str, Any] = {}
@@ -166,6 +167,8 @@ class SchedulerSide:
         if req_id in self._fallbacks and getattr(request, "num_output_tokens", 0):
             # It ran as plain vLLM, was preempted and resumes: its tokens so far came from plain K/V, and a
             # blend now would decode the rest over other K/V (an answer neither plain nor fused).
+            if self._fallbacks[req_id].get("fused_before_preemption"):
+                self._resumed_plain.add(req_id)  # its resumption counts when vLLM admits it
             return 0, False
         try:
             fusion = parse_request(params, prompt, self.config, self._tokenize)
@@ -203,9 +206,15 @@ class SchedulerSide:
             # pending, vLLM's allocation hook would have taken it for a skipped load).
             self._pending.pop(req_id)
             self._fallbacks[req_id] = previous.outcome
+            if previous.outcome.get("fused_before_preemption"):  # a replay failed: its resumption counts
+                self._resumed_plain.add(req_id)  # when vLLM admits it (a failed first blend is plain all along)
             return 0, False
         if req_id not in self._budget.req_ids:
             if self._budget.req_ids and self._budget.tokens + len(prompt) > self.config.max_blend_tokens_per_step:
+                if previous is None:  # what it says if it ends (aborted) before a step has room for it
+                    self._fallbacks.setdefault(req_id, {
+                        "status": "not_run", "detail": "deferred by max_blend_tokens_per_step; the request "
+                                                       "finished before its blend ran"})
                 return None, False  # over this step's blend budget: retried next step
             self._budget.req_ids.add(req_id)
             self._budget.tokens += len(prompt)
@@ -241,16 +250,26 @@ class SchedulerSide:
         afresh from today's index, the holes it saved became hits and the rows went elsewhere: another
         answer than the same request unpreempted. Chunks the last blend did not load (a miss, a load timeout,
         another rank's miss) are computed in full again, whatever the store holds now. The worker neither
-        saves nor counts the replay, and says whether it loaded every chunk it was sent to (`replay_exact`)."""
-        if previous.sent:  # a re-call while the replay waits for blocks counts once
+        saves nor counts the replay, and says whether it loaded every chunk it was sent to (`replay_exact`).
+        The preemption is counted when the replay is sent (a request asked again and then aborted never
+        resumed). Only the first blend's prompt is replayed: a streaming-input session grows its prompt in
+        place between turns, and vLLM recomputes the later turns over the replayed K/V."""
+        planned = len(previous.token_ids)
+        if prompt[:planned] != previous.token_ids:  # not the prompt it blended: no K/V to rebuild
+            self._pending.pop(req_id)
+            previous.outcome.update(status="fallback", fallback_reason="replay_prompt_changed",
+                                    detail="resumed with another prompt than the one blended",
+                                    fused_before_preemption=True)
+            self._fallbacks[req_id] = previous.outcome
+            self._resumed_plain.add(req_id)
+            return 0, False
+        if previous.sent:  # the first re-call after a blend ran: replay what that blend loaded
             loaded = previous.outcome.get("chunks_loaded")
             if isinstance(loaded, list) and len(loaded) == len(previous.variants):
                 previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
-            previous.outcome["preemptions"] = previous.outcome.get("preemptions", 0) + 1
-            self.counters["requests_replanned_after_preemption"] += 1
         self._fallbacks.pop(req_id, None)
-        return len(prompt) - 1, False
+        return planned - 1, False
 
     def _decide(self, fusion: FusionRequest, num_tokens: int, variants: list[VariantChoice | None]) -> dict[str, Any]:
         """The loading controller's choice for one request, from the worker's measured figures: each
@@ -289,13 +308,26 @@ class SchedulerSide:
         return hf.num_hidden_layers, 2 * kv_heads * head_dim * itemsize * hf.num_hidden_layers
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if request.request_id in self._resumed_plain:  # admitted again after its blend ran: a resumption
+            self._resumed_plain.discard(request.request_id)
+            outcome = self._fallbacks.get(request.request_id)
+            if outcome is not None:
+                outcome["preemptions"] = outcome.get("preemptions", 0) + 1
+                self.counters["requests_replanned_after_preemption"] += 1
         pending = self._pending.get(request.request_id)
         if pending is None:
             return
         if num_external_tokens == 0:  # vLLM skipped the load (e.g. prompt_logprobs): plain output
             self._pending.pop(request.request_id)
-            self._fall_back(request.request_id, "load_skipped_by_vllm",
-                            detail="vLLM did not load external tokens (prompt_logprobs or skip_reading_prefix_cache)")
+            detail = "vLLM did not load external tokens (prompt_logprobs or skip_reading_prefix_cache)"
+            if pending.replay:  # resumed, and the rest decoded plain: the earlier tokens were fused
+                pending.outcome.update(status="fallback", fallback_reason="load_skipped_by_vllm", detail=detail,
+                                       fused_before_preemption=True,
+                                       preemptions=pending.outcome.get("preemptions", 0) + 1)
+                self.counters["requests_replanned_after_preemption"] += 1
+                self._fallbacks[request.request_id] = pending.outcome
+                return
+            self._fall_back(request.request_id, "load_skipped_by_vllm", detail=detail)
             return
         pending.block_ids = list(blocks.get_block_ids()[0])
 
@@ -306,6 +338,9 @@ class SchedulerSide:
             if pending.sent or req_id not in block_ids_of:
                 continue
             pending.sent = pending.figures_due = True
+            if pending.replay:  # resumed after a preemption: counted when its replay goes out
+                pending.outcome["preemptions"] = pending.outcome.get("preemptions", 0) + 1
+                self.counters["requests_replanned_after_preemption"] += 1
             plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
         self._budget = _StepBudget()
         return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
@@ -360,6 +395,8 @@ class SchedulerSide:
             pending.figures_due = False
         if outcome.get("preemptions"):  # a replay's figures
             figures = {**figures, **_replay_outcome(figures)}
+            if "replay_exact" in outcome:  # inexact once, inexact for good: earlier tokens saw the older K/V
+                figures["replay_exact"] = bool(outcome["replay_exact"] and figures.get("replay_exact", True))
         outcome.update(figures)
         if finished is not None:
             self._finish(req_id, finished)
@@ -367,7 +404,8 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         pending = self._pending.pop(req_id, None)
-        fallback = self._fallbacks.pop(req_id, None)  # both popped: nothing outlives the request, whatever its path
+        fallback = self._fallbacks.pop(req_id, None)
+        self._resumed_plain.discard(req_id)  # both popped: nothing outlives the request, whatever its path
         outcome = pending.outcome if pending is not None else fallback
         if outcome is None:
             return False, None

@@ -77,7 +77,7 @@ def worker_reports(side: SchedulerSide, req_id: str | None, **figures) -> None:
 
 
 def assert_no_state(side: SchedulerSide) -> None:
-    assert not side._pending and not side._fallbacks and not side._awaiting
+    assert not side._pending and not side._fallbacks and not side._awaiting and not side._resumed_plain
 
 
 def test_hook_is_idempotent_and_plans_once(make_side):
@@ -650,7 +650,7 @@ def test_a_replay_recomputes_what_the_last_blend_did_not_load_and_one_that_fails
     _, params = side.request_finished(failing, [])
     outcome = params["cachefuse"]
     assert outcome["status"] == "fallback" and outcome["fallback_reason"] == "blend_error"
-    assert outcome["fused_before_preemption"] is True and outcome["preemptions"] == 1
+    assert outcome["fused_before_preemption"] is True and outcome["preemptions"] == 2  # replayed, then plain
     worker_reports(side, None)
     assert_no_state(side)
 
@@ -697,3 +697,50 @@ def test_the_blocks_reported_on_a_failed_blend_cover_the_hit_only(make_side):
     side.request_finished(req, [])
     worker_reports(side, "r1")
     assert_no_state(side)
+
+
+def test_preemption_outcomes_under_vllms_hook_order(make_side):
+    """Found by walking every lifecycle in vLLM's hook order: a replay that lost a chunk stays inexact after
+    a later exact one; a request asked again after a preemption and then aborted never resumed; a request
+    deferred by the blend budget and aborted says it never ran; a streaming-input session that grew its
+    prompt in place replays only the prompt it blended (vLLM recomputes the later turns over it)."""
+    side = make_side()
+    req = request("r1")
+    schedule(side, req)
+    worker_reports(side, "r1", chunks_hit=2, chunks_loaded=[True, True])
+    schedule(side, req, resumed_first_block=40)
+    worker_reports(side, "r1", chunks_hit=1, chunks_loaded=[True, False], replay_exact=False)  # a chunk evicted
+    schedule(side, req, resumed_first_block=60)
+    worker_reports(side, "r1", chunks_hit=1, chunks_loaded=[True, False], replay_exact=True)
+    _, params = side.request_finished(req, [])
+    assert params["cachefuse"]["preemptions"] == 2 and params["cachefuse"]["replay_exact"] is False
+
+    asked = request("r2")
+    schedule(side, asked)
+    worker_reports(side, "r2", chunks_hit=2, chunks_loaded=[True, True])
+    assert side.get_num_new_matched_tokens(asked, 0) == (99, False)  # preempted, asked, never admitted
+    _, params = side.request_finished(asked, [])  # aborted while waiting
+    assert "preemptions" not in params["cachefuse"] and params["cachefuse"]["status"] == "fused"
+
+    small = make_side(max_blend_tokens_per_step=150)
+    first, deferred = request("big", 140), request("late", 100)
+    assert small.get_num_new_matched_tokens(first, 0)[0] == 139
+    assert small.get_num_new_matched_tokens(deferred, 0) == (None, False)
+    _, params = small.request_finished(deferred, [])  # aborted before any step had room
+    assert params["cachefuse"]["status"] == "not_run" and "max_blend_tokens_per_step" in params["cachefuse"]["detail"]
+    small.request_finished(first, [])
+    small.build_connector_meta(step_output())
+
+    session = request("s1")
+    (blended,) = schedule(side, session)
+    worker_reports(side, "s1", chunks_hit=2, chunks_loaded=[True, True])
+    session.prompt_token_ids = session.prompt_token_ids + list(range(500, 530))  # turn 2, grown in place
+    session.num_output_tokens = 5
+    assert side.get_num_new_matched_tokens(session, 0) == (99, False)  # the blended prompt, not 129
+    (replayed,) = schedule(side, session, resumed_first_block=40)
+    assert len(replayed.token_ids) == 100 and replayed.token_ids == blended.token_ids
+    worker_reports(side, "s1", chunks_hit=2, chunks_loaded=[True, True], replay_exact=True)
+    side.request_finished(session, [])
+    worker_reports(side, None)
+    for s in (side, small):
+        assert_no_state(s)
