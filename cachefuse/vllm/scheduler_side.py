@@ -312,8 +312,7 @@ class SchedulerSide:
             self._resumed_plain.discard(request.request_id)
             outcome = self._fallbacks.get(request.request_id)
             if outcome is not None:
-                outcome["preemptions"] = outcome.get("preemptions", 0) + 1
-                self.counters["requests_replanned_after_preemption"] += 1
+                self._count_resumption(outcome)
         pending = self._pending.get(request.request_id)
         if pending is None:
             return
@@ -322,14 +321,18 @@ class SchedulerSide:
             detail = "vLLM did not load external tokens (prompt_logprobs or skip_reading_prefix_cache)"
             if pending.replay:  # resumed, and the rest decoded plain: the earlier tokens were fused
                 pending.outcome.update(status="fallback", fallback_reason="load_skipped_by_vllm", detail=detail,
-                                       fused_before_preemption=True,
-                                       preemptions=pending.outcome.get("preemptions", 0) + 1)
-                self.counters["requests_replanned_after_preemption"] += 1
+                                       fused_before_preemption=True)
+                self._count_resumption(pending.outcome)
                 self._fallbacks[request.request_id] = pending.outcome
                 return
             self._fall_back(request.request_id, "load_skipped_by_vllm", detail=detail)
             return
         pending.block_ids = list(blocks.get_block_ids()[0])
+
+    def _count_resumption(self, outcome: dict[str, Any]) -> None:
+        """One more time vLLM preempted the request after its blend ran and admitted it again."""
+        outcome["preemptions"] = outcome.get("preemptions", 0) + 1
+        self.counters["requests_replanned_after_preemption"] += 1
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheFuseMetadata:
         plans = []
@@ -339,8 +342,7 @@ class SchedulerSide:
                 continue
             pending.sent = pending.figures_due = True
             if pending.replay:  # resumed after a preemption: counted when its replay goes out
-                pending.outcome["preemptions"] = pending.outcome.get("preemptions", 0) + 1
-                self.counters["requests_replanned_after_preemption"] += 1
+                self._count_resumption(pending.outcome)
             plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
         self._budget = _StepBudget()
         return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
@@ -404,8 +406,8 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         pending = self._pending.pop(req_id, None)
-        fallback = self._fallbacks.pop(req_id, None)
-        self._resumed_plain.discard(req_id)  # both popped: nothing outlives the request, whatever its path
+        fallback = self._fallbacks.pop(req_id, None)  # all dropped: nothing outlives the request, whatever its path
+        self._resumed_plain.discard(req_id)
         outcome = pending.outcome if pending is not None else fallback
         if outcome is None:
             return False, None
