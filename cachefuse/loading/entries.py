@@ -88,17 +88,19 @@ class EntryReader:
         finally:
             self.budget.charge(self.clock() - start)
 
-    def timed(self, fetch: FetchLayer, figures: LoadFigures, keys: list[str] | None = None) -> FetchLayer:
-        """`fetch`, recording time and bytes by serving tier (on the loader thread; read after the pass).
-        Once the budget is spent it reads nothing: LayerUnavailable("load_timeout") for the first of `keys`."""
+    def budgeted_call(self, key: str, layer: int, call: Callable[[], T]) -> T:
+        """`timed_call` of a read of `key` at `layer` during the pass; once the budget is spent, none:
+        LayerUnavailable("load_timeout"), which reruns the pass with that chunk as a hole."""
+        if self.budget.exhausted():
+            raise LayerUnavailable(key, layer, MISS_LOAD_TIMEOUT)
+        return self.timed_call(call)
+
+    def timed(self, fetch: FetchLayer, figures: LoadFigures, keys: list[str]) -> FetchLayer:
+        """`fetch` of `keys`, recording time and bytes by serving tier (on the loader thread; read after the
+        pass), within the budget (`budgeted_call`, naming the first key)."""
         def timed_fetch(layer: int) -> LayerKV:
-            if keys and self.budget.exhausted():
-                raise LayerUnavailable(keys[0], layer, MISS_LOAD_TIMEOUT)
             start = self.clock()
-            try:
-                out = fetch(layer)
-            finally:
-                self.budget.charge(self.clock() - start)
+            out = self.budgeted_call(keys[0], layer, lambda: fetch(layer)) if keys else fetch(layer)
             tier = serving_tier(self.store)
             figures.seconds[tier] += self.clock() - start
             figures.bytes[tier] += sum(k.nbytes + v.nbytes for k, v in out.values())

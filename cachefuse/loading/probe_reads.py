@@ -1,9 +1,10 @@
 """The question probe's partial reads of stored chunks, before the blend pass selects its rows.
 
 Imports torch, `cachefuse.store.base` and `cachefuse.loading.{loader, entries}` (miss reporting, the
-blend's load budget); never vllm. A query-aware selector (qcfuse, fusionrag) scores rows with a probe over each chunk's metadata, anchor rows and
-score-layer keys (cachefuse.probe); reading only those instead of whole entries is what keeps the
-probe's load small when the pass itself then fetches layer by layer (cachefuse.loading.loader).
+blend's load budget); never vllm. A query-aware selector (qcfuse, fusionrag) scores rows with a probe
+over each chunk's metadata, anchor rows and score-layer keys (cachefuse.probe); reading only those
+instead of whole entries is what keeps the probe's load small when the pass itself then fetches layer
+by layer (cachefuse.loading.loader).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import TypeVar
 
 from torch import Tensor
 
-from cachefuse.loading.entries import MISS_LOAD_TIMEOUT, EntryReader
-from cachefuse.loading.loader import LayerUnavailable, read_or_unavailable
+from cachefuse.loading.entries import EntryReader
+from cachefuse.loading.loader import read_or_unavailable
 from cachefuse.store.base import KVStore
 
 T = TypeVar("T")
@@ -57,11 +58,7 @@ class StoreProbeReads:
         return _LayerKeys(self, index)
 
     def _call(self, key: str, layer: int, read: Callable[[], T]) -> T:
-        if self.reader is None:
-            return read()
-        if self.reader.budget.exhausted():
-            raise LayerUnavailable(key, layer, MISS_LOAD_TIMEOUT)
-        return self.reader.timed_call(read)
+        return read() if self.reader is None else self.reader.budgeted_call(key, layer, read)
 
     def _read(self, index: int, layer: int, offsets: Tensor | None, values: bool):
         key = self.keys_by_index[index]
