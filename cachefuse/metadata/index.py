@@ -330,7 +330,7 @@ class IndexRefresher:
         self.reloads = 0
         self.full_reloads = 0
         self.rows_read = 0
-        """Rows read and parsed over all reloads (an incremental reload reads only new ones)."""
+        """Rows read and parsed over all reloads (an incremental reload reads only those written since)."""
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="cachefuse-index-refresh", daemon=True)
 
@@ -372,12 +372,10 @@ class IndexRefresher:
         stale = [vid for vid, version in versions if full or self._rows.get(vid, (None,))[0] != version]
         fetched = {record.variant_id: record for record in (store.all_records() if full else store.get_many(stale))}
         self.rows_read += len(fetched)
+        read_now = set(stale)
         rows = {}
-        for vid, version in versions:
-            if vid in fetched or full or vid in stale:
-                rows[vid] = (version, fetched.get(vid))  # None: unreadable (or removed meanwhile)
-            else:
-                rows[vid] = self._rows[vid]
+        for vid, version in versions:  # None: unreadable (or removed meanwhile)
+            rows[vid] = (version, fetched.get(vid)) if vid in read_now else self._rows[vid]
         self._rows = rows
         return [record for _, record in rows.values() if record is not None]
 

@@ -473,14 +473,12 @@ class RedisMetaStore:
 
     def variant_versions(self) -> list[tuple[str, tuple]]:
         """(id, version) of every variant in insertion order, without reading the rows (an index refresh's
-        cheap part: the three order sets, kilobytes per thousand variants, where the rows are megabytes to
-        send and parse). The version is the row's revision: the store's write count when the row was last
-        written (a put, an upsert, a use, a new put after a removal), whatever the clock says; "-" for a
-        row written before revisions existed (unchanged since)."""
+        cheap part: kilobytes per thousand variants, where the rows are megabytes to send and parse). The
+        version is the row's revision: the store's write count when the row was last written (a put, an
+        upsert, a use, a new put after a removal), whatever the clock says; "-" for a row written before
+        revisions existed (unchanged since)."""
         with self._redis("variant_versions"):
-            # One string from one script (a consistent reading): three sorted sets of 10,000 members as
-            # RESP replies took redis-py's parser ~0.3 s in the scheduler's process.
-            ids, revisions = self._versions_script(args=[self._prefix])
+            ids, revisions = self._versions_script(args=[self._prefix])  # two strings: _LUA_VERSIONS
         revision_of = dict(line.split(" ", 1) for line in revisions.split("\n") if " " in line)
         return [(vid, (revision_of.get(vid, "-"),)) for vid in ids.split("\n") if vid]
 
