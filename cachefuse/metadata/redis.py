@@ -355,10 +355,8 @@ class RedisMetaStore:
         """
         if not uses:
             return 0
-        if not eps > 0.0:
-            raise ValueError(f"eps={eps!r}, expected > 0")
         now = repr(float(self._clock()))
-        calls = [[self._prefix, variant_id, repr(1.0 / max(cfo, eps)), now] for variant_id, cfo in uses]
+        calls = [self._use_args(variant_id, cfo, eps, now) for variant_id, cfo in uses]
         with self._redis("record_use"):
             for attempt in range(2):
                 # EVALSHA straight into the pipeline: a queued Script object makes redis-py send SCRIPT
@@ -381,13 +379,16 @@ class RedisMetaStore:
         Returns:
             The updated record, or None when the variant is gone (evicted or removed).
         """
-        if not eps > 0.0:
-            raise ValueError(f"eps={eps!r}, expected > 0")
-        increment = 1.0 / max(cfo, eps)  # the same double scores.record_use adds
+        args = self._use_args(variant_id, cfo, eps, repr(float(self._clock())))
         with self._redis("record_use"):
-            args = [self._prefix, variant_id, repr(increment), repr(float(self._clock()))]
             flat = self._use_script(args=args)
         return self._parse(flat) if flat else None
+
+    def _use_args(self, variant_id: str, cfo: float, eps: float, now: str) -> list[str]:
+        """_LUA_RECORD_USE's ARGV for one reuse: f_r grows by the same double scores.record_use adds."""
+        if not eps > 0.0:
+            raise ValueError(f"eps={eps!r}, expected > 0")
+        return [self._prefix, variant_id, repr(1.0 / max(cfo, eps)), now]
 
     def remove(self, variant_id: str) -> VariantRecord | None:
         """Delete a variant; returns it, or None when absent (or unreadable). StoreError when pinned here."""

@@ -146,9 +146,9 @@ def _die_mid_transaction(meta_path: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_inspect_reads_a_store_left_with_a_hot_journal(store_dir, capsys, tmp_path):
-    """A killed writer leaves a hot journal, and SQLite refuses to open the file read-only: inspect failed
-    with "not a cachefuse metadata store". It now reads a rolled-back copy and leaves the store alone."""
+def _store_with_a_hot_journal(store_dir, capsys, tmp_path):
+    """A copy of the module's store, inspected once (its variants as inspect lists them), then left with a
+    hot journal by a writer killed mid-transaction."""
     import shutil
 
     root, _ = store_dir
@@ -157,6 +157,13 @@ def test_inspect_reads_a_store_left_with_a_hot_journal(store_dir, capsys, tmp_pa
     assert main(["inspect", "--store", str(copy), "--json"]) == 0
     before = json.loads(capsys.readouterr().out)["variants"]
     _die_mid_transaction(str(copy / "meta.sqlite"))
+    return copy, before
+
+
+def test_inspect_reads_a_store_left_with_a_hot_journal(store_dir, capsys, tmp_path):
+    """A killed writer leaves a hot journal, and SQLite refuses to open the file read-only: inspect failed
+    with "not a cachefuse metadata store". It now reads a rolled-back copy and leaves the store alone."""
+    copy, before = _store_with_a_hot_journal(store_dir, capsys, tmp_path)
     journal = copy / "meta.sqlite-journal"
     assert journal.stat().st_size > 0
     database = (copy / "meta.sqlite").read_bytes()
@@ -184,12 +191,7 @@ def test_inspect_reads_again_when_an_engine_recovers_the_store_while_it_copies(s
 
     from cachefuse import store_report
 
-    root, _ = store_dir
-    copy = tmp_path / "store"
-    shutil.copytree(root, copy)
-    assert main(["inspect", "--store", str(copy), "--json"]) == 0
-    before = json.loads(capsys.readouterr().out)["variants"]
-    _die_mid_transaction(str(copy / "meta.sqlite"))
+    copy, before = _store_with_a_hot_journal(store_dir, capsys, tmp_path)
     real_copyfile, opened = shutil.copyfile, []
 
     def copy_while_an_engine_opens_the_store(src, dst, *args, **kwargs):
