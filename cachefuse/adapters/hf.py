@@ -109,13 +109,31 @@ class HFAdapter:
         return q, k, v
 
     def rotate(self, layer, positions, q_nope, k_nope):
-        return ops.apply_rope(q_nope, positions, self.rope_spec), ops.apply_rope(k_nope, positions, self.rope_spec)
+        qk_nope = _adjacent_heads(q_nope, k_nope)
+        if qk_nope is None:  # q/k normed into tensors of their own (Qwen3)
+            return ops.apply_rope(q_nope, positions, self.rope_spec), ops.apply_rope(k_nope, positions, self.rope_spec)
+        # One launch for both: a pass over few rows is launch-bound (on CUDA each Triton launch costs tens of
+        # microseconds of host time, the kernel itself a few). q and k are views of the rotated heads.
+        qk = ops.apply_rope(qk_nope, positions, self.rope_spec)
+        return qk[:, :q_nope.shape[1]], qk[:, q_nope.shape[1]:]
 
     def attention_output(self, layer, attn, residual):
         return self._mlp_block(self.layers[layer], *self._gate_up[layer], attn, residual)
 
     def final_logits(self, hidden, residual):
         return self.model.lm_head(rms_norm(self.decoder.norm, hidden + residual)).float()
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, num_heads + num_kv_heads, head_dim] over q's and k's memory when k's heads directly follow q's in
+    every row (both views of one fused projection, as project_qkv returns them); else None."""
+    if q._base is None or q._base is not k._base or q.dtype != k.dtype or q.shape[0] != k.shape[0]:
+        return None
+    head_dim = q.shape[2]
+    if (k.shape[2] != head_dim or q.stride() != k.stride() or q.stride(2) != 1 or q.stride(1) != head_dim
+            or k.storage_offset() != q.storage_offset() + q.shape[1] * head_dim):
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], head_dim), q.stride(), q.storage_offset())
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -110,3 +110,37 @@ def test_a_layers_dense_work_stays_within_its_op_budget(adapter):
 def test_negative_control_the_modules_norms_break_the_budget(adapter, monkeypatch):
     monkeypatch.setattr(hf, "rms_norm", lambda norm, x: norm(x))
     assert len(_dense_layer_ops(adapter)) > DENSE_OPS_PER_LAYER + 2
+
+
+def test_q_and_k_rotate_in_one_launch_when_they_share_the_projection(adapter, monkeypatch):
+    """On CUDA each apply_rope is a Triton launch (tens of microseconds of host time per layer): q and k,
+    neighbouring slices of the fused qkv projection, rotate as one [T, heads + kv_heads, D] tensor. Qwen3
+    norms them into tensors of their own, which rotate apart (the control: the counter sees two calls)."""
+    calls = []
+    real = hf.ops.apply_rope
+
+    def counting(k_nope, positions, spec):
+        calls.append(tuple(k_nope.shape))
+        return real(k_nope, positions, spec)
+
+    monkeypatch.setattr(hf.ops, "apply_rope", counting)
+    x = torch.randn(23, adapter.shape.hidden_size, generator=torch.Generator().manual_seed(3))
+    q_nope, k_nope, _ = adapter.project_qkv(1, x)
+    q, k = adapter.rotate(1, torch.arange(5, 28), q_nope, k_nope)
+    shape = adapter.shape
+    if hasattr(adapter.layers[1].self_attn, "q_norm"):
+        assert calls == [(23, shape.num_heads, shape.head_dim), (23, shape.num_kv_heads, shape.head_dim)]
+    else:
+        assert calls == [(23, shape.num_heads + shape.num_kv_heads, shape.head_dim)]
+    assert tuple(q.shape) == tuple(q_nope.shape) and tuple(k.shape) == tuple(k_nope.shape)
+
+
+def test_only_adjacent_views_of_one_tensor_rotate_together():
+    qkv = torch.randn(5, 4 * 8 + 2 * 2 * 8)
+    q, k, v = (t.view(5, -1, 8) for t in qkv.split([32, 16, 16], dim=-1))
+    joint = hf._adjacent_heads(q, k)
+    assert joint is not None and torch.equal(joint, qkv[:, :48].view(5, 6, 8))
+    assert hf._adjacent_heads(q, v) is None  # v's heads do not follow q's
+    assert hf._adjacent_heads(k, q) is None  # order matters: q's heads come first
+    assert hf._adjacent_heads(q, k.clone()) is None  # another tensor's memory
+    assert hf._adjacent_heads(q[:4], k[1:]) is None  # other rows
