@@ -393,6 +393,7 @@ class FusionEngine:
 def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],
                     loaded: dict[int, ChunkKV] | dict[int, str]) -> int:
     """How many of `rows` fall inside loaded segments."""
+    rows = rows.cpu()  # one read from the device, not one sync per loaded segment
     count = 0
     for index in loaded:
         seg = segments[index]

@@ -146,6 +146,11 @@ class _RequestLayout:
     def with_forced(self, selected: torch.Tensor) -> torch.Tensor:
         return torch.cat([selected, self.forced_rows]).unique(sorted=True)
 
+    def with_forced_disjoint(self, candidates: torch.Tensor) -> torch.Tensor:
+        """`with_forced` of candidate rows, which are never forced: a sort, where `unique` would wait for
+        the device to learn its output size (a sync that drains the GPU mid-pass)."""
+        return torch.cat([candidates, self.forced_rows]).sort().values
+
 
 def _check_entry(entry: ChunkKV, seg: Segment, num_layers: int) -> None:
     if entry.num_layers != num_layers or entry.num_tokens != seg.length:
@@ -278,9 +283,8 @@ class Fusor:
             if layer == num_layers - 1:
                 next_rows = row_positions[-1:]  # only the last row feeds the logits
             elif layer in check_layers:
-                chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers,
-                                               row_positions, k_nope, v)
-                next_rows, num_selected = layout.with_forced(chosen), chosen.numel()
+                chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v)
+                next_rows, num_selected = layout.with_forced_disjoint(chosen), chosen.numel()
             elif layer + 1 == num_full:
                 initial = selector.initial_rows(layout.ctx)
                 assert initial is not None, f"{selector.name}: full layers end without a selection"
@@ -316,12 +320,21 @@ class Fusor:
         return backend.rows(layer, q, query_rows, k, v)
 
     @staticmethod
-    def _select_at_check(selector, layout, loaded_kv, layer, check_layers, row_positions, k_nope, v):
-        is_candidate = layout.is_candidate[row_positions]  # [R] over the rows computed at this layer
-        candidate_rows = row_positions[is_candidate]
+    def _select_at_check(selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v):
+        """The selector's rows after check layer `layer`, which computed `rows` (None: every row).
+
+        After a full layer (CacheBlend's check) the candidates are the layout's, their count known on the
+        host: nothing is read back from the device, so the layers after the check are queued while the
+        GPU still computes the full ones. A check after a selective layer (a multi-check schedule) masks
+        the rows it computed, one sync."""
+        if rows is None:
+            candidate_rows = index = layout.ctx.candidate_rows  # row i of a full layer is position i
+        else:
+            index = layout.is_candidate[rows]  # [R] over the rows computed at this layer
+            candidate_rows = rows[index]
         loaded_k_nope, loaded_v = loaded_kv.stripped(layer)
         kv = CheckLayerKV(
-            rows=candidate_rows, fresh_k_nope=k_nope[is_candidate], fresh_v=v[is_candidate],
+            rows=candidate_rows, fresh_k_nope=k_nope[index], fresh_v=v[index],
             loaded_k_nope=loaded_k_nope[candidate_rows], loaded_v=loaded_v[candidate_rows])
         return selector.select_at_check(layout.ctx, check_layers.index(layer), kv)
 

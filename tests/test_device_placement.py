@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from cachefuse.adapters.hf import HFAdapter
-from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, Fusor
 from cachefuse.select import make_selector
 from cachefuse.select.epic import EpicSelector
-from tests.helpers.fusion import make_case, make_engine, precompute_case
+from tests.helpers.fusion import hole_request_parts, make_engine, precompute_case
 
 SELECTORS = {
     "cacheblend": {},
@@ -39,13 +38,7 @@ def adapter(tiny_model_dir):
 @pytest.fixture(scope="module")
 def request_parts(adapter):
     """A RAG prompt with system, two loaded chunks and a hole (B), over a CPU model."""
-    engine = make_engine(adapter)
-    case = make_case(adapter.shape.vocab_size, seed=3)
-    precompute_case(engine, case)
-    segments = segment_prompt(len(case.token_ids), case.chunks)
-    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system))
-              for i, s in enumerate(segments) if s.is_chunk and i != 2}
-    return engine, case, segments, loaded
+    return hole_request_parts(adapter, seed=3)
 
 
 def _fuse(adapter, parts, selector, guarded: bool):

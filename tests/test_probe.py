@@ -35,7 +35,7 @@ from cachefuse.select.qcfuse import (
     key_norm_scores,
     rank_anchors,
 )
-from tests.helpers.fusion import make_case, make_engine, precompute_case
+from tests.helpers.fusion import hole_request_parts, make_engine
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -48,13 +48,7 @@ def adapter(tiny_model_dir):
 @pytest.fixture(scope="module")
 def loaded_case(adapter):
     """A precomputed case (system, A, C stored; B a hole) and its FuseRequest parts."""
-    engine = make_engine(adapter)
-    case = make_case(adapter.shape.vocab_size, seed=7)
-    precompute_case(engine, case)
-    segments = segment_prompt(len(case.token_ids), case.chunks)
-    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system))
-              for i, s in enumerate(segments) if s.is_chunk and i != 2}
-    return engine, case, segments, loaded
+    return hole_request_parts(adapter, seed=7)
 
 
 @pytest.mark.parametrize("selector", ["fusionrag", "qcfuse"])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from cachefuse.adapters.hf import HFAdapter
-from cachefuse.chunks import KeyContext
+from cachefuse.chunks import KeyContext, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.store.base import StoreIdentity
@@ -48,3 +48,15 @@ def precompute_case(engine: FusionEngine, case: RagCase, *, with_hole: bool = Tr
     engine.precompute([case.system])
     pieces = [case.pieces[0], case.pieces[2]] if with_hole else case.pieces
     engine.precompute(pieces, prefix_ids=case.system)
+
+
+def hole_request_parts(adapter: HFAdapter, seed: int):
+    """A precomputed case (system, A and C stored; B a hole) and its FuseRequest parts:
+    (engine, case, segments, loaded entries by segment index)."""
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=seed)
+    precompute_case(engine, case)
+    segments = segment_prompt(len(case.token_ids), case.chunks)
+    loaded = {i: engine.store.get(engine.key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system))
+              for i, s in enumerate(segments) if s.is_chunk and i != 2}
+    return engine, case, segments, loaded
