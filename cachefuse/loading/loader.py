@@ -314,6 +314,9 @@ class LoadedLayers:
         # On a GPU, host-to-device copies and re-rotation run on a side stream (the loader thread's),
         # so layer i+1 travels while layer i computes on the pass's stream.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The pass's stream, read once: the pass runs on the stream current where it starts, and asking
+        # torch.cuda.current_stream every layer costs host time on a launch-bound pass
+        self.pass_stream = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         self.first_merged_layer = first_merged_layer  # layers before it compute every row: no rotation
         # A full layer that is no check layer never reads loaded K/V (CacheBlend's layer 0): not fetched.
         self.unread_layers = set(range(first_merged_layer)) - set(check_layers)
@@ -322,6 +325,11 @@ class LoadedLayers:
         # Rows of every loaded segment, in segment order: one rotation and one scatter per layer.
         self.loaded_rows = (torch.cat([torch.arange(s.start, s.end, device=self.device) for s, _, _ in self.sources])
                             if self.sources else torch.zeros(0, dtype=torch.int64, device=self.device))
+        # When the loaded segments are one run of positions (no hole between them, the common case), their
+        # rows are a slice: a copy into it is cheaper than a scatter, on the GPU and in host time.
+        spans = [(s.start, s.end) for s, _, _ in self.sources]
+        contiguous = bool(spans) and all(end == start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+        self.loaded_slice = slice(spans[0][0], spans[-1][1]) if contiguous else None
         self.fetch = request.fetch_layer if request.fetched else None
         self.loader: SerialLoader | PipelinedLoader | None = None
         if self.fetch is not None:
@@ -397,7 +405,7 @@ class LoadedLayers:
         if self._current is None:
             self._current = self._work(layer)  # whole entries: gathered here, on first use
         if self._current.ready is not None:  # the copy stream's work for this layer, before any read
-            stream = torch.cuda.current_stream(self.device)
+            stream = self.pass_stream
             stream.wait_event(self._current.ready)
             for tensor in (self._current.k_nope, self._current.v, self._current.k):
                 if tensor is not None:  # allocated on the copy stream, read on this one
@@ -411,7 +419,8 @@ class LoadedLayers:
         shape = (self.num_tokens, self.shape.num_kv_heads, self.shape.head_dim)
         k_nope = torch.zeros(shape, dtype=self.shape.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.shape.dtype, device=self.device)
-        k_nope[self.loaded_rows], v[self.loaded_rows] = data.k_nope, data.v
+        self._scatter(k_nope, data.k_nope)
+        self._scatter(v, data.v)
         return k_nope, v
 
     def rotated(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,8 +434,15 @@ class LoadedLayers:
         k = torch.empty(shape, dtype=self.shape.dtype, device=self.device)
         v = torch.empty(shape, dtype=self.shape.dtype, device=self.device)
         if data.k is not None:  # rotated on the loader thread
-            k[self.loaded_rows] = data.k
+            self._scatter(k, data.k)
         else:  # gathered and rotated in one pass, no rotated copy in between
             ops.gather_rotate(data.k_nope, k, self.loaded_rows, self.loaded_rows, self.rope_spec)
-        v[self.loaded_rows] = data.v
+        self._scatter(v, data.v)
         return k, v
+
+    def _scatter(self, full: torch.Tensor, loaded: torch.Tensor) -> None:
+        """Writes the loaded segments' rows (`loaded`, in segment order) into the full-length `full`."""
+        if self.loaded_slice is not None:
+            full[self.loaded_slice].copy_(loaded)
+        else:
+            full[self.loaded_rows] = loaded
