@@ -5,17 +5,19 @@ Chunks are precomputed after the system prompt (offline, not timed) into one of 
 `host` (page-locked host memory: each layer's K/V crosses PCIe during the pass, pipelined
 `--preload-depth` layers ahead on a side stream) or `device` (the GPU-memory tier for hot chunks).
 
-Measured, each the median of `--repeats` runs after `--warmup`, with a device synchronisation on
-both sides of every run (TTFT as a caller sees it, host overheads included):
+Measured, each the median of `--repeats` runs after `--warmup`, the settings taking turns (round r runs
+each once, so a shared machine's drift falls on all alike), with a device synchronisation on both sides
+of every run (TTFT as a caller sees it, host overheads included):
 - `hf_forward`: the model's own transformers forward (SDPA), logits of the last position only;
 - `full_prefill`: the blend pass computing every row (the engine's own path, no reuse);
 - per tier, `cacheblend` at each `--ratios` (one full layer, then HKVD's rows), `full_reuse` (0%, no
   full layer), and the query-aware selectors at 15% (`fusionrag`, `qcfuse`; their probe's share of TTFT).
 
 The compute bound of a setting is 1 / (rows computed over all layers / (layers x tokens)), the speed-up
-if time were proportional to computed rows (loading free); the ratio column is hf_forward / fused.
+if time were proportional to computed rows (loading free). `speedup_vs_hf` is median hf_forward / median
+fused; `speedup_vs_hf_paired` the median over rounds of that round's ratio.
 
-    python benchmarks/gpu_ttft.py                                  # H100: ~4 min, writes docs/benchmarks/gpu/
+    python benchmarks/gpu_ttft.py                                  # H200: ~1 min, writes docs/benchmarks/gpu/
     python benchmarks/gpu_ttft.py --shape small --device cpu --repeats 1 --out /tmp/gpu_smoke   # a smoke run
 
 Writes gpu_ttft.json and gpu_ttft.png under --out.
@@ -66,23 +68,30 @@ def build_model(shape: str, dtype: torch.dtype, device: str):
     return model.eval()
 
 
-def timed(fn, device: str, warmup: int, repeats: int) -> tuple[float, list[float], object]:
-    """Median seconds of `fn()` with a device sync on both sides; also the last return value."""
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
+
+def interleaved(calls: dict, device: str, warmup: int, repeats: int) -> tuple[dict, dict]:
+    """Seconds of each call per round, the calls taking turns (round r runs every call once), with a
+    device sync on both sides of each; and each call's last return value.
+
+    Taking turns spreads the drift of a shared machine over every setting alike: the launch-bound
+    settings follow the host CPU's speed, which moved by 2x between machines and minutes here."""
+    last = {}
+    for name, fn in calls.items():
+        for _ in range(warmup):
+            last[name] = fn()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times, out
+        for name, fn in calls.items():
+            sync(device)
+            start = time.perf_counter()
+            last[name] = fn()
+            sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return samples, last
 
 
 def make_engine(adapter: HFAdapter, tier: str, device: str) -> FusionEngine:
@@ -115,56 +124,62 @@ def run(args) -> dict:
     num_tokens = len(token_ids)
     ids = torch.tensor([token_ids], device=args.device)
 
-    results = {"settings": {}}
+    calls = {"hf_forward": lambda: model(ids, logits_to_keep=1).logits}
+    engines, precompute_s, labels = {}, {}, {}
     with torch.inference_mode():
-        med, times, _ = timed(lambda: model(ids, logits_to_keep=1).logits, args.device, args.warmup, args.repeats)
-    results["settings"]["hf_forward"] = {"seconds": med, "samples": times}
-    baseline = med
-    print(f"hf_forward {med * 1e3:.1f} ms", flush=True)
+        for tier in args.tiers:
+            engine = engines[tier] = make_engine(adapter, tier, args.device)
+            started = time.perf_counter()
+            engine.precompute([system])
+            annotate = None
+            if args.anchor_ranking:  # QCFuse's anchors stored offline, as a deployment would
+                annotate = anchor_annotator(adapter, system, args.anchor_ranking, engine.config.qcfuse_anchor_ratio,
+                                            engine.config.qcfuse_sink_tokens)
+            engine.precompute(chunks, prefix_ids=system, annotate=annotate)
+            precompute_s[tier] = time.perf_counter() - started
+            settings = [("full_prefill", 1.0)] if tier == args.tiers[0] else []
+            settings += [("cacheblend", r) for r in args.ratios] + [("full_reuse", 0.0)]
+            settings += [(name, 0.15) for name in QUERY_AWARE]
+            for selector, ratio in settings:
+                name = "full_prefill" if selector == "full_prefill" else f"{tier}/{selector}@{ratio:g}"
+                labels[name] = (tier, selector)
+                calls[name] = (lambda selector=selector, ratio=ratio, engine=engine: engine.prefill(
+                    token_ids, spans, selector=selector, ratio=ratio, save_holes=False,
+                    preload_depth=args.preload_depth))
+        samples, last = interleaved(calls, args.device, args.warmup, args.repeats)
 
-    for tier in args.tiers:
-        engine = make_engine(adapter, tier, args.device)
-        started = time.perf_counter()
-        engine.precompute([system])
-        annotate = None
-        if args.anchor_ranking:  # QCFuse's anchors stored offline, as a deployment would
-            annotate = anchor_annotator(adapter, system, args.anchor_ranking, engine.config.qcfuse_anchor_ratio,
-                                        engine.config.qcfuse_sink_tokens)
-        engine.precompute(chunks, prefix_ids=system, annotate=annotate)
-        precompute_s = time.perf_counter() - started
-        settings = [("full_prefill", 1.0)] if tier == args.tiers[0] else []
-        settings += [("cacheblend", r) for r in args.ratios] + [("full_reuse", 0.0)]
-        settings += [(name, 0.15) for name in QUERY_AWARE]
-        for selector, ratio in settings:
-            def call(selector=selector, ratio=ratio, engine=engine):
-                return engine.prefill(token_ids, spans, selector=selector, ratio=ratio, save_holes=False,
-                                      preload_depth=args.preload_depth)
-            med, times, (result, stats) = timed(call, args.device, args.warmup, args.repeats)
-            name = "full_prefill" if selector == "full_prefill" else f"{tier}/{selector}@{ratio:g}"
-            entry = {
-                "seconds": med, "samples": times, "speedup_vs_hf": baseline / med,
-                "compute_bound": compute_bound(stats.layer_rows, num_tokens),
-                "chunks_hit": stats.chunks_hit, "bytes_loaded": stats.bytes_loaded,
-                "probe_seconds": stats.probe_time_s, "probe_share": stats.probe_time_s / med,
-                "pass_layer_seconds_sum": sum(stats.layer_seconds),
-            }
-            if selector != "full_prefill":
-                entry["precompute_seconds"] = precompute_s
-            results["settings"][name] = entry
-            probe = f", probe {entry['probe_share']:.0%} of TTFT" if stats.probe_time_s else ""
-            print(f"{name}: {med * 1e3:.1f} ms, {entry['speedup_vs_hf']:.2f}x "
-                  f"(bound {entry['compute_bound']:.2f}x){probe}", flush=True)
-        if args.profile and tier == args.tiers[0]:
-            profile(engine, token_ids, spans, args)
-        del engine
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    baseline = statistics.median(samples["hf_forward"])
+    results = {"settings": {"hf_forward": {"seconds": baseline, "samples": samples["hf_forward"]}}}
+    print(f"hf_forward {baseline * 1e3:.1f} ms", flush=True)
+    for name, (tier, selector) in labels.items():
+        result, stats = last[name]
+        med = statistics.median(samples[name])
+        paired = statistics.median(h / t for h, t in zip(samples["hf_forward"], samples[name], strict=True))
+        entry = {
+            "seconds": med, "samples": samples[name], "speedup_vs_hf": baseline / med,
+            "speedup_vs_hf_paired": paired,
+            "compute_bound": compute_bound(stats.layer_rows, num_tokens),
+            "chunks_hit": stats.chunks_hit, "bytes_loaded": stats.bytes_loaded,
+            "probe_seconds": stats.probe_time_s, "probe_share": stats.probe_time_s / med,
+            "pass_layer_seconds_sum": sum(stats.layer_seconds),
+        }
+        if selector != "full_prefill":
+            entry["precompute_seconds"] = precompute_s[tier]
+        results["settings"][name] = entry
+        probe = f", probe {entry['probe_share']:.0%} of TTFT" if stats.probe_time_s else ""
+        print(f"{name}: {med * 1e3:.1f} ms, {entry['speedup_vs_hf']:.2f}x, paired {paired:.2f}x "
+              f"(bound {entry['compute_bound']:.2f}x){probe}", flush=True)
+    if args.profile:  # after every timed run: runs timed after a profile ran 10-30% slower
+        profile(engines[args.tiers[-1]], token_ids, spans, args)
+    engines.clear()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
     results.update({
         "prompt": {"system_tokens": SYSTEM_LEN, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
                    "question_tokens": args.question_tokens, "num_tokens": num_tokens},
         "model": {"shape": args.shape, **SHAPES[args.shape], "dtype": args.dtype, "weights": "random"},
-        "repeats": args.repeats, "warmup": args.warmup, "preload_depth": args.preload_depth,
+        "repeats": args.repeats, "warmup": args.warmup, "interleaved": True, "preload_depth": args.preload_depth,
         "anchor_ranking": args.anchor_ranking, "compile": args.compile,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
@@ -234,7 +249,8 @@ def main() -> None:
                         help="HFAdapter(compile=True): the per-layer elementwise work through torch.compile")
     parser.add_argument("--anchor-ranking", choices=("key_norm", "attention"), default=None,
                         help="store QCFuse's anchors with each chunk (default: none, derived per request)")
-    parser.add_argument("--profile", metavar="SELECTOR@RATIO", help="also profile this setting on the first tier")
+    parser.add_argument("--profile", metavar="SELECTOR@RATIO",
+                        help="also profile this setting on the last tier, after every timed run")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "gpu")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
