@@ -28,7 +28,8 @@ entries: redis_client.check_eviction_policy). The scripts derive key names from 
 namespace, so they need standalone Redis (or one shard), not Redis Cluster.
 
 Misses, as in disk.py: "foreign_model", "shape_mismatch", "corrupt" (bad checksum, missing or
-overlong field, unparsable header, a key of another Redis type), "truncated" (a field shorter than its
+overlong field, unparsable header, a key of another Redis type; a field longer than the whole entry's
+recorded size is refused by the read script before its bytes are sent), "truncated" (a field shorter than its
 shape, a header cut short, an empty header); each drops the entry unless a put replaced it meanwhile.
 Any Redis error (connection refused or reset, timeout, a server error reply) is "io_error" and keeps
 the entry. Nothing raises out of get / get_layer / contains / put / remove / keys / nbytes: every call
@@ -57,7 +58,10 @@ STAGING_TTL_S = 300
 _Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
 
 # KEYS: entry, lru, clock, sizes, nbytes; ARGV: key, field names. Touches the LRU stamp and returns
-# {1, values...}; {0} when absent (its index entry dropped); {-1} when the key holds another type.
+# {1, values...}; {0} when absent (its index entry dropped); {-1} when the key holds another type;
+# {-2, header, field, length, size} when a field is longer than the whole entry the index records (written
+# around the put script): refused before its bytes cross the network, where a reply of hundreds of MiB
+# would time out as an io_error on every read and never be dropped.
 _LUA_READ = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then
@@ -70,6 +74,13 @@ if kind == 'none' then
   return {0}
 end
 if kind ~= 'hash' then return {-1} end
+local size = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '')
+if size then
+  for i = 2, #ARGV do
+    local length = redis.call('HSTRLEN', KEYS[1], ARGV[i])
+    if length > size then return {-2, redis.call('HGET', KEYS[1], 'header'), ARGV[i], length, size} end
+  end
+end
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[3]), ARGV[1])
 end
@@ -351,6 +362,11 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             return self._miss(key, base.MISS_ABSENT, "no such entry", None)
         if reply[0] == -1:
             return self._miss(key, base.MISS_CORRUPT, "key holds another Redis type", "any")
+        if reply[0] == -2:
+            _, header_raw, field, length, size = reply
+            return self._miss(key, base.MISS_CORRUPT, f"field {field.decode(errors='replace')} of {length} bytes, "
+                                                      f"over the {size} the whole entry was stored with",
+                              "no-header" if header_raw is None else header_raw)
         header_raw = reply[1]
         if header_raw is None:
             return self._miss(key, base.MISS_CORRUPT, "no header", "no-header")

@@ -212,6 +212,40 @@ def test_bad_entries_are_counted_misses_and_dropped(make_store, raw, redis_names
     assert_same_entry(store.get(KEY), make_entry(5, seed=3))
 
 
+@pytest.mark.parametrize("header", ["kept", "deleted"])
+def test_a_field_longer_than_its_whole_entry_is_refused_before_it_is_sent(make_store, raw, redis_namespace,
+                                                                         caplog, header):
+    """Written around the put script (another writer, a bit flip in a length), a field longer than the
+    entry's recorded size is refused by the read script from its length alone: its bytes never cross the
+    network (a reply of hundreds of MiB would time out as an io_error on every read, never dropped)."""
+    store = make_store()
+    store.put(KEY, make_entry(5))
+    size = stored_size(make_entry(5))
+    entry_key = _entry_key(redis_namespace)
+    raw.hset(entry_key, "k.1", b"\0" * (size + 1))
+    if header == "deleted":  # then the miss may drop only while there is still no header
+        raw.hdel(entry_key, "header")
+    else:
+        assert store.get_layer(KEY, 0) is not None  # layer 0's fields are sound and read as such
+    with caplog.at_level("WARNING", logger="cachefuse.store.redis"):
+        assert store.get_layer(KEY, 1) is None
+    assert f"field k.1 of {size + 1} bytes, over the {size}" in caplog.text  # refused by length, not read
+    assert store.stats.misses == {"corrupt": 1}
+    assert raw.exists(entry_key) == 0 and store.keys() == [] and store.nbytes == 0
+
+
+def test_a_field_within_its_entry_size_is_still_read_and_checked(make_store, raw, redis_namespace, caplog):
+    """The length bound only refuses what cannot be an entry's field; a field that fits is read and its
+    shape check finds it (the negative control: the script's bound is not what catches this one)."""
+    store = make_store()
+    store.put(KEY, make_entry(5))
+    raw.hset(_entry_key(redis_namespace), "k.1", raw.hget(_entry_key(redis_namespace), "k.1") + b"xx")
+    with caplog.at_level("WARNING", logger="cachefuse.store.redis"):
+        assert store.get_layer(KEY, 1) is None
+    assert "over the" not in caplog.text and "shape" in caplog.text
+    assert store.stats.misses == {"corrupt": 1}
+
+
 def test_get_layer_verifies_only_the_layer_it_reads(make_store, raw, redis_namespace):
     store = make_store()
     entry = make_entry(5)
