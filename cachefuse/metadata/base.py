@@ -16,7 +16,9 @@ Choices every backend follows (tests/metadata/test_contract.py runs one suite ov
    the old record's statistics; the variant keeps its insertion order, which `variants()` returns and
    `choose()` breaks ties by (scores choice 9). Two engines saving the same variant at once (each
    checked before the other's row existed) otherwise reset a popular variant's f_r to that of a new
-   one, the first in line for eviction. A row that does not parse is replaced whole (choice 6).
+   one, the first in line for eviction. The merge is made with the row as the write finds it (SQLite: in
+   the put's transaction; Redis: in the put script), so a reuse recorded meanwhile is not lost. A row
+   that does not parse is replaced whole (choice 6).
 2. Budget. `max_variants` is N x M, the total number of variants over all chunks; one chunk may own
    all of them (M is not a per-chunk cap). The per-tier byte budget belongs to the K/V tiers; a
    metadata store only reports `size_by_tier()`.

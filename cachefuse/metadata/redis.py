@@ -71,11 +71,16 @@ local function drop(p, id)
 end
 """
 
-# ARGV: prefix, max_variants, policy, variant_id, chunk_key, f_r, last_access, n, n field/value args,
-# then the ids pinned in this process. Returns {'ok', victim fields...} or {'full', count, unpinned}.
+# ARGV: prefix, max_variants, policy, variant_id, chunk_key, last_access, n, merge ('1': an upsert keeps
+# what the stored row has gathered, as base.merged_upsert; '0': the caller found the row damaged and
+# replaces it whole), n field/value args, then the ids pinned in this process.
+# Returns {'ok', victim fields...} or {'full', count, unpinned}.
+# The merge happens here, against the row as it is when the write lands: merged by the caller alone, a
+# reuse another engine recorded between the caller's read and this script was lost from f_r, and
+# statistics another engine saved meanwhile were overwritten by a save without them.
 _LUA_PUT = _LUA_DROP + """
 local p, max, policy, id, chunk = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local f_r, last, nf = ARGV[6], ARGV[7], tonumber(ARGV[8])
+local last, nf, merge = ARGV[6], tonumber(ARGV[7]), ARGV[8] == '1'
 local key = p .. 'v:' .. id
 local exists = redis.call('EXISTS', key) == 1
 local out = {'ok'}
@@ -105,11 +110,31 @@ if not exists then
     for _, other in ipairs(victims) do out[#out + 1] = drop(p, other) end
   end
 end
+local fields = {}
+for i = 9, 8 + nf, 2 do fields[ARGV[i]] = ARGV[i + 1] end
+if exists and merge then
+  local old = redis.call('HMGET', key, 'access_count', 'f_r', 'has_stats')
+  local count, old_f_r = tonumber(old[1]), tonumber(old[2])
+  if count and count > tonumber(fields['access_count']) then fields['access_count'] = old[1] end
+  if old_f_r and old_f_r > tonumber(fields['f_r']) then fields['f_r'] = old[2] end
+  if old[3] == '1' and fields['has_stats'] == '0' then
+    local names = {'inter', 'intra', 'prefix_num_tokens', 'ranked_tokens', 'recompute_ratio', 'cci'}
+    local kept = redis.call('HMGET', key, unpack(names))
+    local whole = true
+    for i = 1, #names do if not kept[i] then whole = false end end
+    if whole then
+      for i = 1, #names do fields[names[i]] = kept[i] end
+      fields['has_stats'] = '1'
+    end
+  end
+end
+local flat = {}
+for name, value in pairs(fields) do flat[#flat + 1] = name; flat[#flat + 1] = value end
 local seq = exists and redis.call('HGET', key, 'seq') or redis.call('INCR', p .. 'next_seq')
-redis.call('HSET', key, 'seq', seq, unpack(ARGV, 9, 8 + nf))
+redis.call('HSET', key, 'seq', seq, unpack(flat))
 redis.call('ZADD', p .. 'seq', seq, id)
 redis.call('ZADD', p .. 'chunk:' .. chunk, seq, id)
-redis.call('ZADD', p .. 'by_f_r', f_r, id)
+redis.call('ZADD', p .. 'by_f_r', fields['f_r'], id)
 redis.call('ZADD', p .. 'by_last_access', last, id)
 redis.call('ZADD', p .. 'by_rev', redis.call('INCR', p .. 'writes'), id)  -- the row's revision
 if not exists then redis.call('INCR', p .. 'generation') end
@@ -307,16 +332,17 @@ class RedisMetaStore:
         record = dataclasses.replace(record, last_access=self._clock())
         with self._redis("put"):
             old = self._client.hgetall(self._prefix + "v:" + record.variant_id)
+        damaged = False
         try:  # a damaged hash is replaced whole (choice 6), uncounted
             stored = _record(old) if old else None
         except StoreError:
-            stored = None
-        record = merged_upsert(stored, record)
+            stored, damaged = None, True
+        record = merged_upsert(stored, record)  # the script merges again with the row as the write finds it
         fields = _fields(record)
         flat = [item for pair in fields.items() for item in pair]
         with self._lock, self._redis("put"):
             args = [self._prefix, self.max_variants, self.policy, record.variant_id, record.chunk_key,
-                    fields["f_r"], fields["last_access"], len(flat), *flat, *self._pins]
+                    fields["last_access"], len(flat), "0" if damaged else "1", *flat, *self._pins]
             reply = self._put_script(args=args)
         if reply[0] == "full":
             count, unpinned = int(reply[1]), int(reply[2])

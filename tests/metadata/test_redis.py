@@ -230,3 +230,59 @@ def test_a_passing_error_reply_fails_the_read_instead_of_hiding_the_row(private_
     with pytest.raises(StoreError, match="get_many"):
         refresher.refresh_once(store)
     assert refresher.refresh_once(store) and "B" in index and store.unreadable_rows == 0
+
+
+def _slip_in_before_the_put_script(writer: RedisMetaStore, meanwhile) -> None:
+    """Runs `meanwhile()` (another engine's write) after `writer.put` has read the stored row, just before
+    its put script runs: the window in which a merge made by the writer alone went stale."""
+    script = writer._put_script
+
+    def late(*args, **kwargs):
+        meanwhile()
+        return script(*args, **kwargs)
+
+    writer._put_script = late
+
+
+def test_a_reuse_recorded_during_an_upsert_is_kept(redis_url, redis_namespace):
+    """An upsert merges the counters with the row as its write finds it: a reuse another engine recorded
+    after this writer read the row still counts (merged from the writer's read, f_r lost it)."""
+    writer = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 1.0, namespace=redis_namespace)
+    other = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 2.0, namespace=redis_namespace)
+    variant = alone("A")
+    writer.put(variant)
+    writer.record_use(variant.variant_id, 0.5)  # f_r 2.0, access_count 1
+    _slip_in_before_the_put_script(writer, lambda: other.record_use(variant.variant_id, 0.25))  # + 4.0
+    writer.put(alone("A"))  # a re-save of the same variant
+    stored = writer.get(variant.variant_id)
+    assert (stored.access_count, stored.f_r) == (2, 6.0)
+    assert writer.variants("A")[0].f_r == 6.0  # and the eviction order uses it
+    assert [r.variant_id for r in writer.all_records()] == [variant.variant_id]
+
+
+def test_statistics_saved_during_a_save_without_them_are_kept(redis_url, redis_namespace):
+    writer = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 1.0, namespace=redis_namespace)
+    other = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 2.0, namespace=redis_namespace)
+    with_stats = VariantRecord(chunk_key="A", prefix=("S",), inter={"S": 0.3}, intra=0.7, num_tokens=2,
+                               prefix_num_tokens={"S": 4}, ranked_tokens=(1, 0), recompute_ratio=0.15)
+    bare = VariantRecord.without_stats("A", ("S",), 2, {"S": 4})
+    _slip_in_before_the_put_script(writer, lambda: other.put(with_stats))
+    writer.put(bare)  # read: no row; written: the row the other engine saved meanwhile
+    stored = writer.get(with_stats.variant_id)
+    assert stored.has_stats and (stored.inter, stored.intra, stored.ranked_tokens) == ({"S": 0.3}, 0.7, (1, 0))
+    assert stored.cci == with_stats.cci
+
+
+def test_a_damaged_row_is_replaced_whole_even_if_its_counters_read(redis_url, redis_namespace, redis_server):
+    """The writer found the row unreadable: the script merges nothing from it (choice 6), so a damaged
+    statistics field cannot survive a save without statistics."""
+    store = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 1.0, namespace=redis_namespace)
+    with_stats = VariantRecord(chunk_key="A", prefix=("S",), inter={"S": 0.3}, intra=0.7, num_tokens=2,
+                               prefix_num_tokens={"S": 4})
+    store.put(with_stats)
+    store.record_use(with_stats.variant_id, 0.5)
+    with redis_server.client() as raw:
+        raw.hset(f"{redis_namespace}:meta:v:{with_stats.variant_id}", "inter", "{not json")
+    store.put(VariantRecord.without_stats("A", ("S",), 2, {"S": 4}))
+    stored = store.get(with_stats.variant_id)
+    assert stored is not None and not stored.has_stats and stored.access_count == 0
