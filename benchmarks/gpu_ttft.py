@@ -143,16 +143,18 @@ def run(args) -> dict:
             for selector, ratio in settings:
                 name = "full_prefill" if selector == "full_prefill" else f"{tier}/{selector}@{ratio:g}"
                 labels[name] = (tier, selector)
+                # Only the stats are kept: a FuseResult holds every layer's K/V (~1 GiB here), and the
+                # last of each setting would otherwise stay alive through every round.
                 calls[name] = (lambda selector=selector, ratio=ratio, engine=engine: engine.prefill(
                     token_ids, spans, selector=selector, ratio=ratio, save_holes=False,
-                    preload_depth=args.preload_depth))
+                    preload_depth=args.preload_depth)[1])
         samples, last = interleaved(calls, args.device, args.warmup, args.repeats)
 
     baseline = statistics.median(samples["hf_forward"])
     results = {"settings": {"hf_forward": {"seconds": baseline, "samples": samples["hf_forward"]}}}
     print(f"hf_forward {baseline * 1e3:.1f} ms", flush=True)
     for name, (tier, selector) in labels.items():
-        result, stats = last[name]
+        stats = last[name]
         med = statistics.median(samples[name])
         paired = statistics.median(h / t for h, t in zip(samples["hf_forward"], samples[name], strict=True))
         entry = {

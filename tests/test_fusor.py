@@ -359,3 +359,16 @@ def test_a_prompt_ending_inside_a_loaded_chunk_equals_that_chunk_declared_one_to
     assert [r.tolist() for r in ends_inside.rows_per_layer if r is not None] == \
         [r.tolist() for r in shorter.rows_per_layer if r is not None]
     assert torch.equal(ends_inside.logits, shorter.logits)
+
+
+@pytest.mark.parametrize("selector", ["full_prefill", "cacheblend"])
+def test_kept_k_and_v_own_their_memory(adapters, selector):
+    """Every layer's K/V the pass keeps to its end (no KV-writing backend) is a tensor of its own: a view
+    would hold the full layer's projection output alive ([T, q + 2 kv]: 6x V's bytes on Llama-3-8B)."""
+    adapter = adapters("llama")
+    engine = make_engine(adapter)
+    case = make_case(adapter.shape.vocab_size, seed=8)
+    precompute_case(engine, case)
+    result, _ = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.2, save_holes=False)
+    for tensor in (*result.k, *result.v):
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes

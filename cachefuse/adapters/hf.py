@@ -126,8 +126,11 @@ class HFAdapter:
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """[T, num_heads + num_kv_heads, head_dim] over q's and k's memory when k's heads directly follow q's in
-    every row (both views of one fused projection, as project_qkv returns them); else None."""
-    if q._base is None or q._base is not k._base or q.dtype != k.dtype or q.shape[0] != k.shape[0]:
+    every row (both views of one fused projection, as project_qkv returns them); else None.
+
+    Compared by storage, not `_base`: views made under inference mode (every pass) have none."""
+    if (q.device != k.device or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or q.dtype != k.dtype or q.shape[0] != k.shape[0]):
         return None
     head_dim = q.shape[2]
     if (k.shape[2] != head_dim or q.stride() != k.stride() or q.stride(2) != 1 or q.stride(1) != head_dim

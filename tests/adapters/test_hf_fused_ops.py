@@ -125,8 +125,9 @@ def test_q_and_k_rotate_in_one_launch_when_they_share_the_projection(adapter, mo
 
     monkeypatch.setattr(hf.ops, "apply_rope", counting)
     x = torch.randn(23, adapter.shape.hidden_size, generator=torch.Generator().manual_seed(3))
-    q_nope, k_nope, _ = adapter.project_qkv(1, x)
-    q, k = adapter.rotate(1, torch.arange(5, 28), q_nope, k_nope)
+    with torch.inference_mode():  # as every pass runs: views made there have no `_base`
+        q_nope, k_nope, _ = adapter.project_qkv(1, x)
+        q, k = adapter.rotate(1, torch.arange(5, 28), q_nope, k_nope)
     shape = adapter.shape
     if hasattr(adapter.layers[1].self_attn, "q_norm"):
         assert calls == [(23, shape.num_heads, shape.head_dim), (23, shape.num_kv_heads, shape.head_dim)]
@@ -144,3 +145,24 @@ def test_only_adjacent_views_of_one_tensor_rotate_together():
     assert hf._adjacent_heads(k, q) is None  # order matters: q's heads come first
     assert hf._adjacent_heads(q, k.clone()) is None  # another tensor's memory
     assert hf._adjacent_heads(q[:4], k[1:]) is None  # other rows
+
+
+def test_a_fused_pass_rotates_q_and_k_in_one_launch_per_layer(adapter, monkeypatch, tiny_model_dir):
+    """Through Fusor.fuse (inference mode), every rotation of the adapter's own q and k is one call."""
+    from cachefuse.config import CacheFuseConfig
+    from cachefuse.fusor import FuseRequest, Fusor
+    from cachefuse.select import make_selector
+    from tests.helpers.fusion import hole_request_parts
+
+    if hasattr(adapter.layers[1].self_attn, "q_norm"):
+        pytest.skip("Qwen3 rotates its normed q and k apart")
+    _, case, segments, loaded = hole_request_parts(adapter, seed=4)
+    shapes = []
+    real = hf.ops.apply_rope
+    monkeypatch.setattr(hf.ops, "apply_rope", lambda k_nope, positions, spec: (
+        shapes.append(k_nope.shape[1]), real(k_nope, positions, spec))[1])
+    Fusor(adapter).fuse(FuseRequest(torch.tensor(case.token_ids), segments, loaded, 0.3),
+                        make_selector("cacheblend", CacheFuseConfig()))
+    shape = adapter.shape  # the other calls rotate loaded chunks' keys (kv heads, on the loader's path)
+    assert shapes.count(shape.num_heads + shape.num_kv_heads) == shape.num_layers
+    assert set(shapes) == {shape.num_heads + shape.num_kv_heads, shape.num_kv_heads}  # q never alone
