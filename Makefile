@@ -51,12 +51,11 @@ test: $(STAMP) redis model
 
 # On a CUDA machine, with its own CUDA torch and triton: the .venv's torch is +cpu, where every gpu test
 # skips. GPU_PYTHON picks the interpreter (pytest, hypothesis and redis-py installed beside them). No gpu
-# test needs vLLM: where it does not import, tests/vllm (whose modules import it) is left out.
+# test needs vLLM: where it does not import, tests/vllm/conftest.py leaves that folder out of `-m gpu`.
 GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -c "import torch; assert torch.cuda.is_available(), 'make test-gpu needs a CUDA torch and a GPU'"
-	$(GPU_PYTHON) -m pytest -q -m gpu -p no:cacheprovider \
-	  $$($(GPU_PYTHON) -c "import importlib.util as u; print('' if u.find_spec('vllm') else '--ignore=tests/vllm')")
+	$(GPU_PYTHON) -m pytest -q -m gpu -p no:cacheprovider
 
 demo: $(STAMP) model
 	$(PY) examples/demo.py --model $(SMOLLM2_DIR)
