@@ -10,8 +10,8 @@ each once, so a shared machine's drift falls on all alike), with a device synchr
 of every run (TTFT as a caller sees it, host overheads included):
 - `hf_forward`: the model's own transformers forward (SDPA), logits of the last position only;
 - `full_prefill`: the blend pass computing every row (the engine's own path, no reuse);
-- per tier, `cacheblend` at each `--ratios` (one full layer, then HKVD's rows), `full_reuse` (0%, no
-  full layer), and the query-aware selectors at 15% (`fusionrag`, `qcfuse`; their probe's share of TTFT).
+- per tier, `cacheblend` at each `--ratios` (full layers 0 and 1, HKVD's selection after layer 1, then
+  its rows), `full_reuse` (0%, no full layer), and the query-aware selectors at 15% (`fusionrag`, `qcfuse`; their probe's share of TTFT).
 
 The compute bound of a setting is 1 / (rows computed over all layers / (layers x tokens)), the speed-up
 if time were proportional to computed rows (loading free). `speedup_vs_hf` is median hf_forward / median
