@@ -48,7 +48,7 @@ import redis
 
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
-from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord, merged_upsert
+from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
 from cachefuse.redis_client import check_eviction_policy, redis_client
 
 logger = logging.getLogger(__name__)
@@ -71,16 +71,17 @@ local function drop(p, id)
 end
 """
 
-# ARGV: prefix, max_variants, policy, variant_id, chunk_key, last_access, n, merge ('1': an upsert keeps
-# what the stored row has gathered, as base.merged_upsert; '0': the caller found the row damaged and
-# replaces it whole), n field/value args, then the ids pinned in this process.
+# ARGV: prefix, max_variants, policy, variant_id, chunk_key, last_access, n, damaged (the by_rev revision
+# of a row the caller read and found damaged, '-' if it had none; '' otherwise), n field/value args of the
+# new record as given, then the ids pinned in this process.
 # Returns {'ok', victim fields...} or {'full', count, unpinned}.
-# The merge happens here, against the row as it is when the write lands: merged by the caller alone, a
-# reuse another engine recorded between the caller's read and this script was lost from f_r, and
-# statistics another engine saved meanwhile were overwritten by a save without them.
+# An upsert merges here, with the row as the write finds it (base.merged_upsert: the larger access_count
+# and f_r, the stored statistics when the new record has none), so a reuse or a save another engine made
+# after the caller read the row is kept; a row that was removed meanwhile is written as new. A damaged row
+# is replaced whole only while it is the revision the caller read: repaired meanwhile, it is merged.
 _LUA_PUT = _LUA_DROP + """
 local p, max, policy, id, chunk = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local last, nf, merge = ARGV[6], tonumber(ARGV[7]), ARGV[8] == '1'
+local last, nf, damaged = ARGV[6], tonumber(ARGV[7]), ARGV[8]
 local key = p .. 'v:' .. id
 local exists = redis.call('EXISTS', key) == 1
 local out = {'ok'}
@@ -112,7 +113,12 @@ if not exists then
 end
 local fields = {}
 for i = 9, 8 + nf, 2 do fields[ARGV[i]] = ARGV[i + 1] end
-if exists and merge then
+local merge = exists
+if exists and damaged ~= '' then
+  local rev = redis.call('ZSCORE', p .. 'by_rev', id)
+  merge = (rev and tostring(tonumber(rev)) or '-') ~= damaged
+end
+if merge then
   local old = redis.call('HMGET', key, 'access_count', 'f_r', 'has_stats')
   local count, old_f_r = tonumber(old[1]), tonumber(old[2])
   if count and count > tonumber(fields['access_count']) then fields['access_count'] = old[1] end
@@ -330,19 +336,21 @@ class RedisMetaStore:
                 failed (then the put may or may not have happened, never half of it).
         """
         record = dataclasses.replace(record, last_access=self._clock())
-        with self._redis("put"):
-            old = self._client.hgetall(self._prefix + "v:" + record.variant_id)
-        damaged = False
-        try:  # a damaged hash is replaced whole (choice 6), uncounted
-            stored = _record(old) if old else None
-        except StoreError:
-            stored, damaged = None, True
-        record = merged_upsert(stored, record)  # the script merges again with the row as the write finds it
+        with self._redis("put"), self._client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._prefix + "v:" + record.variant_id)
+            pipe.zscore(self._prefix + "by_rev", record.variant_id)
+            old, revision = pipe.execute()
+        damaged = ""  # the script merges (base.merged_upsert) with the row as the write finds it
+        if old:
+            try:
+                _record(old)
+            except StoreError:  # replaced whole (choice 6), uncounted, unless rewritten meanwhile
+                damaged = "-" if revision is None else str(int(revision))
         fields = _fields(record)
         flat = [item for pair in fields.items() for item in pair]
         with self._lock, self._redis("put"):
             args = [self._prefix, self.max_variants, self.policy, record.variant_id, record.chunk_key,
-                    fields["last_access"], len(flat), "0" if damaged else "1", *flat, *self._pins]
+                    fields["last_access"], len(flat), damaged, *flat, *self._pins]
             reply = self._put_script(args=args)
         if reply[0] == "full":
             count, unpinned = int(reply[1]), int(reply[2])

@@ -28,8 +28,8 @@ entries: redis_client.check_eviction_policy). The scripts derive key names from 
 namespace, so they need standalone Redis (or one shard), not Redis Cluster.
 
 Misses, as in disk.py: "foreign_model", "shape_mismatch", "corrupt" (bad checksum, missing or
-overlong field, unparsable header, a key of another Redis type; a field longer than the whole entry's
-recorded size is refused by the read script before its bytes are sent), "truncated" (a field shorter than its
+overlong field, unparsable header, a key of another Redis type; a field, the header included, longer
+than the whole entry's recorded size is dropped by the read script before any byte is sent), "truncated" (a field shorter than its
 shape, a header cut short, an empty header); each drops the entry unless a put replaced it meanwhile.
 Any Redis error (connection refused or reset, timeout, a server error reply) is "io_error" and keeps
 the entry. Nothing raises out of get / get_layer / contains / put / remove / keys / nbytes: every call
@@ -59,9 +59,9 @@ _Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
 
 # KEYS: entry, lru, clock, sizes, nbytes; ARGV: key, field names. Touches the LRU stamp and returns
 # {1, values...}; {0} when absent (its index entry dropped); {-1} when the key holds another type;
-# {-2, header, field, length, size} when a field is longer than the whole entry the index records (written
-# around the put script): refused before its bytes cross the network, where a reply of hundreds of MiB
-# would time out as an io_error on every read and never be dropped.
+# {-2, field, length, size} when a field (the header too) is longer than the whole entry the index records
+# (written around the put script): the entry is dropped here, atomically, and no field's bytes are sent,
+# where a reply of hundreds of MiB would time out as an io_error on every read and never be dropped.
 _LUA_READ = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then
@@ -78,7 +78,13 @@ local size = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '')
 if size then
   for i = 2, #ARGV do
     local length = redis.call('HSTRLEN', KEYS[1], ARGV[i])
-    if length > size then return {-2, redis.call('HGET', KEYS[1], 'header'), ARGV[i], length, size} end
+    if length > size then
+      redis.call('DEL', KEYS[1])
+      redis.call('HDEL', KEYS[4], ARGV[1])
+      redis.call('ZREM', KEYS[2], ARGV[1])
+      redis.call('DECRBY', KEYS[5], size)
+      return {-2, ARGV[i], length, size}
+    end
   end
 end
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
@@ -362,11 +368,13 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             return self._miss(key, base.MISS_ABSENT, "no such entry", None)
         if reply[0] == -1:
             return self._miss(key, base.MISS_CORRUPT, "key holds another Redis type", "any")
-        if reply[0] == -2:
-            _, header_raw, field, length, size = reply
-            return self._miss(key, base.MISS_CORRUPT, f"field {field.decode(errors='replace')} of {length} bytes, "
-                                                      f"over the {size} the whole entry was stored with",
-                              "no-header" if header_raw is None else header_raw)
+        if reply[0] == -2:  # dropped by the script itself
+            _, field, length, size = reply
+            with self._lock:
+                self.stats.record_miss(base.MISS_CORRUPT)
+            logger.warning("redis miss %s: %s (field %s of %d bytes, over the %d the whole entry was stored with; "
+                           "dropped)", key, base.MISS_CORRUPT, field.decode(errors="replace"), length, size)
+            return None
         header_raw = reply[1]
         if header_raw is None:
             return self._miss(key, base.MISS_CORRUPT, "no header", "no-header")

@@ -286,3 +286,37 @@ def test_a_damaged_row_is_replaced_whole_even_if_its_counters_read(redis_url, re
     store.put(VariantRecord.without_stats("A", ("S",), 2, {"S": 4}))
     stored = store.get(with_stats.variant_id)
     assert stored is not None and not stored.has_stats and stored.access_count == 0
+
+
+def _with_stats(inter: float, ranked: tuple[int, ...]) -> VariantRecord:
+    return VariantRecord(chunk_key="A", prefix=("S",), inter={"S": inter}, intra=0.7, num_tokens=2,
+                         prefix_num_tokens={"S": 4}, ranked_tokens=ranked, recompute_ratio=0.15)
+
+
+@pytest.mark.parametrize("meanwhile", ["newer_stats", "removed", "repaired"])
+def test_an_upsert_lands_as_sqlite_would_whatever_happened_since_its_read(redis_url, redis_namespace,
+                                                                        redis_server, meanwhile):
+    """The writer read the row, then another engine changed it before the writer's script ran. SQLite merges
+    inside its transaction, so its answer is the reference: the newer statistics win over the ones read,
+    a removed row comes back as the new record alone, a row repaired since it was read damaged is merged."""
+    writer = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 1.0, namespace=redis_namespace)
+    other = RedisMetaStore(redis_url, max_variants=10, clock=lambda: 2.0, namespace=redis_namespace)
+    variant_id = _with_stats(0.3, (1, 0)).variant_id
+    writer.put(_with_stats(0.3, (1, 0)))
+    if meanwhile == "newer_stats":
+        _slip_in_before_the_put_script(writer, lambda: other.put(_with_stats(0.9, (0, 1))))
+        expected = ({"S": 0.9}, (0, 1), 0, 0.0)
+    elif meanwhile == "removed":
+        for _ in range(3):
+            writer.record_use(variant_id, 0.5)
+        _slip_in_before_the_put_script(writer, lambda: other.remove(variant_id))
+        expected = ({"S": 0.0}, (), 0, 0.0)
+    else:
+        with redis_server.client() as raw:
+            raw.hset(f"{redis_namespace}:meta:v:{variant_id}", "inter", "{not json")
+        _slip_in_before_the_put_script(writer, lambda: (other.put(_with_stats(0.9, (0, 1))),
+                                                        [other.record_use(variant_id, 0.5) for _ in range(3)]))
+        expected = ({"S": 0.9}, (0, 1), 3, 6.0)
+    writer.put(VariantRecord.without_stats("A", ("S",), 2, {"S": 4}))
+    stored = writer.get(variant_id)
+    assert (stored.inter, stored.ranked_tokens, stored.access_count, stored.f_r) == expected
