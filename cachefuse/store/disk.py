@@ -13,7 +13,10 @@ an entry file or shard directory that is a link is not indexed, read, stamped, r
 
 A put writes `.tmp-*` next to the target, fsyncs it, then `os.replace`s it, so a reader or a restart
 sees the whole old file or the whole new one, never a prefix; a crashed writer leaves only a temp
-file, which the next scan deletes. The index (key -> file bytes, LRU order) is built by one directory
+file, which a later scan deletes once it is older than STALE_TEMP_S (a younger one may be another
+process's write in flight). A write the filesystem refuses as full (ENOSPC) evicts least recently used
+unpinned entries and is tried once more. Entry files are opened without following links or blocking
+and must be regular files (a named pipe would block a plain open forever). The index (key -> file bytes, LRU order) is built by one directory
 scan at construction, so `contains` does no I/O. LRU order survives a restart: every write and every
 hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it. An entry
 another process writes later (precompute beside a server) is indexed the first time `contains` asks
@@ -35,6 +38,7 @@ vanished is "absent" and leaves the index.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -64,6 +68,10 @@ FORMAT = "cachefuse-kv"
 FORMAT_VERSION = "1"
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
+STALE_TEMP_S = 600
+"""A temp file older than this at start-up is a dead writer's and is deleted; a younger one may be a
+write in flight of another process sharing the directory (`cachefuse precompute` beside a server),
+which a restart must not break."""
 MAX_NUM_TOKENS = 1 << 20
 """More tokens than any chunk has: a header claiming more is not one of ours."""
 _Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]  # k_nope per layer, v per layer, meta
@@ -157,8 +165,18 @@ class _TensorSpec:
 
 
 def _open_entry(path: Path) -> BinaryIO:
-    """The entry file, unbuffered: every tensor is one read straight into its own buffer."""
-    return open(path, "rb", buffering=0)
+    """The entry file, unbuffered: every tensor is one read straight into its own buffer.
+
+    Opened without following a link and without blocking, then required to be a regular file: a named
+    pipe put where an entry was would block a plain open (and the worker with it) forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _Miss(base.MISS_CORRUPT, "not a regular file")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 _READ_CHUNK_BYTES = 256 * 1024
@@ -356,7 +374,12 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         try:  # written and fsynced outside the lock: readers of other keys never wait on this disk write
             tmp = self._write_temp(path, data)
         except OSError as exc:
-            return self._fail(key, f"write failed: {exc!r}")
+            if exc.errno != errno.ENOSPC or not self._free_disk_space(key, len(data)):
+                return self._fail(key, f"write failed: {exc!r}")
+            try:  # the filesystem filled before the budget did: room was made, one more try
+                tmp = self._write_temp(path, data)
+            except OSError as exc_again:
+                return self._fail(key, f"write failed on a full filesystem: {exc_again!r}")
         with self._lock:
             victims = base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, len(data))
             try:
@@ -379,6 +402,22 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             self.stats.puts += 1
             self.stats.bytes_written += len(data)
         _fsync_dir(path.parent)
+        return True
+
+    def _free_disk_space(self, key: str, nbytes: int) -> bool:
+        """Evicts least recently used unpinned entries (never `key`'s own, still served until the rename)
+        holding at least `nbytes`, for a write the filesystem refused as full (ENOSPC: other files, or
+        several writers' temp files, filled it before this store's budget did). False if they cannot."""
+        with self._lock:
+            others = OrderedDict((k, size) for k, size in self._sizes.items() if k != key)
+            victims = base.plan_eviction(others, self._pins, max(0, sum(others.values()) - nbytes), "", 0)
+            if not victims:
+                return False
+            for victim in victims:
+                self._unlink(victim)
+                self.stats.evictions += 1
+        logger.warning("disk store %s: filesystem full; evicted %d entries to write %s", self.root, len(victims),
+                       key)
         return True
 
     def contains(self, key: str) -> bool:
@@ -556,9 +595,10 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
                 logger.warning("disk store skips %s: a symbolic link (or in one), not followed", path)
                 continue
             try:
-                if path.name.startswith(TMP_PREFIX):  # a writer died before its rename: never an entry
-                    logger.info("disk store deleting leftover temp file %s", path)
-                    path.unlink()
+                if path.name.startswith(TMP_PREFIX):  # never an entry; a dead writer's, once old enough
+                    if time.time() - path.lstat().st_mtime > STALE_TEMP_S:
+                        logger.info("disk store deleting leftover temp file %s", path)
+                        path.unlink()
                 elif key != path.name and key[:2] == path.parent.name and base.is_valid_key(key):
                     st = path.lstat()
                     if stat.S_ISREG(st.st_mode):
@@ -589,7 +629,9 @@ def list_keys(root: str | Path) -> set[str]:
     for path in root.glob(f"*/*{SUFFIX}"):
         key = path.name.removesuffix(SUFFIX)
         if not path.name.startswith(TMP_PREFIX) and base.is_valid_key(key) and not _escapes_root(path):
-            keys.add(key)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(path.lstat().st_mode):  # not a pipe or a directory put in an entry's place
+                    keys.add(key)
     return keys
 
 

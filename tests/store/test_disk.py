@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -146,9 +147,24 @@ def test_crash_between_write_and_rename_leaves_no_entry(tmp_path):
     assert len(temp_files(tmp_path)) == 1  # the fully written temp file, never renamed
 
     store = DiskStore(tmp_path, IDENTITY, BIG)
-    assert not store.contains(KEY) and store.get(KEY) is None
+    assert not store.contains(KEY) and store.get(KEY) is None and store.keys() == []
+    # Fresh, it may be another process's write in flight (precompute beside a server): a start-up keeps it
+    [leftover] = temp_files(tmp_path)
+    old = time.time() - disk.STALE_TEMP_S - 1
+    os.utime(leftover, (old, old))
+    store = DiskStore(tmp_path, IDENTITY, BIG)  # old enough: a dead writer's, deleted
     assert temp_files(tmp_path) == [] and store.keys() == []
     assert store.put(KEY, make_entry(5)) and store.get(KEY) is not None
+
+
+def test_a_start_up_leaves_another_process_write_in_flight_alone(tmp_path):
+    """A store starting (or restarting) beside another process's put, between its fsync and its rename,
+    must not delete that temp file (it did: the put then failed with FileNotFoundError)."""
+    writer = DiskStore(tmp_path, IDENTITY, BIG)
+    started = []
+    writer._before_rename = lambda tmp: started.append(DiskStore(tmp_path, IDENTITY, BIG))
+    assert writer.put(KEY, make_entry(5))
+    assert len(started) == 1 and writer.get(KEY) is not None and temp_files(tmp_path) == []
 
 
 def test_failed_overwrite_keeps_the_old_entry(tmp_path):
@@ -584,3 +600,63 @@ def test_an_entry_another_process_writes_later_is_indexed_when_asked_for(tmp_pat
     link_dir.mkdir()
     (link_dir / f"99aa{disk.SUFFIX}").symlink_to(tmp_path / KEY[:2] / f"{KEY}{disk.SUFFIX}")
     assert not server.contains("99aa")  # a link placed in the root is never followed
+
+
+def test_a_named_pipe_in_an_entrys_place_is_a_miss_not_a_hang(tmp_path):
+    """A FIFO where an indexed entry was: a plain open blocks until a writer comes (forever, and the
+    worker with it). Opened non-blocking and required to be a regular file, it is a corrupt miss, and
+    the scheduler's listing does not count it as stored."""
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    assert store.put(KEY, make_entry(5))
+    path = store._path(KEY)
+    path.unlink()
+    os.mkfifo(path)
+    result = []
+    reader = threading.Thread(target=lambda: result.append(store.get(KEY)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive() and result == [None]
+    assert store.stats.misses == {"corrupt": 1}
+    store._path("ef34ab").parent.mkdir()
+    os.mkfifo(store._path("ef34ab"))
+    assert disk.list_keys(tmp_path) == set()
+
+
+class _SmallFilesystem:
+    """A filesystem of `limit` bytes under the store's root: a temp file that would pass it fails with
+    ENOSPC, as a full disk does (the store's own budget is larger: other files filled the disk)."""
+
+    def __init__(self, store: DiskStore, limit: int) -> None:
+        self.store, self.limit, self.write = store, limit, store._write_temp
+        store._write_temp = self
+
+    def __call__(self, path: Path, data: bytes) -> Path:
+        used = sum(p.stat().st_size for p in self.store.root.glob("??/*"))
+        if used + len(data) > self.limit:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.write(path, data)
+
+
+def test_a_full_filesystem_evicts_to_make_room_instead_of_refusing_every_put(tmp_path):
+    """The filesystem fills before the byte budget does: a put evicts least recently used unpinned
+    entries (never the key's own old file, still served until the rename) and writes again; before, every
+    put failed from then on while evictable entries sat on the disk."""
+    size = len(disk.encode_entry(make_entry(5), IDENTITY))
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    _SmallFilesystem(store, 4 * size)
+    keys = [f"ab{i:04d}" for i in range(10)]
+    with store.pinned([keys[0]]):
+        assert all(store.put(key, make_entry(5, seed=i)) for i, key in enumerate(keys))
+        assert store.contains(keys[0]) and store.get(keys[0]) is not None  # pinned: kept
+    assert keys[-1] in store.keys() and store.stats.evictions >= 6 and store.stats.put_failures == 0
+    assert sum(p.stat().st_size for p in tmp_path.glob("??/*")) <= 4 * size
+
+
+def test_a_full_filesystem_of_pinned_entries_fails_the_put(tmp_path):
+    size = len(disk.encode_entry(make_entry(5), IDENTITY))
+    store = DiskStore(tmp_path, IDENTITY, BIG)
+    _SmallFilesystem(store, 2 * size)
+    with store.pinned(["ab0000", "ab0001"]):
+        assert store.put("ab0000", make_entry(5)) and store.put("ab0001", make_entry(5))
+        assert not store.put("ab0002", make_entry(5))
+    assert store.stats.put_failures == 1 and sorted(store.keys()) == ["ab0000", "ab0001"]
