@@ -217,8 +217,8 @@ class CacheFuseConfig:
             _fail("cacheblend_deviation", self.cacheblend_deviation, f"one of {', '.join(DEVIATIONS)}")
         if self.epic_k is not None and (not _is_int(self.epic_k) or self.epic_k < 0):
             _fail("epic_k", self.epic_k, "null or an integer >= 0")
-        if not _is_int(self.random_seed):
-            _fail("random_seed", self.random_seed, "an integer")
+        if not _is_int(self.random_seed) or not -(2**63) <= self.random_seed < 2**63:
+            _fail("random_seed", self.random_seed, "an integer in -2**63..2**63-1 (a torch generator's seed)")
         self._validate_query_aware()
         if not _is_int(self.attention_block_rows) or not 1 <= self.attention_block_rows <= 4096:
             _fail("attention_block_rows", self.attention_block_rows, "an integer in 1..4096")
@@ -227,7 +227,7 @@ class CacheFuseConfig:
         if self.load_timeout_s is not None and (not _is_number(self.load_timeout_s)
                                                 or not 0.0 < self.load_timeout_s <= 3600.0):
             _fail("load_timeout_s", self.load_timeout_s, "null (no bound) or a positive number of seconds (at most 3600)")
-        if not isinstance(self.store_dir, str) or not self.store_dir:
+        if not isinstance(self.store_dir, str) or not self.store_dir.strip():
             _fail("store_dir", self.store_dir, "a non-empty directory path")
         for name in ("device_capacity_bytes", "memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):
             value = getattr(self, name)
@@ -279,7 +279,8 @@ class CacheFuseConfig:
         if not _is_int(self.max_variants) or self.max_variants < 1:
             _fail("max_variants", self.max_variants, "an integer >= 1 (N x M variants over all chunks)")
         if self.redis_url is not None and (not isinstance(self.redis_url, str)
-                                           or not self.redis_url.startswith(("redis://", "rediss://"))):
+                                           or not self.redis_url.startswith(("redis://", "rediss://"))
+                                           or not _redis_db_ok(self.redis_url)):
             from cachefuse.redis_client import redact_url  # the rejected value may carry a password
 
             shown = redact_url(self.redis_url) if isinstance(self.redis_url, str) else self.redis_url
@@ -289,10 +290,11 @@ class CacheFuseConfig:
 
             require_redis_package("redis_url")
         self._resolve_redis_password()
-        for name in ("redis_timeout_s", "index_refresh_interval_s"):
+        for name, low in (("redis_timeout_s", 0.0), ("index_refresh_interval_s", 0.01)):
             value = getattr(self, name)
-            if not _is_number(value) or not 0.0 < value <= 3600.0:
-                _fail(name, value, "a positive number of seconds (at most 3600)")
+            if not _is_number(value) or not low < value <= 3600.0:
+                # a refresh interval near 0 would re-read the index in a busy loop
+                _fail(name, value, f"a number of seconds above {low:g}, at most 3600")
 
     def _validate_request_limits(self) -> None:
         for name, low in (("max_chunks_per_request", 1), ("min_chunk_tokens", 1), ("max_chunk_text_bytes", 1),
@@ -403,8 +405,8 @@ class CacheFuseConfig:
         if not isinstance(schedule, tuple) or len(schedule) != len(layers):
             _fail("cacheblend_ratio_schedule", schedule,
                   f"one multiplier per check layer ({len(layers)} values)")
-        if any(isinstance(m, bool) or not isinstance(m, int | float) or m <= 0 for m in schedule):
-            _fail("cacheblend_ratio_schedule", schedule, "positive multipliers")
+        if any(not _is_number(m) or not math.isfinite(m) or m <= 0 for m in schedule):
+            _fail("cacheblend_ratio_schedule", schedule, "positive finite multipliers")
         if any(b > a for a, b in zip(schedule, schedule[1:], strict=False)) or schedule[-1] != 1.0:
             _fail("cacheblend_ratio_schedule", schedule,
                   "non-increasing multipliers ending in 1.0 (gradual filtering nests the sets)")
@@ -428,7 +430,7 @@ class CacheFuseConfig:
             base = _read_yaml(path)
         merged = {**base, **data}
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(merged) - known)
+        unknown = sorted(set(merged) - known, key=repr)  # YAML keys need not be strings
         if unknown:
             raise ConfigError(
                 f"unknown config key(s) {', '.join(map(repr, unknown))}: expected some of {', '.join(sorted(known))}")
@@ -465,6 +467,19 @@ class CacheFuseConfig:
         """
         payload = json.dumps({"cache_format_version": CACHE_FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _redis_db_ok(url: str) -> bool:
+    """The URL's database (its path) is empty or a number: redis-py read "/0x" or "/abc" as database 0,
+    silently, and a number the server lacks fails every call (a config error, not an outage; that one
+    only the server can tell)."""
+    from urllib.parse import urlsplit
+
+    try:
+        path = urlsplit(url).path.strip("/")
+    except ValueError:
+        return False
+    return path == "" or (path.isascii() and path.isdigit() and int(path) < 2**31)
 
 
 def _is_int(value: Any) -> bool:

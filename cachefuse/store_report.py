@@ -85,7 +85,7 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
         from cachefuse.metadata.redis import RedisMetaStore
         from cachefuse.store.redis import list_redis_keys
 
-        metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s, check_eviction=False)
+        metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s, read_only=True)
         try:
             return report_from(redact_url(url), metastore, lambda: list_redis_keys(url, timeout_s=timeout_s))
         finally:

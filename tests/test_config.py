@@ -54,6 +54,8 @@ INVALID = [
     ("variant_admission_max_chunks", True),
     ("max_variants", 0),
     ("redis_url", "http://localhost:6379"),
+    ("redis_url", "redis://localhost:6379/0x"),  # redis-py used database 0, silently
+    ("redis_url", "redis://localhost:6379/abc"),
     ("redis_timeout_s", 0),
     ("index_refresh_interval_s", -1.0),
     ("placement_half_life_s", float("nan")),
@@ -63,6 +65,10 @@ INVALID = [
     ("min_chunk_tokens", 0),
     ("max_chunk_text_bytes", True),
     ("max_variant_prefix_chunks", -1),
+    ("random_seed", 2**64),  # torch's generator refused it per request: every random blend fell back
+    ("random_seed", -(2**63) - 1),
+    ("store_dir", "   "),
+    ("index_refresh_interval_s", 1e-9),  # the scheduler would re-read the index in a busy loop
 ]
 
 
@@ -151,3 +157,16 @@ def test_config_file_must_be_a_path(path):
     """An int was opened as a file descriptor (and closed); None raised a bare TypeError."""
     with pytest.raises(ConfigError, match=r"config_file=.* is invalid: expected the path of a YAML file"):
         CacheFuseConfig.from_dict({"config_file": path})
+
+
+@pytest.mark.parametrize("multiplier", [float("nan"), float("inf")])
+def test_a_ratio_schedule_multiplier_must_be_finite(multiplier):
+    """Accepted, a NaN or infinite multiplier made every CacheBlend request fall back (blend_error)."""
+    with pytest.raises(ConfigError, match="cacheblend_ratio_schedule.*positive finite"):
+        CacheFuseConfig.from_dict({"cacheblend_check_layers": [1, 2], "cacheblend_ratio_schedule": [multiplier, 1.0]})
+
+
+def test_unknown_keys_of_mixed_types_are_named():
+    """A YAML file may have non-string keys: they are named like any unknown key (sorting them raised)."""
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) 'foo', 1"):
+        CacheFuseConfig.from_dict({1: 2, "foo": 3})

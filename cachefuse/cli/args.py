@@ -8,6 +8,7 @@ when a subcommand starts an engine. Bad values end in `parser.error` (exit statu
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,47 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   **overrides: Any) -> tuple[dict[str, Any], CacheFuseConfig]:
-    """kv_connector_extra_config from --store, --config and `overrides`, validated before any engine starts."""
+    """kv_connector_extra_config from --store, --config and `overrides`, validated before any engine starts,
+    with --model (a checkpoint directory the connector can fingerprint) and --store (a usable directory)."""
+    from cachefuse.chunks import model_fingerprint
     from cachefuse.vllm.engines import connector_extra_config
 
+    check_store_dir(parser, "--store", args.store)
     try:
+        model_fingerprint(args.model)  # as the connector will at start-up, before vLLM loads anything
         return connector_extra_config(args.store, args.config, **overrides)
     except ConfigError as exc:
         parser.error(str(exc))
+
+
+def check_output_file(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
+    """A file the run writes at its end, checked before the work: a bad path once lost the results (an
+    evaluation, a layer profile) to a traceback after they were computed."""
+    if path is None:
+        return
+    if path.is_dir():
+        parser.error(f"{flag} {str(path)!r}: a directory; expected the path of a file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        parser.error(f"{flag} {str(path)!r}: no directory {str(parent)!r} to write it in")
+    if not os.access(parent, os.W_OK):
+        parser.error(f"{flag} {str(path)!r}: {str(parent)!r} is not writable")
+
+
+def check_store_dir(parser: argparse.ArgumentParser, flag: str, path: Path | None) -> None:
+    """A store directory the run writes into: one, or creatable under a writable existing directory."""
+    if path is None:
+        return
+    path = path.expanduser()
+    if path.exists() and not path.is_dir():
+        parser.error(f"{flag} {str(path)!r}: not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        parser.error(f"{flag} {str(path)!r}: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {str(path)!r}: {str(existing)!r} is not writable")
 
 
 def engine_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:

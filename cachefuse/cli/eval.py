@@ -20,7 +20,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cachefuse.cli.args import add_engine_args, engine_config, engine_llm, number_list, positive_int
+from cachefuse.cli.args import (
+    add_engine_args,
+    check_output_file,
+    check_store_dir,
+    engine_config,
+    engine_llm,
+    number_list,
+    positive_int,
+)
 from cachefuse.config import CacheFuseConfig
 
 LONGBENCH_METRICS = {"qa_f1_score": "f1", "rouge_l_score": "rouge_l"}
@@ -89,6 +97,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--split applies to --qa only")
     if args.store is not None and args.engine != "vllm":
         parser.error("--store applies to --engine vllm only")
+    check_output_file(parser, "--out", args.out)
+    check_output_file(parser, "--plot", args.plot)
+    check_store_dir(parser, "--store", args.store)
     default_selectors = harness.DEFAULT_SELECTORS if args.engine == "reference" else tuple(
         n for n in harness.DEFAULT_SELECTORS if n != "cachecraft")
     try:

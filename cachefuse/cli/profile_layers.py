@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from cachefuse.cli.args import positive_int, unit_float
+from cachefuse.cli.args import check_output_file, check_store_dir, positive_int, unit_float
 from cachefuse.config import CacheFuseConfig
 
 NAME = "profile-layers"
@@ -52,6 +52,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--store or --out is required: where the profile is written")
     if args.ratio <= 0.0:
         parser.error(f"--ratio {args.ratio}: expected a budget above 0 (e.g. 0.1)")
+    check_store_dir(parser, "--store", args.store)
+    check_output_file(parser, "--out", args.out)
+    check_output_file(parser, "--plot", args.plot)
     try:
         config = CacheFuseConfig() if args.config is None else CacheFuseConfig.from_yaml(args.config)
         model_fingerprint(args.model)  # a bad --model fails here, before the model loads

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cachefuse.errors import StoreError
 from cachefuse.metadata.base import MetaStore
 
 
@@ -30,7 +31,10 @@ def open_metastore(store_dir: str | None, *, max_variants: int, policy: str = "f
 
     if store_dir is None:
         return SqliteMetaStore(":memory:", max_variants=max_variants, policy=policy)
-    os.makedirs(store_dir, exist_ok=True)
+    try:
+        os.makedirs(store_dir, exist_ok=True)
+    except OSError as exc:  # a file in its place, no permission: a store failure the callers handle
+        raise StoreError(f"store_dir {store_dir!r} cannot be used as a directory: {exc!r}") from exc
     return SqliteMetaStore(os.path.join(store_dir, META_FILE), max_variants=max_variants, policy=policy)
 
 

@@ -54,6 +54,8 @@ from cachefuse.redis_client import check_eviction_policy, redis_client
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = "1"
+_WRITES = frozenset({"put", "record_use", "remove"})
+"""Operations a read-only store (`cachefuse inspect`) refuses."""
 
 # Shared by the scripts below: drop one variant from every index, returning its fields.
 _LUA_DROP = """
@@ -254,7 +256,7 @@ class RedisMetaStore:
 
     def __init__(self, url: str, *, max_variants: int, policy: str = "f_r",
                  clock: Callable[[], float] = time.time, timeout_s: float = 0.5,
-                 namespace: str = "cachefuse", check_eviction: bool = True) -> None:
+                 namespace: str = "cachefuse", read_only: bool = False) -> None:
         """Connect and check the layout version.
 
         Args:
@@ -266,8 +268,10 @@ class RedisMetaStore:
                 namespace should share a time base (wall clock) for the LRU order to mean anything.
             timeout_s: socket connect/read timeout of every call.
             namespace: key prefix; instances sharing metadata use the same one.
-            check_eviction: refuse a server whose eviction policy would drop bookkeeping keys
-                (redis_client.check_eviction_policy); off for `cachefuse inspect`, which only reads.
+            read_only: for `cachefuse inspect`: nothing is written, not even the layout keys an empty
+                namespace is given at open (an inspect of a mistyped database created a namespace there),
+                writes raise StoreError, and the server's eviction policy is not checked (a writer's
+                start-up refuses one that would drop bookkeeping keys: redis_client.check_eviction_policy).
 
         Raises:
             ConfigError: a bad argument. StoreError: Redis unreachable or holding another layout version.
@@ -277,7 +281,7 @@ class RedisMetaStore:
         if policy not in POLICIES:
             raise ConfigError(f"policy={policy!r}, expected one of {POLICIES}")
         self.max_variants, self.policy, self._clock = max_variants, policy, clock
-        self.namespace = namespace
+        self.namespace, self.read_only = namespace, read_only
         self._prefix = f"{namespace}:meta:"
         self._client = redis_client(url, timeout_s, decode_responses=True)
         self._lock = threading.Lock()
@@ -301,16 +305,17 @@ class RedisMetaStore:
             logger.warning("redis metastore %r unreachable at start-up (%s); variant metadata calls fail, as "
                            "misses and unsaved variants, until it answers", namespace, exc)
         else:
-            if check_eviction:  # the K/V tier shares the server (redis_url): one check serves both
+            if not read_only:  # the K/V tier shares the server (redis_url): one check serves both
                 check_eviction_policy(self._client)
 
     def _check_layout(self) -> None:
         """Checks (once) that the namespace holds this layout version; creates it when empty."""
         with self._redis("open"):
-            self._client.set(self._prefix + "schema_version", SCHEMA_VERSION, nx=True)
-            self._client.set(self._prefix + "epoch", uuid.uuid4().hex, nx=True)  # see `generation`
+            if not self.read_only:
+                self._client.set(self._prefix + "schema_version", SCHEMA_VERSION, nx=True)
+                self._client.set(self._prefix + "epoch", uuid.uuid4().hex, nx=True)  # see `generation`
             found = self._client.get(self._prefix + "schema_version")
-        if found != SCHEMA_VERSION:
+        if found != SCHEMA_VERSION and not (self.read_only and found is None):  # read-only: empty is fine
             raise _LayoutMismatch(f"redis namespace {self.namespace!r}: metadata layout version {found!r}, "
                                   f"expected {SCHEMA_VERSION!r}")
         self._layout_checked = True
@@ -318,6 +323,8 @@ class RedisMetaStore:
     @contextlib.contextmanager
     def _redis(self, op: str) -> Iterator[None]:
         """Turn any Redis failure (network, timeout, server error) into StoreError."""
+        if self.read_only and op in _WRITES:
+            raise StoreError(f"redis metastore {op}: opened read-only")
         try:
             if not self._layout_checked and op != "open":  # Redis was down when this store was opened
                 self._check_layout()
@@ -453,7 +460,7 @@ class RedisMetaStore:
         before shows the same counter, and an index would keep the old variants; the epoch differs."""
         with self._redis("generation"):
             counter, epoch = self._client.mget(self._prefix + "generation", self._prefix + "epoch")
-            if epoch is None:  # restarted empty under running engines: a new epoch, whoever sets it first
+            if epoch is None and not self.read_only:  # restarted empty under running engines: a new epoch
                 self._client.set(self._prefix + "epoch", uuid.uuid4().hex, nx=True)
                 counter, epoch = self._client.mget(self._prefix + "generation", self._prefix + "epoch")
         return (zlib.crc32((epoch or "").encode()) << 40) + int(counter or 0)

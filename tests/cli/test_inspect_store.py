@@ -101,6 +101,31 @@ def test_inspect_a_redis_store(private_redis, capsys):
     assert "cachefuse inspect" in capsys.readouterr().err
 
 
+def test_inspect_writes_nothing_to_redis(private_redis, capsys):
+    """An inspect of an empty (say, mistyped) database leaves it empty: it had created the namespace's
+    layout keys there. A store opened read-only refuses writes."""
+    import redis
+
+    from cachefuse.errors import StoreError
+    from cachefuse.metadata.base import VariantRecord
+    from cachefuse.metadata.redis import RedisMetaStore
+
+    url = private_redis.url.rstrip("/") + "/3"
+    assert main(["inspect", "--store", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["variants"] == []
+    with redis.Redis.from_url(url) as raw:
+        assert raw.dbsize() == 0
+    store = RedisMetaStore(url, max_variants=10, read_only=True)
+    try:
+        store.generation()  # a generation is read, no epoch set
+        with pytest.raises(StoreError, match="read-only"):
+            store.put(VariantRecord.without_stats("aa11", (), 3))
+    finally:
+        store.close()
+    with redis.Redis.from_url(url) as raw:
+        assert raw.dbsize() == 0
+
+
 def test_inspect_refuses_a_directory_that_is_no_store(tmp_path, capsys):
     """A mistyped parent directory was reported as an empty store, exit 0."""
     (tmp_path / "notes.txt").write_text("hello")

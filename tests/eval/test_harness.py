@@ -136,6 +136,9 @@ def test_cli_eval_writes_json_and_plot(model_dir, tmp_path, capsys):
     (["--probe", "4", "--selectors", "nope"], "selector='nope'"),
     (["--probe", "4", "--ratios", "0.1,2"], "expected comma-separated numbers in 0..1"),
     (["--probe", "4", "--split", "test"], "--split applies to --qa only"),
+    # output paths are checked before the run: a bad one lost the computed report to a traceback
+    (["--probe", "4", "--out", "/nonexistent-cachefuse-dir/r.json"], "no directory '/nonexistent-cachefuse-dir'"),
+    (["--probe", "4", "--plot", "/"], "--plot '/': a directory"),
 ])
 def test_cli_eval_rejects_bad_arguments(model_dir, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -171,6 +171,14 @@ def test_cli_writes_the_profile_where_an_engine_on_the_store_finds_it(tiny_model
     assert config.qcfuse_critical_layers == printed.critical_layers
     with pytest.raises(SystemExit):
         cli_main(["profile-layers", "--model", str(model)])  # written nowhere: refused before the model loads
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for argv, message in ((["--store", str(a_file)], "not a directory"),  # checked before profiling, not after
+                          (["--out", str(tmp_path / "none" / "p.json")], "no directory")):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["profile-layers", "--model", str(model), "--items", "1", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 def test_a_damaged_profile_never_stops_start_up(tmp_path):

@@ -441,7 +441,7 @@ def test_a_server_that_evicts_any_key_when_full_is_refused_at_start(private_redi
     else:
         RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5).close()
     # `cachefuse inspect` only reads: it reports on such a store all the same
-    RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5, check_eviction=False).close()
+    RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5, read_only=True).close()
     with private_redis.client() as admin:  # no maxmemory: an allkeys policy never runs
         admin.config_set("maxmemory", 0)
     RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5).close()

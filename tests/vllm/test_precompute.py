@@ -153,6 +153,20 @@ def test_cli_rejects_a_system_file_that_is_not_utf8(tmp_path, capsys):
     assert exc.value.code == 2 and "not UTF-8" in capsys.readouterr().err
 
 
+def test_cli_checks_the_model_and_the_store_before_an_engine_starts(tmp_path, capsys):
+    """A --model that is no checkpoint directory, or a --store that is a file: exit 2 naming it (two
+    tracebacks from vLLM, or a FileExistsError from the store, before)."""
+    chunks = tmp_path / "chunks.jsonl"
+    chunks.write_text('{"text": "one"}\n', encoding="utf-8")
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for argv, message in (([str(tmp_path / "nope"), str(tmp_path / "store")], "no config.json"),
+                          ([str(tmp_path), str(a_file)], "--store " + repr(str(a_file)) + ": not a directory")):
+        with pytest.raises(SystemExit) as exc:
+            main(["precompute", "--model", argv[0], "--chunks", str(chunks), "--store", argv[1]])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_rejects_a_missing_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["precompute", "--model", str(tmp_path), "--chunks", str(tmp_path / "nope.jsonl"),

@@ -54,3 +54,24 @@ def test_an_engine_starts_and_fuses_over_a_damaged_metadata_file(tiny_model_dir,
         assert stats["status"] == "fused" and stats["chunks_hit"] == 3  # the files serve as base variants
     finally:
         stop_engine(llm)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_store_dir_that_cannot_be_a_directory_runs_on_metadata_in_memory(tmp_path, caplog, where):
+    """A `store_dir` that is a file (or under one) stopped the worker with a bare FileExistsError /
+    NotADirectoryError; it is now the same store failure as a damaged meta.sqlite: warned, and served
+    with this run's metadata in memory (the disk tier warns for its part and refuses puts)."""
+    from cachefuse.config import CacheFuseConfig
+    from cachefuse.metadata.sqlite import SqliteMetaStore
+    from cachefuse.vllm.worker_side import _open_metastore
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    store_dir = blocker if where == "a file" else blocker / "store"
+    with caplog.at_level(logging.WARNING, logger="cachefuse"):
+        store = _open_metastore(CacheFuseConfig(store_dir=str(store_dir)))
+    try:
+        assert isinstance(store, SqliteMetaStore) and "variant metadata store unavailable" in caplog.text
+        assert f"store_dir {str(store_dir)!r} cannot be used as a directory" in caplog.text
+    finally:
+        store.close()
