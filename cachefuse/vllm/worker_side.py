@@ -58,6 +58,7 @@ class WorkerSide:
         self.adapter = VLLMAdapter(model)
         # The scheduler plans in rank 0's keys: another rank's store keys would sit in its index for good,
         # matching no row.
+        self.tp_rank = tp_rank
         self.reports_keys = tp_rank == 0
         fingerprint = model_fingerprint(resolve_model_dir(vllm_config.model_config))
         shape = self.adapter.shape
@@ -110,13 +111,20 @@ class WorkerSide:
                                detail)
                 figures = {"status": "fallback", "fallback_reason": "blend_error", "detail": detail}
             else:
-                self._stats.record(tokens_reused=figures["tokens_reused"],
-                                   tokens_recomputed=figures["tokens_recomputed"],
-                                   bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
-                                   chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],
-                                   holes_saved=figures["holes_saved"], saves_skipped=figures["saves_skipped"],
-                                   save_failures=figures["save_failures"])
+                self._record_stats(figures)
             self._meta.request_stats[plan.req_id] = figures
+
+    def _record_stats(self, figures: dict[str, Any]) -> None:
+        """A blend's counters for Prometheus. vLLM sums the ranks' stats: a request's work (chunks, tokens,
+        time, saves) is counted by rank 0 alone, the bytes each rank read by each (its own heads)."""
+        if self.tp_rank != 0:
+            self._stats.record(bytes_loaded=figures["bytes_loaded"])
+            return
+        self._stats.record(tokens_reused=figures["tokens_reused"], tokens_recomputed=figures["tokens_recomputed"],
+                           bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
+                           chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],
+                           holes_saved=figures["holes_saved"], saves_skipped=figures["saves_skipped"],
+                           save_failures=figures["save_failures"])
 
     def _blend(self, plan: BlendPlan, layers: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
