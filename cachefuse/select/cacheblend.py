@@ -10,7 +10,9 @@ in docs/selectors.md:
   at 1.0, so the set after the last check layer is exactly the recompute ratio and the sets nest.
 - Percentages count cached rows of declared non-system chunks; holes and question are on top.
 - `sink_tokens` (default 0): the first tokens of each loaded chunk are kept at every check layer
-  ahead of any deviation, within the same budget (measured in docs/selectors.md).
+  ahead of any deviation, within the same budget (measured in docs/selectors.md). Where the sinks
+  (with the chunk floors) alone exceed the budget, which of them are kept is torch.topk's choice among
+  equal scores, not the first tokens first.
 - `chunk_floor` (default 0.0): each loaded chunk keeps at least that fraction of its proportional
   share of a check layer's rows, its own highest-deviation rows, so that one chunk whose rows all
   deviate a little is not starved by another that deviates a lot; the rest of the budget is global.
@@ -45,12 +47,24 @@ def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
         return partial if reduce is None else reduce(partial)
 
     if metric == "k":
-        return sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
+        return _damaged_first(sq_dist(kv.fresh_k_nope, kv.loaded_k_nope))
     if metric == "v":
-        return sq_dist(kv.fresh_v, kv.loaded_v)
+        return _damaged_first(sq_dist(kv.fresh_v, kv.loaded_v))
     dev_k = sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
     dev_v = sq_dist(kv.fresh_v, kv.loaded_v)
-    return dev_k / dev_k.mean().clamp_min(1e-30) + dev_v / dev_v.mean().clamp_min(1e-30)
+    return _damaged_first(dev_k / _finite_mean(dev_k) + dev_v / _finite_mean(dev_v))
+
+
+def _finite_mean(dev: torch.Tensor) -> torch.Tensor:
+    """The mean of the finite deviations (at least 1e-30): one non-finite row (a damaged or overflowed
+    entry) made the plain mean infinite, every other row's normalised score 0, and the ranking arbitrary."""
+    finite = torch.isfinite(dev)
+    return (torch.where(finite, dev, 0.0).sum() / finite.sum().clamp_min(1)).clamp_min(1e-30)
+
+
+def _damaged_first(dev: torch.Tensor) -> torch.Tensor:
+    """NaN deviations (a damaged entry) rank with the infinite ones, first: those rows are recomputed."""
+    return torch.nan_to_num(dev, nan=float("inf"))
 
 
 class CacheBlendSelector(Selector):

@@ -114,6 +114,32 @@ def test_deviation_zero_when_identical(metric):
     assert torch.count_nonzero(kv_deviation(kv, metric)) == 5
 
 
+@pytest.mark.parametrize("metric", ["k", "v", "kv"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_damaged_row_is_recomputed_and_leaves_the_others_ranking_alone(metric, bad):
+    """A non-finite fresh or loaded value (a damaged or overflowed entry) ranks its row first; the other
+    rows keep the order they have without it. With `kv`, one infinite row had made the V mean infinite,
+    every other row's V score 0 and the ranking arbitrary."""
+    ctx = make_ctx(0.1)
+    kv = check_kv(ctx.candidate_rows, 3)
+    damaged = 7
+    loaded_v, loaded_k = kv.loaded_v.clone(), kv.loaded_k_nope.clone()
+    (loaded_v if metric != "k" else loaded_k)[damaged, 0, 0] = bad
+    broken = CheckLayerKV(kv.rows, kv.fresh_k_nope, kv.fresh_v, loaded_k, loaded_v)
+    selector = make_selector("cacheblend", CacheFuseConfig(cacheblend_deviation=metric))
+    chosen = selector.select_at_check(ctx, 0, broken).tolist()
+    assert int(kv.rows[damaged]) in chosen
+    keep = torch.arange(kv.rows.numel()) != damaged
+    others = kv_deviation(broken, metric)[keep]
+    if metric == "kv":  # each part normalised by the mean of its finite rows: V's as if the damaged row were absent
+        dev_k, dev_v = kv_deviation(broken, "k"), kv_deviation(broken, "v")
+        expected = dev_k[keep] / dev_k.mean() + dev_v[keep] / dev_v[keep].mean()  # K is finite everywhere
+    else:
+        expected = kv_deviation(CheckLayerKV(*(t[keep] for t in (kv.rows, kv.fresh_k_nope, kv.fresh_v, loaded_k,
+                                                                  loaded_v))), metric)
+    torch.testing.assert_close(others, expected, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.5])
 def test_epic_picks_first_tokens_of_each_chunk(ratio):
     ctx = make_ctx(ratio)
