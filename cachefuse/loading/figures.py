@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,24 +71,36 @@ class EmaEstimator:
         return self.value
 
 
+FIGURE_STALE_S = 60.0
+"""A tier figure not updated for this long is stale: the next load of the tier reseeds it, and the
+scheduler fuses one request despite a load-bound no-go that has lasted this long, so it is read again."""
+
+
 class BandwidthMeter:
     """Per-tier EMA of read bandwidth (bytes/s) from (bytes, seconds) observations.
 
     Loads under `min_bytes` are ignored: fixed latency dominates them. Page-cache caveat: a disk read
     served from the OS page cache measures memory speed. The meter records what actually happened,
     per tier, so a warm disk tier looks fast; that is the speed the next load will likely see too.
+    A figure older than `stale_after_s` is replaced by the next observation, not averaged with it.
     """
 
     def __init__(self, alpha: float = 0.2, min_bytes: int = 1 << 20,
-                 probes: Mapping[str, float] | None = None) -> None:
-        self.alpha, self.min_bytes = alpha, min_bytes
+                 probes: Mapping[str, float] | None = None, stale_after_s: float = FIGURE_STALE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.alpha, self.min_bytes, self.stale_after_s, self.clock = alpha, min_bytes, stale_after_s, clock
         self._ema = {name: EmaEstimator(alpha, bps) for name, bps in (probes or {}).items()}
+        self._updated = {name: clock() for name in self._ema}
 
     def observe(self, tier: str, num_bytes: int, seconds: float) -> bool:
         """Record one load; returns False (ignored) for tiny loads or non-positive durations."""
         if num_bytes < self.min_bytes or seconds <= 0:
             return False
+        now = self.clock()
+        if now - self._updated.get(tier, now) >= self.stale_after_s:
+            self._ema.pop(tier)  # the tier went unread (a no-go kept it so): today's speed, not an average
         self._ema.setdefault(tier, EmaEstimator(self.alpha)).update(num_bytes / seconds)
+        self._updated[tier] = now
         return True
 
     def tiers(self) -> list[str]:

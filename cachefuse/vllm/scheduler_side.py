@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ from cachefuse.chunks import KeyContext, chunk_key, dtype_name, model_fingerprin
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.loading.controller import RequestShape, decide, tier_bytes
-from cachefuse.loading.figures import ComputeFigures, TierFigures
+from cachefuse.loading.figures import FIGURE_STALE_S, ComputeFigures, TierFigures
 from cachefuse.metadata import open_config_metastore
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import Admission, IndexRefresher, VariantChoice, VariantIndex, plan_variants
@@ -121,6 +122,11 @@ class SchedulerSide:
         self._budget = _StepBudget()
         self.counters: Counter[str] = Counter()
         self.figures: dict[str, Any] = {}
+        self.clock = time.monotonic
+        self._load_bound_no_go_since: float | None = None
+        """When the controller last started turning requests down for their load (None: it is not): a
+        tier's figure only changes when a blend reads it, so after FIGURE_STALE_S of such no-gos one
+        request is fused anyway to measure it again."""
         """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self._stats = CacheFuseConnectorStats()
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
@@ -297,7 +303,25 @@ class SchedulerSide:
                           r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                           ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,
                           force_fuse=self.config.force_fuse, margin=self.config.controller_margin)
-        return dataclasses.asdict(decision)
+        return self._remeasure(decision)
+
+    def _remeasure(self, decision: Any) -> dict[str, Any]:
+        """The decision, or, for a no-go bound by the load that has lasted FIGURE_STALE_S, a go for this one
+        request: only blends update a tier's figure, so one slow first read (the figure is seeded by it)
+        kept every request at no-go for good, the disk never read again. The worker reseeds a figure that
+        old with its next read, so this request's load replaces it."""
+        out = dataclasses.asdict(decision)
+        if decision.fuse or decision.est_load_s < decision.est_recompute_s:
+            self._load_bound_no_go_since = None
+            return out
+        now = self.clock()
+        if self._load_bound_no_go_since is None:
+            self._load_bound_no_go_since = now
+        elif now - self._load_bound_no_go_since >= FIGURE_STALE_S:
+            self._load_bound_no_go_since = now
+            out.update(fuse=True, reason=f"re-measure (load-bound no-go for {FIGURE_STALE_S:g} s, its tier figures "
+                                         f"unread since): fused anyway; {decision.reason}")
+        return out
 
     def _kv_geometry(self) -> tuple[int, int]:
         """(layers, stored K/V bytes per token over all layers, this rank's heads)."""

@@ -20,6 +20,7 @@ from cachefuse.loading.controller import (
     tier_bytes,
 )
 from cachefuse.loading.figures import (
+    FIGURE_STALE_S,
     BandwidthMeter,
     ComputeFigures,
     EmaEstimator,
@@ -237,6 +238,20 @@ def test_bandwidth_meter_ignores_tiny_loads_and_converges():
     assert m.bytes_per_s("memory") == 10e9
     figs = {t.name: t for t in m.tier_figures(["memory", "disk", "redis"])}
     assert set(figs) == {"memory", "disk"} and figs["disk"].bytes_per_s == pytest.approx(1e9, rel=1e-6)
+
+
+def test_a_stale_tier_figure_is_replaced_by_its_next_read_not_averaged():
+    """A figure unread for FIGURE_STALE_S (a load-bound no-go kept the tier from being read) takes the next
+    read as it is: averaged in at alpha, a one-off slow first read would need ~10 more reads to fade."""
+    now = [0.0]
+    m = BandwidthMeter(alpha=0.2, min_bytes=MB, clock=lambda: now[0])
+    m.observe("disk", 100 * MB, 10.0)  # a hiccup: 10 MB/s, seeding the figure
+    now[0] = 1.0
+    m.observe("disk", 100 * MB, 0.1)  # fresh: averaged (1 GB/s pulls it up by a fifth)
+    assert m.bytes_per_s("disk") == pytest.approx(0.8 * 10 * MB + 0.2 * 1000 * MB)
+    now[0] = 1.0 + FIGURE_STALE_S
+    m.observe("disk", 100 * MB, 0.1)
+    assert m.bytes_per_s("disk") == pytest.approx(1000 * MB)
 
 
 def test_fit_compute_figures_recovers_coefficients():

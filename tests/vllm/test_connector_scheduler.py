@@ -744,3 +744,48 @@ def test_preemption_outcomes_under_vllms_hook_order(make_side):
     worker_reports(side, None)
     for s in (side, small):
         assert_no_state(s)
+
+
+def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again(make_side):
+    """A tier's figure changes only when a blend reads it, and its first read seeds it outright: one slow
+    read kept every request at no-go for good (the disk never read again). After FIGURE_STALE_S of
+    load-bound no-gos one request fuses anyway; the rest stay plain. A recompute-bound no-go (vLLM's own
+    prefill faster than any blend, whatever the load) is no reason to re-measure: it stays no-go."""
+    from cachefuse.loading.figures import FIGURE_STALE_S
+
+    side = make_side(ratio_mode="controller")
+    now = [0.0]
+    side.clock = lambda: now[0]
+    prompt = request("x").prompt_token_ids
+    keys = (chunk_key(prompt[0:10], side.key_context, at_prompt_start=True), chunk_key(prompt[10:60], side.key_context))
+    index_variants(side, *(VariantRecord.without_stats(k, (), n, tier="disk") for k, n in zip(keys, (10, 50),
+                                                                                                   strict=True)))
+    slow_disk = {**measured(disk=1e3), "compute": {**measured()["compute"], "prefill_per_token_s": 1e-4}}
+
+    def decision(req_id, figures):
+        side.figures = figures
+        req = request(req_id)
+        matched, _ = side.get_num_new_matched_tokens(req, 0)
+        side.update_state_after_alloc(req, blocks(100), matched)
+        plans = side.build_connector_meta(step_output(req)).plans
+        worker_reports(side, req_id if plans else None)
+        _, params = side.request_finished(req, [])
+        return bool(plans), params["cachefuse"]
+
+    fused, outcome = decision("a", slow_disk)
+    assert not fused and outcome["fallback_reason"] == "no_go"
+    now[0] = FIGURE_STALE_S - 1
+    assert not decision("b", slow_disk)[0]
+    now[0] = FIGURE_STALE_S + 1
+    fused, outcome = decision("c", slow_disk)
+    assert fused and outcome["controller"]["reason"].startswith("re-measure")
+    now[0] = FIGURE_STALE_S + 2
+    assert not decision("d", slow_disk)[0]  # one request, then no-go again until the next interval
+    recompute_bound = {**measured(disk=1e12), "compute": {**measured()["compute"], "per_row_s": 1.0,
+                                                          "prefill_per_token_s": 1e-9}}
+    now[0] = 10 * FIGURE_STALE_S
+    fused, outcome = decision("e", recompute_bound)
+    assert not fused and "recompute-bound" in outcome["detail"]  # no re-measure
+    now[0] = 20 * FIGURE_STALE_S
+    assert not decision("f", recompute_bound)[0]
+    assert_no_state(side)
