@@ -57,10 +57,12 @@ logger = logging.getLogger(__name__)
 
 
 def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
-    """Tokens of a step made only of new, unfused prefills (0 otherwise): a clean timing sample."""
+    """Tokens of a step made of one new, unfused prefill and nothing else (0 otherwise): a clean timing
+    sample of a prompt of that length. A batch of k prompts costs k n^2 in attention, not (k n)^2: timed
+    as one prompt of their summed tokens, it had fitted the quadratic term ~k times too small."""
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-    if plans or not scheduled or set(scheduled) != new_ids:
+    if plans or len(scheduled) != 1 or set(scheduled) != new_ids:
         return 0
     return int(sum(scheduled.values()))
 

@@ -789,3 +789,18 @@ def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again
     now[0] = 20 * FIGURE_STALE_S
     assert not decision("f", recompute_bound)[0]
     assert_no_state(side)
+
+
+def test_only_a_step_of_one_plain_prefill_times_vllms_prefill():
+    """The prefill model is fitted per prompt (fixed + a n + b n^2): a batch of k prompts timed as one prompt
+    of their summed tokens fitted b ~k times too small (long prompts' plain prefill underestimated)."""
+    from cachefuse.vllm.scheduler_side import _plain_prefill_tokens
+
+    def output(*new, cached=()):
+        return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+                               num_scheduled_tokens={r: 100 for r in (*new, *cached)})
+
+    assert _plain_prefill_tokens(output("a"), []) == 100
+    assert _plain_prefill_tokens(output("a", "b"), []) == 0  # a batch: no sample
+    assert _plain_prefill_tokens(output("a", cached=("c",)), []) == 0  # with a decode
+    assert _plain_prefill_tokens(output("a"), ["a plan"]) == 0  # with a blend
