@@ -87,6 +87,10 @@ class FrequencyPlacement:
         self.tier_order = [TierFigures(tier.name, float(count - i)) for i, tier in enumerate(store.tiers)]
         self._by_name = {tier.name: tier for tier in store.tiers}
         self._known: set[str] = set()
+        self._at_top: set[str] = set()
+        """Hot keys last found in the fastest tier: nothing to do for them, so they are looked up only with
+        lookups to spare (more than MAX_LOOKUPS of them had taken every lookup, every call: a cold key in
+        memory was never demoted, a newly hot one on disk never promoted)."""
 
     def record(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -107,16 +111,23 @@ class FrequencyPlacement:
         for key in self._known:
             frequency = self.counter.frequency(key)
             if frequency >= self.hot or frequency <= self.cold:
-                could_move.append((-abs(frequency - (self.hot + self.cold) / 2), key, frequency))
+                settled = key in self._at_top and frequency >= self.hot
+                could_move.append((settled, -abs(frequency - (self.hot + self.cold) / 2), key, frequency))
         where = {}
         slowest = self.store.tiers[-1].name if self.store.tiers else None
-        for _, key, frequency in sorted(could_move)[:self.MAX_LOOKUPS]:
+        fastest_tier = self.store.tiers[0].name if self.store.tiers else None
+        for _, _, key, frequency in sorted(could_move)[:self.MAX_LOOKUPS]:
             fastest = next((tier.name for tier in self.store.tiers if tier.contains(key)), None)
             if fastest is None or (fastest == slowest and frequency <= self.cold):
                 self._known.discard(key)  # evicted everywhere, or cold where it belongs: nothing to place
+                self._at_top.discard(key)
                 self.counter.forget(key)
+                continue
+            where[key] = fastest
+            if fastest == fastest_tier and frequency >= self.hot:
+                self._at_top.add(key)
             else:
-                where[key] = fastest
+                self._at_top.discard(key)
         moves = placement_moves(self.counter, where, self.tier_order, self.hot, self.cold)
         done = []
         for key, source, target in moves:
@@ -126,9 +137,14 @@ class FrequencyPlacement:
 
     def _move(self, key: str, source, target) -> bool:
         order = [tier.name for tier in self.store.tiers]
-        if order.index(target.name) < order.index(source.name):  # promotion
-            entry = source.get(key)
-            return entry is not None and target.put(key, entry)
+        if order.index(target.name) < order.index(source.name):  # promotion, into free room only: with more
+            entry = source.get(key)  # hot entries than room, each copy evicted another hot one, every call
+            if entry is None:
+                return False
+            capacity = getattr(target, "capacity_bytes", 0)
+            if capacity and getattr(target, "nbytes", 0) + entry.nbytes > capacity:
+                return False  # demotions of cold entries make the room
+            return target.put(key, entry)
         if not target.contains(key):  # demoting the only copy: write it below first
             entry = source.get(key)
             if entry is None or not target.put(key, entry):

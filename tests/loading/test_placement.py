@@ -95,3 +95,47 @@ def test_apply_looks_up_only_keys_that_could_move_and_forgets_settled_cold_ones(
     assert not policy._known and len(lookups) == 2 * (100 - policy.MAX_LOOKUPS)
     lookups.clear()
     assert policy.apply() == [] and lookups == []  # settled: nothing looked up again
+
+
+def test_more_hot_entries_than_room_do_not_evict_each_other_every_call(tmp_path):
+    """Promotion goes into free room only: with four hot entries and room for two, each copy had evicted
+    another hot entry (the memory tier's LRU), and every apply re-read whole entries from disk."""
+    size = make_entry(7).nbytes
+    store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=2 * size, disk_capacity_bytes=1 << 20)
+    store.promote_on_hit = False
+    memory, disk = store.tiers
+    keys = [f"hot{i:02d}" for i in range(4)]
+    for i, key in enumerate(keys):
+        disk.put(key, make_entry(7, seed=i))
+    clock = FakeClock()
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1e9, clock=clock)
+    moved = []
+    for _ in range(6):
+        policy.record(keys * 4)
+        moved.append(len(policy.apply()))
+    assert moved == [2, 0, 0, 0, 0, 0] and sum(memory.contains(k) for k in keys) == 2
+
+
+def test_hot_keys_already_at_the_top_do_not_starve_the_others_of_lookups(tmp_path):
+    """More than MAX_LOOKUPS hot keys already in memory took every lookup of every apply: a cold key in
+    memory was never demoted and a newly hot key on disk never promoted."""
+    size = make_entry(3).nbytes
+    count = FrequencyPlacement.MAX_LOOKUPS + 10
+    store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=(count + 1) * size, disk_capacity_bytes=1 << 22)
+    store.promote_on_hit = False
+    memory, disk = store.tiers
+    hot = [f"h{i:04x}" for i in range(count)]
+    for i, key in enumerate(hot):
+        memory.put(key, make_entry(3, seed=i))
+    memory.put("cold1", make_entry(3, seed=998))
+    disk.put("new01", make_entry(3, seed=999))
+    clock = FakeClock()
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=10.0, clock=clock)
+    policy.record(["cold1"])
+    clock.now = 40.0  # cold1 decays to 1/16
+    moves = []
+    for _ in range(4):
+        policy.record(hot * 4 + ["new01"] * 4)
+        moves += policy.apply()
+    assert ("cold1", "memory", "disk") in moves and ("new01", "disk", "memory") in moves
+    assert not memory.contains("cold1") and memory.contains("new01")
