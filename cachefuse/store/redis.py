@@ -42,7 +42,9 @@ import json
 import logging
 import math
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import redis
 import torch
@@ -55,6 +57,14 @@ from cachefuse.store.base import ChunkKV, StoreIdentity
 logger = logging.getLogger(__name__)
 
 STAGING_TTL_S = 300
+OUTAGE_BACKOFF_S = 1.0
+"""After a call times out, calls are not sent for this long (each fails at once, as the timed-out one
+did): a server that timed out (a partition, a frozen host) answers no faster a moment later, and each
+call would wait out the socket timeout again, one per chunk of every request."""
+
+
+class _Skipped(redis.ConnectionError):
+    """A call not sent: the server timed out less than `outage_backoff_s` ago."""
 _Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
 
 # KEYS: entry, lru, clock, sizes, nbytes; ARGV: key, field names. Touches the LRU stamp and returns
@@ -241,7 +251,8 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     name = "redis"
 
     def __init__(self, url: str, identity: StoreIdentity, capacity_bytes: int = 0, *,
-                 timeout_s: float = 0.5, namespace: str = "cachefuse") -> None:
+                 timeout_s: float = 0.5, namespace: str = "cachefuse", outage_backoff_s: float = OUTAGE_BACKOFF_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if capacity_bytes < 0:
             raise ConfigError(f"redis capacity_bytes={capacity_bytes!r}, expected >= 0 (0: no budget)")
         self.identity = identity
@@ -257,6 +268,8 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         self._pins = _Pins()
         self._lock = threading.Lock()  # guards stats and the reachability flag
         self._unreachable = False
+        self.outage_backoff_s, self._now = outage_backoff_s, clock
+        self._down_until = float("-inf")
 
     def _entry(self, key: str) -> str:
         return f"{self._prefix}e:{key}"
@@ -269,6 +282,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     def nbytes(self) -> int:
         """Stored bytes over the namespace (0 when Redis does not answer)."""
         try:
+            self._guard()
             return int(self._client.get(self._total) or 0)
         except (redis.RedisError, ValueError) as exc:  # ValueError: the counter holds something else
             self._io_error("nbytes", exc)
@@ -292,6 +306,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         nbytes = sum(len(value) for value in fields.values())
         staging = f"{self._prefix}tmp:{uuid.uuid4().hex}"
         try:
+            self._guard()
             with self._client.pipeline(transaction=True) as pipe:
                 pipe.hset(staging, mapping=fields)
                 pipe.expire(staging, STAGING_TTL_S)
@@ -319,6 +334,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     def contains(self, key: str) -> bool:
         """Whether the entry exists (one round trip); False when Redis does not answer."""
         try:
+            self._guard()
             found = bool(self._client.exists(self._entry(key)))
         except redis.RedisError as exc:
             self._io_error("contains", exc)
@@ -330,6 +346,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Drop `key` if present (pinned or not: pins only guard against eviction); logged on failure."""
         base.check_key(key)
         try:
+            self._guard()
             self._drop_entry(key, "any")
         except redis.RedisError as exc:
             self._io_error("remove", exc)
@@ -337,6 +354,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
     def keys(self) -> list[str]:
         """Indexed keys, least recently used first ([] when Redis does not answer)."""
         try:
+            self._guard()
             members = self._client.zrange(self._lru, 0, -1)
         except redis.RedisError as exc:
             self._io_error("keys", exc)
@@ -359,6 +377,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         names = [f"{kv}.{layer}" for layer in layers for kv in "kv"]
         keys = [self._entry(key), self._lru, self._clock, self._sizes, self._total]
         try:
+            self._guard()
             reply = self._read(keys=keys, args=[key, "header", *names])
         except redis.RedisError as exc:
             self._io_error("get", exc)
@@ -425,10 +444,18 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             logger.warning("redis put %s failed: %s", key, reason)
         return False
 
+    def _guard(self) -> None:
+        """Raises _Skipped (a redis.ConnectionError, handled as any) during an outage backoff."""
+        if self._now() < self._down_until:
+            raise _Skipped(f"not sent: Redis timed out less than {self.outage_backoff_s:g} s ago")
+
     def _io_error(self, op: str, exc: Exception) -> None:
-        """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news)."""
+        """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news); a
+        timeout starts the outage backoff (a refused or reset connection fails at once: no need)."""
         with self._lock:
             first, self._unreachable = not self._unreachable, True
+            if isinstance(exc, redis.TimeoutError):
+                self._down_until = self._now() + self.outage_backoff_s
         (logger.warning if first else logger.debug)("redis %s failed, treating as a miss: %r", op, exc)
 
     def _reachable(self) -> None:

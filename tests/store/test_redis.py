@@ -366,16 +366,25 @@ def test_stopped_server_is_a_bounded_miss_then_recovers(private_redis):
     assert_same_entry(store.get(KEY), make_entry(5, seed=2))
 
 
-def test_paused_server_is_a_bounded_miss_then_recovers(private_redis):
-    store = RedisKVStore(private_redis.url, IDENTITY, timeout_s=0.2, namespace="t")
+def test_paused_server_is_a_bounded_miss_then_recovers(private_redis, caplog):
+    """A server that times out (frozen, or across a partition) costs one socket timeout, not one per call:
+    for `outage_backoff_s` after it, calls are not sent and fail at once (16 chunks had cost 16 timeouts
+    per request, up to the load budget). Then the next call is sent, and the store recovers."""
+    now = [0.0]
+    store = RedisKVStore(private_redis.url, IDENTITY, timeout_s=0.2, namespace="t", clock=lambda: now[0])
     assert store.put(KEY, make_entry(5))
-    with private_redis.frozen():  # every call below times out, however loaded the machine
+    with private_redis.frozen(), caplog.at_level("DEBUG", logger="cachefuse.store.redis"):
         start = time.monotonic()
-        assert store.get(KEY) is None and store.get_layer(KEY, 0) is None
+        assert store.get(KEY) is None  # times out: the backoff starts
+        assert store.get_layer(KEY, 0) is None
         assert not store.put("bb02", make_entry(3)) and not store.contains(KEY)
         assert time.monotonic() - start < HANG_GUARD_S
+    skipped = [r for r in caplog.records if "treating as a miss" in r.getMessage() and "_Skipped" in r.getMessage()]
+    assert len(skipped) == 3  # the three calls after the timeout, not sent
     assert store.stats.misses == {"io_error": 2} and store.stats.put_failures == 1
-    assert_same_entry(store.get(KEY), make_entry(5))  # the entry was kept
+    assert store.get(KEY) is None  # unfrozen, but still within the backoff: not sent
+    now[0] = store.outage_backoff_s
+    assert_same_entry(store.get(KEY), make_entry(5))  # sent again: the entry was kept
 
 
 @pytest.mark.parametrize("mode", ["close", "reset"])
