@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     import redis
 
 
+OUTAGE_BACKOFF_S = 1.0
+"""After a call times out, the stores send no call for this long (each fails at once, as the timed-out
+one did): a server that timed out (a partition, a frozen host) answers no faster a moment later, and each
+call would wait out the socket timeout again, one per chunk of every request."""
+
+
 def require_redis_package(what: str) -> None:
     """Raises ConfigError naming `what` (the field or argument that asked for Redis) and the install
     command when redis-py is not installed: it is an optional extra, and without it the first Redis call

@@ -29,12 +29,15 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   **overrides: Any) -> tuple[dict[str, Any], CacheFuseConfig]:
     """kv_connector_extra_config from --store, --config and `overrides`, validated before any engine starts,
     with --model (a checkpoint directory the connector can fingerprint) and --store (a usable directory)."""
+    from types import SimpleNamespace
+
     from cachefuse.chunks import model_fingerprint
+    from cachefuse.vllm.checks import resolve_model_dir
     from cachefuse.vllm.engines import connector_extra_config
 
     check_store_dir(parser, "--store", args.store)
-    try:
-        model_fingerprint(args.model)  # as the connector will at start-up, before vLLM loads anything
+    try:  # as the connector will at start-up (a directory, or a hub id in the local cache), before vLLM loads
+        model_fingerprint(resolve_model_dir(SimpleNamespace(model=args.model, revision=None)))
         return connector_extra_config(args.store, args.config, **overrides)
     except ConfigError as exc:
         parser.error(str(exc))

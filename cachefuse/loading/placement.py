@@ -135,16 +135,25 @@ class FrequencyPlacement:
                 done.append((key, source, target))
         return done
 
+    def _would_evict_a_hot_entry(self, target) -> bool:
+        """Whether a put into the full `target` would evict (LRU first) an entry that is itself hot. Checked
+        before the entry is read: a refused promotion costs no read. Entries the placement never saw read
+        (saves) count as cold, so a tier filled by saves still takes hot entries."""
+        capacity, keys = getattr(target, "capacity_bytes", 0), target.keys()
+        if not capacity or not keys:
+            return False
+        used = getattr(target, "nbytes", 0)
+        if used + used / len(keys) <= capacity:  # room for an entry of the average size: nothing evicted
+            return False
+        return self.counter.frequency(keys[0]) >= self.hot
+
     def _move(self, key: str, source, target) -> bool:
         order = [tier.name for tier in self.store.tiers]
-        if order.index(target.name) < order.index(source.name):  # promotion, into free room only: with more
-            entry = source.get(key)  # hot entries than room, each copy evicted another hot one, every call
-            if entry is None:
-                return False
-            capacity = getattr(target, "capacity_bytes", 0)
-            if capacity and getattr(target, "nbytes", 0) + entry.nbytes > capacity:
-                return False  # demotions of cold entries make the room
-            return target.put(key, entry)
+        if order.index(target.name) < order.index(source.name):  # promotion
+            if self._would_evict_a_hot_entry(target):
+                return False  # with more hot entries than room, each copy evicted another, every call
+            entry = source.get(key)
+            return entry is not None and target.put(key, entry)
         if not target.contains(key):  # demoting the only copy: write it below first
             entry = source.get(key)
             if entry is None or not target.put(key, entry):

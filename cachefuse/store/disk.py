@@ -173,6 +173,7 @@ def _open_entry(path: Path) -> BinaryIO:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _Miss(base.MISS_CORRUPT, "not a regular file")
+        os.set_blocking(fd, True)  # a FUSE or network filesystem may honour O_NONBLOCK on reads (EAGAIN)
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)

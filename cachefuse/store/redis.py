@@ -50,17 +50,13 @@ import redis
 import torch
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.redis_client import redact_url, redis_client
+from cachefuse.redis_client import OUTAGE_BACKOFF_S, redact_url, redis_client
 from cachefuse.store import base, disk
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
 logger = logging.getLogger(__name__)
 
 STAGING_TTL_S = 300
-OUTAGE_BACKOFF_S = 1.0
-"""After a call times out, calls are not sent for this long (each fails at once, as the timed-out one
-did): a server that timed out (a partition, a frozen host) answers no faster a moment later, and each
-call would wait out the socket timeout again, one per chunk of every request."""
 
 
 class _Skipped(redis.ConnectionError):

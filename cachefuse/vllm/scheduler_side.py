@@ -125,10 +125,13 @@ class SchedulerSide:
         self.counters: Counter[str] = Counter()
         self.figures: dict[str, Any] = {}
         self.clock = time.monotonic
-        self._load_bound_no_go_since: float | None = None
-        """When the controller last started turning requests down for their load (None: it is not): a
-        tier's figure only changes when a blend reads it, so after FIGURE_STALE_S of such no-gos one
-        request is fused anyway to measure it again."""
+        self._no_go_since: dict[str, float] = {}
+        """Per tier, since when the controller has turned down requests whose load it bounds (and fused
+        none of them): a tier's figure only changes when a blend reads it, so after FIGURE_STALE_S of
+        that, one request is fused anyway to measure the tier again."""
+        self._remeasuring: dict[str, dict[str, Any]] = {}
+        """The forced decision of a request picked to re-measure, kept until it is planned or fails, so
+        vLLM asking again (no free blocks yet) gets the same answer."""
         """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self._stats = CacheFuseConnectorStats()
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
@@ -238,7 +241,7 @@ class SchedulerSide:
         indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":
-            controller = self._decide(fusion, len(prompt), variants)
+            controller = self._decide(req_id, fusion, len(prompt), variants)
             if not controller["fuse"]:
                 self._fall_back(req_id, "no_go", detail=controller["reason"])
                 return 0, False
@@ -279,7 +282,8 @@ class SchedulerSide:
         self._fallbacks.pop(req_id, None)
         return planned - 1, False
 
-    def _decide(self, fusion: FusionRequest, num_tokens: int, variants: list[VariantChoice | None]) -> dict[str, Any]:
+    def _decide(self, req_id: str, fusion: FusionRequest, num_tokens: int,
+                variants: list[VariantChoice | None]) -> dict[str, Any]:
         """The loading controller's choice for one request, from the worker's measured figures: each
         chunk's load priced at the tiers the index knows hold it, rows as the selector will pick them."""
         figures = self.figures
@@ -305,24 +309,31 @@ class SchedulerSide:
                           r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                           ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,
                           force_fuse=self.config.force_fuse, margin=self.config.controller_margin)
-        return self._remeasure(decision)
+        return self._remeasure(req_id, decision)
 
-    def _remeasure(self, decision: Any) -> dict[str, Any]:
-        """The decision, or, for a no-go bound by the load that has lasted FIGURE_STALE_S, a go for this one
-        request: only blends update a tier's figure, so one slow first read (the figure is seeded by it)
-        kept every request at no-go for good, the disk never read again. The worker reseeds a figure that
-        old with its next read, so this request's load replaces it."""
+    def _remeasure(self, req_id: str, decision: Any) -> dict[str, Any]:
+        """The decision, or, for a no-go bound by the load of a tier that has lasted FIGURE_STALE_S, a go for
+        this one request: only blends update a tier's figure, so one slow first read (the figure is seeded
+        by it) kept every request of that tier at no-go for good, the tier never read again. The worker
+        reseeds a figure that old with its next read, so this request's load replaces it."""
+        if req_id in self._remeasuring:
+            return self._remeasuring[req_id]
         out = dataclasses.asdict(decision)
-        if decision.fuse or decision.est_load_s < decision.est_recompute_s:
-            self._load_bound_no_go_since = None
+        tier = decision.tier
+        if tier is None:
             return out
+        if decision.fuse:
+            self._no_go_since.pop(tier, None)  # read by this blend: its figure is current
+            return out
+        if decision.est_load_s < decision.est_recompute_s:
+            return out  # recompute-bound: a new measurement of the tier would not change it
         now = self.clock()
-        if self._load_bound_no_go_since is None:
-            self._load_bound_no_go_since = now
-        elif now - self._load_bound_no_go_since >= FIGURE_STALE_S:
-            self._load_bound_no_go_since = now
-            out.update(fuse=True, reason=f"re-measure (load-bound no-go for {FIGURE_STALE_S:g} s, its tier figures "
-                                         f"unread since): fused anyway; {decision.reason}")
+        since = self._no_go_since.setdefault(tier, now)
+        if now - since >= FIGURE_STALE_S:
+            self._no_go_since[tier] = now
+            out.update(fuse=True, reason=f"re-measure (load-bound no-go on {tier} for {FIGURE_STALE_S:g} s, its "
+                                         f"figure unread since): fused anyway; {decision.reason}")
+            self._remeasuring[req_id] = out
         return out
 
     def _kv_geometry(self) -> tuple[int, int]:
@@ -434,6 +445,7 @@ class SchedulerSide:
         pending = self._pending.pop(req_id, None)
         fallback = self._fallbacks.pop(req_id, None)  # all dropped: nothing outlives the request, whatever its path
         self._resumed_plain.discard(req_id)
+        self._remeasuring.pop(req_id, None)
         outcome = pending.outcome if pending is not None else fallback
         if outcome is None:
             return False, None

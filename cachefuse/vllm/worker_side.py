@@ -116,9 +116,11 @@ class WorkerSide:
 
     def _record_stats(self, figures: dict[str, Any]) -> None:
         """A blend's counters for Prometheus. vLLM sums the ranks' stats: a request's work (chunks, tokens,
-        time, saves) is counted by rank 0 alone, the bytes each rank read by each (its own heads)."""
+        time, holes saved) is counted by rank 0 alone; what each rank's own store did (the bytes it read,
+        the saves it skipped or failed: each rank writes its own heads) by each, as the responses do."""
         if self.tp_rank != 0:
-            self._stats.record(bytes_loaded=figures["bytes_loaded"])
+            self._stats.record(bytes_loaded=figures["bytes_loaded"], saves_skipped=figures["saves_skipped"],
+                               save_failures=figures["save_failures"])
             return
         self._stats.record(tokens_reused=figures["tokens_reused"], tokens_recomputed=figures["tokens_recomputed"],
                            bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],

@@ -109,11 +109,30 @@ def test_more_hot_entries_than_room_do_not_evict_each_other_every_call(tmp_path)
         disk.put(key, make_entry(7, seed=i))
     clock = FakeClock()
     policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1e9, clock=clock)
-    moved = []
+    moved, reads = [], []
+    get = disk.get
+    disk.get = lambda key: reads.append(key) or get(key)
     for _ in range(6):
         policy.record(keys * 4)
         moved.append(len(policy.apply()))
     assert moved == [2, 0, 0, 0, 0, 0] and sum(memory.contains(k) for k in keys) == 2
+    assert len(reads) == 2  # a refused promotion reads nothing
+
+
+def test_a_memory_tier_filled_by_saves_still_takes_a_hot_entry(tmp_path):
+    """Saves write through to memory, which stays full: the entries they left, never read since, are cold
+    and make room for a hot one (a free-room-only rule had stopped promotions for good)."""
+    size = make_entry(7).nbytes
+    store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=3 * size, disk_capacity_bytes=1 << 20)
+    store.promote_on_hit = False
+    memory, disk = store.tiers
+    for i in range(6):
+        assert store.put(f"save{i:02d}", make_entry(7, seed=i))  # through to both tiers
+    disk.put("hot001", make_entry(7, seed=99))
+    assert memory.nbytes == 3 * size and not memory.contains("hot001")
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1e9, clock=FakeClock())
+    policy.record(["hot001"] * 4)
+    assert policy.apply() == [("hot001", "disk", "memory")] and memory.contains("hot001")
 
 
 def test_hot_keys_already_at_the_top_do_not_starve_the_others_of_lookups(tmp_path):

@@ -71,14 +71,25 @@ def test_another_layout_version_fails_at_once(private_redis):
 
 
 def test_paused_server_raises_store_error_then_recovers(private_redis):
+    """A server that times out costs one timeout, not one per call: for OUTAGE_BACKOFF_S after it, calls
+    are not sent and raise at once; then they are sent again."""
+    from cachefuse.redis_client import OUTAGE_BACKOFF_S
+
     store = RedisMetaStore(private_redis.url, max_variants=10, clock=lambda: 1.0, timeout_s=0.1)
+    now = [0.0]
+    store._monotonic = lambda: now[0]
     store.put(alone("A"))
     with private_redis.frozen():  # every reply waits until the block ends, however loaded the machine
         start = time.monotonic()
         for name in ("get", "record_use", "put", "all_records", "generation"):
+            now[0] += OUTAGE_BACKOFF_S  # each call sent, and timing out
             with pytest.raises(StoreError, match="Timeout"):
                 CALLS[name](store)
+        for name in ("get", "put"):  # within the backoff: not sent
+            with pytest.raises(StoreError, match="not sent"):
+                CALLS[name](store)
         assert time.monotonic() - start < HANG_GUARD_S
+    now[0] += OUTAGE_BACKOFF_S
     # NOTE: a timed-out call has an unknown outcome (Redis 7.0 drops the queued commands of a client
     # that hung up, but a slow network may deliver them): whole or not at all, never half.
     records = {r.chunk_key: r for r in store.all_records()}
@@ -99,10 +110,13 @@ def test_dropped_connections_raise_store_error_then_recover(private_redis):
 
 def test_pins_survive_an_outage(private_redis):
     store = RedisMetaStore(private_redis.url, max_variants=1, clock=lambda: 1.0, timeout_s=0.2)
+    now = [0.0]
+    store._monotonic = lambda: now[0]
     store.put(alone("A"))
     store.pin(alone("A").variant_id)
     with private_redis.frozen(), pytest.raises(StoreError):
         store.put(alone("B"))
+    now[0] = 60.0  # past the outage backoff
     assert store.pin_count(alone("A").variant_id) == 1
     with pytest.raises(StoreError, match="full"):  # A is still pinned here: B is refused
         store.put(alone("B"))

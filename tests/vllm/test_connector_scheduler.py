@@ -78,6 +78,7 @@ def worker_reports(side: SchedulerSide, req_id: str | None, **figures) -> None:
 
 def assert_no_state(side: SchedulerSide) -> None:
     assert not side._pending and not side._fallbacks and not side._awaiting and not side._resumed_plain
+    assert not side._remeasuring
 
 
 def test_hook_is_idempotent_and_plans_once(make_side):
@@ -777,9 +778,14 @@ def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again
     now[0] = FIGURE_STALE_S - 1
     assert not decision("b", slow_disk)[0]
     now[0] = FIGURE_STALE_S + 1
+    req = request("c")
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 99  # picked to re-measure ...
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 99  # ... and still, asked again before blocks
+    side.request_finished(req, [])  # (aborted while waiting: nothing kept)
+    now[0] = 2 * FIGURE_STALE_S + 2
     fused, outcome = decision("c", slow_disk)
     assert fused and outcome["controller"]["reason"].startswith("re-measure")
-    now[0] = FIGURE_STALE_S + 2
+    now[0] = 2 * FIGURE_STALE_S + 3
     assert not decision("d", slow_disk)[0]  # one request, then no-go again until the next interval
     recompute_bound = {**measured(disk=1e12), "compute": {**measured()["compute"], "per_row_s": 1.0,
                                                           "prefill_per_token_s": 1e-9}}
@@ -804,3 +810,33 @@ def test_only_a_step_of_one_plain_prefill_times_vllms_prefill():
     assert _plain_prefill_tokens(output("a", "b"), []) == 0  # a batch: no sample
     assert _plain_prefill_tokens(output("a", cached=("c",)), []) == 0  # with a decode
     assert _plain_prefill_tokens(output("a"), ["a plan"]) == 0  # with a blend
+
+
+def test_requests_fused_from_another_tier_do_not_hold_off_a_re_measure(make_side):
+    """The wait for a re-measure is per tier: requests whose chunks are in a fast tier keep fusing, and the
+    disk's no-go still ends in one re-measured disk request (one timer for all had never fired there)."""
+    from cachefuse.loading.figures import FIGURE_STALE_S
+
+    side = make_side(ratio_mode="controller")
+    now = [0.0]
+    side.clock = lambda: now[0]
+    prompts = {"disk": list(range(3, 103)), "redis": list(range(300, 400))}  # redis: a fast shared tier
+    for home, prompt in prompts.items():
+        keys = (chunk_key(prompt[0:10], side.key_context, at_prompt_start=True),
+                chunk_key(prompt[10:60], side.key_context))
+        index_variants(side, *(VariantRecord.without_stats(k, (), n, tier=home)
+                               for k, n in zip(keys, (10, 50), strict=True)))
+    side.figures = measured(redis=1e12, disk=1e2)  # the disk's load outlasts even vLLM's 1 s a token
+    fused = []
+    for i in range(8):
+        now[0] = i * FIGURE_STALE_S / 3
+        for home, prompt in prompts.items():
+            req = SimpleNamespace(request_id=f"{home}{i}", prompt_token_ids=prompt,
+                                  kv_transfer_params={"cachefuse": {"chunks": [[0, 10], [10, 60]]}})
+            plans = schedule(side, req)
+            worker_reports(side, req.request_id if plans else None)
+            side.request_finished(req, [])
+            fused.append((home, bool(plans)))
+    assert all(ok for home, ok in fused if home == "redis")
+    assert [i for i, (home, ok) in enumerate(fused) if home == "disk" and ok] == [6, 12]  # at 60 s, 120 s
+    assert_no_state(side)

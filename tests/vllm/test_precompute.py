@@ -16,6 +16,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cachefuse.chunks import KeyContext, build_rag_prompt, chunk_key, model_fingerprint, tokenize_piece
 from cachefuse.cli import main
@@ -160,7 +161,7 @@ def test_cli_checks_the_model_and_the_store_before_an_engine_starts(tmp_path, ca
     chunks.write_text('{"text": "one"}\n', encoding="utf-8")
     a_file = tmp_path / "afile"
     a_file.write_text("")
-    for argv, message in (([str(tmp_path / "nope"), str(tmp_path / "store")], "no config.json"),
+    for argv, message in (([str(tmp_path / "nope"), str(tmp_path / "store")], "found no local copy"),
                           ([str(tmp_path), str(a_file)], "--store " + repr(str(a_file)) + ": not a directory")):
         with pytest.raises(SystemExit) as exc:
             main(["precompute", "--model", argv[0], "--chunks", str(chunks), "--store", argv[1]])
@@ -225,3 +226,32 @@ def test_precompute_without_a_system_prompt_or_bos_is_refused_naming_the_fix(eng
                           progress=False)
     report = precompute_chunks(llm, tokenizer, "", ["Alone: the well is dry.\n"], store_dir=store, progress=False)
     assert (report.num_stored, report.num_failed) == (1, 0), report.failures  # with a BOS: after it
+
+
+def test_cli_takes_a_hub_id_in_the_local_cache_as_the_connector_does(tmp_path, monkeypatch):
+    """--model may name a hub id already in the local HF cache (the connector resolves it the same way);
+    the start-up check had accepted only a directory."""
+    import argparse
+
+    import huggingface_hub.constants
+    from safetensors.torch import save_file
+
+    from cachefuse.cli import precompute
+    from cachefuse.cli.args import engine_config
+
+    hub, revision = tmp_path / "hub", "a" * 40
+    snapshot = hub / "models--org--tiny" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (hub / "models--org--tiny" / "refs").mkdir()
+    (hub / "models--org--tiny" / "refs" / "main").write_text(revision)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.zeros(4)}, str(snapshot / "model.safetensors"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    parser = argparse.ArgumentParser(prog="cachefuse precompute")
+    precompute.add_arguments(parser)
+    args = parser.parse_args(["--model", "org/tiny", "--chunks", "c.jsonl", "--store", str(tmp_path / "store")])
+    extra, _ = engine_config(args, parser)
+    assert extra["store_dir"] == str(tmp_path / "store")
+    args.model = "org/absent"  # the control: not in the cache
+    with pytest.raises(SystemExit):
+        engine_config(args, parser)
