@@ -78,6 +78,27 @@ def _tensor_ranges(path: Path, header: bytes, data_len: int) -> list[tuple[int, 
     return ranges
 
 
+def resolve_model_dir(model_config: Any) -> Path:
+    """The local directory of the checkpoint `model_config.model` names: a directory, or a hub id already
+    in the local HF cache (never downloaded). A string that is a path (absolute, relative or ~) is not
+    looked up in the hub: a mistyped directory is named as one."""
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return Path(model)
+    if model.startswith(("/", "./", "../", "~")) or os.path.exists(model):
+        raise ConfigError(f"model={model!r}: no such checkpoint directory; expected a local directory or a hub id "
+                          "in the local cache")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=getattr(model_config, "revision", None),
+                                      local_files_only=True))
+    except Exception as exc:  # any hub error means: not available locally
+        raise ConfigError(
+            f"model={model!r}: cachefuse fingerprints the checkpoint files and found no local copy ({exc}); "
+            "pass a local model directory") from exc
+
+
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
     """Identifies a checkpoint from its files, reading a few KiB per tensor whatever the model's size.
 

@@ -20,9 +20,13 @@ if TYPE_CHECKING:
 
 
 OUTAGE_BACKOFF_S = 1.0
-"""After a call times out, the stores send no call for this long (each fails at once, as the timed-out
-one did): a server that timed out (a partition, a frozen host) answers no faster a moment later, and each
-call would wait out the socket timeout again, one per chunk of every request."""
+"""After OUTAGE_TIMEOUTS calls in a row time out, the stores send no call for this long (each fails at
+once, as the timed-out ones did): a server that does not answer (a partition, a frozen host) answers no
+faster a moment later, and each call would wait out the socket timeout again, one per chunk of every
+request."""
+OUTAGE_TIMEOUTS = 2
+"""Timeouts in a row (no call answered in between) that start the backoff: one alone may be a busy
+server (another client's long script), which the next call finds answering."""
 
 
 def require_redis_package(what: str) -> None:

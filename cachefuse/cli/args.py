@@ -31,13 +31,16 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
     with --model (a checkpoint directory the connector can fingerprint) and --store (a usable directory)."""
     from types import SimpleNamespace
 
-    from cachefuse.chunks import model_fingerprint
-    from cachefuse.vllm.checks import resolve_model_dir
-    from cachefuse.vllm.engines import connector_extra_config
+    from cachefuse.chunks import model_fingerprint, resolve_model_dir
 
     check_store_dir(parser, "--store", args.store)
     try:  # as the connector will at start-up (a directory, or a hub id in the local cache), before vLLM loads
         model_fingerprint(resolve_model_dir(SimpleNamespace(model=args.model, revision=None)))
+    except ConfigError as exc:
+        parser.error(str(exc))
+    from cachefuse.vllm.engines import connector_extra_config  # imports vLLM: after the cheap checks
+
+    try:
         return connector_extra_config(args.store, args.config, **overrides)
     except ConfigError as exc:
         parser.error(str(exc))

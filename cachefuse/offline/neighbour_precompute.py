@@ -135,7 +135,7 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
         report.neighbours, report.skipped = [[] for _ in texts], list(range(len(texts)))
         return report
     if embedder is None:
-        from cachefuse.vllm.checks import resolve_model_dir
+        from cachefuse.chunks import resolve_model_dir
 
         embedder = checkpoint_embedder(resolve_model_dir(vllm_config.model_config))
     vectors = embedder(ids)

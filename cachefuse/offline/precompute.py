@@ -166,8 +166,7 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
 
 def scheduler_key_context(vllm_config: Any, config: CacheFuseConfig) -> KeyContext:
     """The KeyContext the connector's scheduler builds (rank 0): fingerprint, dtype, TP size, config hash."""
-    from cachefuse.chunks import dtype_name
-    from cachefuse.vllm.checks import resolve_model_dir
+    from cachefuse.chunks import dtype_name, resolve_model_dir
 
     model_config = vllm_config.model_config
     return KeyContext(model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),

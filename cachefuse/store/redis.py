@@ -50,7 +50,7 @@ import redis
 import torch
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.redis_client import OUTAGE_BACKOFF_S, redact_url, redis_client
+from cachefuse.redis_client import OUTAGE_BACKOFF_S, OUTAGE_TIMEOUTS, redact_url, redis_client
 from cachefuse.store import base, disk
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
@@ -266,6 +266,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         self._unreachable = False
         self.outage_backoff_s, self._now = outage_backoff_s, clock
         self._down_until = float("-inf")
+        self._timeouts = 0  # in a row, no call answered since
 
     def _entry(self, key: str) -> str:
         return f"{self._prefix}e:{key}"
@@ -279,7 +280,9 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Stored bytes over the namespace (0 when Redis does not answer)."""
         try:
             self._guard()
-            return int(self._client.get(self._total) or 0)
+            total = int(self._client.get(self._total) or 0)
+            self._reachable()
+            return total
         except (redis.RedisError, ValueError) as exc:  # ValueError: the counter holds something else
             self._io_error("nbytes", exc)
             return 0
@@ -355,6 +358,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         except redis.RedisError as exc:
             self._io_error("keys", exc)
             return []
+        self._reachable()
         keys = []
         for member in members:  # a member another client wrote (not one of our keys) is skipped
             key = member.decode("utf-8", "replace") if isinstance(member, bytes) else ""
@@ -447,14 +451,18 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
 
     def _io_error(self, op: str, exc: Exception) -> None:
         """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news); a
-        timeout starts the outage backoff (a refused or reset connection fails at once: no need)."""
+        timeout in a row (OUTAGE_TIMEOUTS) starts the outage backoff (a refused or reset connection fails at
+        once: no need)."""
         with self._lock:
             first, self._unreachable = not self._unreachable, True
             if isinstance(exc, redis.TimeoutError):
-                self._down_until = self._now() + self.outage_backoff_s
+                self._timeouts += 1
+                if self._timeouts >= OUTAGE_TIMEOUTS:
+                    self._down_until = self._now() + self.outage_backoff_s
         (logger.warning if first else logger.debug)("redis %s failed, treating as a miss: %r", op, exc)
 
     def _reachable(self) -> None:
+        self._timeouts = 0
         if self._unreachable:
             with self._lock:
                 self._unreachable = False

@@ -6,8 +6,6 @@ start-up instead of serving wrong or silently unfused output.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import vllm
@@ -71,19 +69,3 @@ def check_engine(vllm_config: Any) -> None:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedModelError(
             "pipeline_parallel_size > 1 is not supported: the blend pass runs every layer in one worker")
-
-
-def resolve_model_dir(model_config: Any) -> Path:
-    """The local directory of the checkpoint (a path, or a hub id already in the local cache)."""
-    model = str(model_config.model)
-    if os.path.isdir(model):
-        return Path(model)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=getattr(model_config, "revision", None),
-                                      local_files_only=True))
-    except Exception as exc:  # any hub error means: not available locally
-        raise ConfigError(
-            f"model={model!r}: cachefuse fingerprints the checkpoint files and found no local copy ({exc}); "
-            "pass a local model directory") from exc

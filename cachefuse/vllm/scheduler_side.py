@@ -35,7 +35,14 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, chunk_key, dtype_name, model_fingerprint, tokenize_piece
+from cachefuse.chunks import (
+    KeyContext,
+    chunk_key,
+    dtype_name,
+    model_fingerprint,
+    resolve_model_dir,
+    tokenize_piece,
+)
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.loading.controller import RequestShape, decide, tier_bytes
@@ -48,7 +55,6 @@ from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
 from cachefuse.select import PlannedChunk, make_selector
 from cachefuse.store.disk import DiskStore, list_keys
-from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint
+from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError, StoreError
@@ -32,7 +32,6 @@ from cachefuse.select.fixed import FixedSelector
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store
 from cachefuse.vllm.adapters import VLLMAdapter
-from cachefuse.vllm.checks import resolve_model_dir
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
@@ -115,12 +114,11 @@ class WorkerSide:
             self._meta.request_stats[plan.req_id] = figures
 
     def _record_stats(self, figures: dict[str, Any]) -> None:
-        """A blend's counters for Prometheus. vLLM sums the ranks' stats: a request's work (chunks, tokens,
-        time, holes saved) is counted by rank 0 alone; what each rank's own store did (the bytes it read,
-        the saves it skipped or failed: each rank writes its own heads) by each, as the responses do."""
+        """A blend's counters for Prometheus. vLLM sums the ranks' stats: a request's figures (chunks,
+        tokens, time, holes saved, skipped or failed) are counted by rank 0 alone, the ones its response
+        carries; the bytes each rank read (its own heads) by each."""
         if self.tp_rank != 0:
-            self._stats.record(bytes_loaded=figures["bytes_loaded"], saves_skipped=figures["saves_skipped"],
-                               save_failures=figures["save_failures"])
+            self._stats.record(bytes_loaded=figures["bytes_loaded"])
             return
         self._stats.record(tokens_reused=figures["tokens_reused"], tokens_recomputed=figures["tokens_recomputed"],
                            bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],

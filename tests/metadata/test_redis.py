@@ -71,8 +71,8 @@ def test_another_layout_version_fails_at_once(private_redis):
 
 
 def test_paused_server_raises_store_error_then_recovers(private_redis):
-    """A server that times out costs one timeout, not one per call: for OUTAGE_BACKOFF_S after it, calls
-    are not sent and raise at once; then they are sent again."""
+    """A server that does not answer costs two timeouts, not one per call: after two in a row, calls are
+    not sent for OUTAGE_BACKOFF_S and raise at once; then they are sent again."""
     from cachefuse.redis_client import OUTAGE_BACKOFF_S
 
     store = RedisMetaStore(private_redis.url, max_variants=10, clock=lambda: 1.0, timeout_s=0.1)

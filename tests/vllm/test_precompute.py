@@ -161,7 +161,7 @@ def test_cli_checks_the_model_and_the_store_before_an_engine_starts(tmp_path, ca
     chunks.write_text('{"text": "one"}\n', encoding="utf-8")
     a_file = tmp_path / "afile"
     a_file.write_text("")
-    for argv, message in (([str(tmp_path / "nope"), str(tmp_path / "store")], "found no local copy"),
+    for argv, message in (([str(tmp_path / "nope"), str(tmp_path / "store")], "no such checkpoint directory"),
                           ([str(tmp_path), str(a_file)], "--store " + repr(str(a_file)) + ": not a directory")):
         with pytest.raises(SystemExit) as exc:
             main(["precompute", "--model", argv[0], "--chunks", str(chunks), "--store", argv[1]])
