@@ -135,22 +135,23 @@ class FrequencyPlacement:
                 done.append((key, source, target))
         return done
 
-    def _would_evict_a_hot_entry(self, target) -> bool:
-        """Whether a put into the full `target` would evict (LRU first) an entry that is itself hot. Checked
-        before the entry is read: a refused promotion costs no read. Entries the placement never saw read
-        (saves) count as cold, so a tier filled by saves still takes hot entries."""
-        capacity, keys = getattr(target, "capacity_bytes", 0), target.keys()
-        if not capacity or not keys:
+    def _would_evict_a_hot_entry(self, key: str, source, target) -> bool:
+        """Whether putting `key` (its size as `source` stores it) into `target` would evict a hot entry, or
+        cannot fit at all: asked of the target's own eviction plan before the entry is read, so a refused
+        promotion costs no read. Entries the placement never saw read (saves) count as cold, so a tier
+        filled by saves still takes hot entries. A tier that cannot say (no `plan_put`, or a source
+        without `size_of`) is promoted into as before."""
+        size_of, plan_put = getattr(source, "size_of", None), getattr(target, "plan_put", None)
+        size = size_of(key) if size_of is not None else None
+        if size is None or plan_put is None:
             return False
-        used = getattr(target, "nbytes", 0)
-        if used + used / len(keys) <= capacity:  # room for an entry of the average size: nothing evicted
-            return False
-        return self.counter.frequency(keys[0]) >= self.hot
+        victims = plan_put(key, size)
+        return victims is None or any(self.counter.frequency(victim) >= self.hot for victim in victims)
 
     def _move(self, key: str, source, target) -> bool:
         order = [tier.name for tier in self.store.tiers]
         if order.index(target.name) < order.index(source.name):  # promotion
-            if self._would_evict_a_hot_entry(target):
+            if self._would_evict_a_hot_entry(key, source, target):
                 return False  # with more hot entries than room, each copy evicted another, every call
             entry = source.get(key)
             return entry is not None and target.put(key, entry)

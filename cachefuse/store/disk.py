@@ -464,6 +464,17 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         with self._lock:
             return list(self._sizes)
 
+    def size_of(self, key: str) -> int | None:
+        """The file bytes of `key` (as the budget counts them), or None when not indexed."""
+        with self._lock:
+            return self._sizes.get(key)
+
+    def plan_put(self, key: str, nbytes: int) -> list[str] | None:
+        """The keys a put of `nbytes` under `key` would evict now (base.plan_eviction), or None if it would
+        not fit; nothing changes (a placement policy asks before it reads the entry)."""
+        with self._lock:
+            return base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
+
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}{SUFFIX}"
 

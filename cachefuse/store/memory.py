@@ -172,6 +172,17 @@ class MemoryStore(PinnedKeysMixin):
         with self._lock:
             return list(self._sizes)
 
+    def size_of(self, key: str) -> int | None:
+        """The stored bytes of `key` (as the budget counts them), or None when absent."""
+        with self._lock:
+            return self._sizes.get(key)
+
+    def plan_put(self, key: str, nbytes: int) -> list[str] | None:
+        """The keys a put of `nbytes` under `key` would evict now (base.plan_eviction), or None if it would
+        not fit; nothing changes (a placement policy asks before it reads the entry)."""
+        with self._lock:
+            return plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
+
     def _drop(self, key: str) -> None:
         if self._entries.pop(key, None) is not None:
             self._nbytes -= self._sizes.pop(key)

@@ -2,6 +2,7 @@
 it (disk keeps them); with the policy on, a disk hit alone no longer promotes."""
 
 from cachefuse.loading.placement import FrequencyPlacement
+from cachefuse.store.disk import encode_entry
 from cachefuse.store.tiered import TieredStore, open_store
 from tests.helpers.store import IDENTITY, make_entry
 
@@ -100,7 +101,7 @@ def test_apply_looks_up_only_keys_that_could_move_and_forgets_settled_cold_ones(
 def test_more_hot_entries_than_room_do_not_evict_each_other_every_call(tmp_path):
     """Promotion goes into free room only: with four hot entries and room for two, each copy had evicted
     another hot entry (the memory tier's LRU), and every apply re-read whole entries from disk."""
-    size = make_entry(7).nbytes
+    size = len(encode_entry(make_entry(7), IDENTITY))  # a disk file's bytes: what the plan is asked for
     store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=2 * size, disk_capacity_bytes=1 << 20)
     store.promote_on_hit = False
     memory, disk = store.tiers
@@ -138,7 +139,7 @@ def test_a_memory_tier_filled_by_saves_still_takes_a_hot_entry(tmp_path):
 def test_hot_keys_already_at_the_top_do_not_starve_the_others_of_lookups(tmp_path):
     """More than MAX_LOOKUPS hot keys already in memory took every lookup of every apply: a cold key in
     memory was never demoted and a newly hot key on disk never promoted."""
-    size = make_entry(3).nbytes
+    size = len(encode_entry(make_entry(3), IDENTITY))
     count = FrequencyPlacement.MAX_LOOKUPS + 10
     store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=(count + 1) * size, disk_capacity_bytes=1 << 22)
     store.promote_on_hit = False
@@ -158,3 +159,19 @@ def test_hot_keys_already_at_the_top_do_not_starve_the_others_of_lookups(tmp_pat
         moves += policy.apply()
     assert ("cold1", "memory", "disk") in moves and ("new01", "disk", "memory") in moves
     assert not memory.contains("cold1") and memory.contains("new01")
+
+
+def test_a_hot_entry_that_fits_in_the_free_room_is_promoted_beside_a_large_hot_one(tmp_path):
+    """The check asks the target's own eviction plan with the entry's size: a small hot entry fits in the
+    room beside a large hot resident (a check by average entry size had refused it on every call)."""
+    small = len(encode_entry(make_entry(3), IDENTITY))
+    large = make_entry(40).nbytes
+    store = open_store(tmp_path, IDENTITY, memory_capacity_bytes=large + small, disk_capacity_bytes=1 << 22)
+    store.promote_on_hit = False
+    memory, disk = store.tiers
+    memory.put("big001", make_entry(40, seed=1))
+    disk.put("hot002", make_entry(3, seed=2))
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1e9, clock=FakeClock())
+    policy.record(["big001", "hot002"] * 4)
+    assert policy.apply() == [("hot002", "disk", "memory")]
+    assert memory.contains("big001") and memory.contains("hot002")
