@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -292,6 +292,28 @@ def plan_eviction(
             victims.append(other)
             used -= size
     return victims if used + nbytes <= capacity_bytes else None
+
+
+class EvictionPlanMixin:
+    """`size_of` and `plan_put` for a budgeted tier whose index is `self._sizes` (key -> stored bytes, least
+    recently used first) under `self._lock`, with pins at `self._pins` and its budget `capacity_bytes`:
+    what a placement policy asks before it reads an entry to promote."""
+
+    _sizes: dict[str, int]
+    _pins: PinTable
+    _lock: Any
+    capacity_bytes: int
+
+    def size_of(self, key: str) -> int | None:
+        """The stored bytes of `key` (as the budget counts them), or None when not indexed."""
+        with self._lock:
+            return self._sizes.get(key)
+
+    def plan_put(self, key: str, nbytes: int) -> list[str] | None:
+        """The keys a put of `nbytes` under `key` would evict now (plan_eviction), or None if it would not
+        fit; nothing changes."""
+        with self._lock:
+            return plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
 
 
 RowsKV = tuple[torch.Tensor, torch.Tensor | None]

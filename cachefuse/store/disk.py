@@ -316,7 +316,7 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
+class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin, base.EvictionPlanMixin):
     """Local-disk tier (see the module docstring for layout, atomicity and miss reasons).
 
     `name` ("disk") labels the tier in measured load figures.
@@ -463,17 +463,6 @@ class DiskStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Indexed keys, least recently used first."""
         with self._lock:
             return list(self._sizes)
-
-    def size_of(self, key: str) -> int | None:
-        """The file bytes of `key` (as the budget counts them), or None when not indexed."""
-        with self._lock:
-            return self._sizes.get(key)
-
-    def plan_put(self, key: str, nbytes: int) -> list[str] | None:
-        """The keys a put of `nbytes` under `key` would evict now (base.plan_eviction), or None if it would
-        not fit; nothing changes (a placement policy asks before it reads the entry)."""
-        with self._lock:
-            return base.plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}{SUFFIX}"

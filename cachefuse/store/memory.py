@@ -25,6 +25,7 @@ from cachefuse.errors import ConfigError
 from cachefuse.store.base import (
     MISS_ABSENT,
     ChunkKV,
+    EvictionPlanMixin,
     PinnedKeysMixin,
     PinTable,
     RowsKV,
@@ -39,7 +40,7 @@ from cachefuse.store.base import (
 logger = logging.getLogger(__name__)
 
 
-class MemoryStore(PinnedKeysMixin):
+class MemoryStore(PinnedKeysMixin, EvictionPlanMixin):
     """LRU memory tier (see module docstring for the no-copy contract).
 
     `name` ("memory", or "device" for a GPU's memory) labels the tier in measured load figures.
@@ -171,17 +172,6 @@ class MemoryStore(PinnedKeysMixin):
         """Stored keys, least recently used first."""
         with self._lock:
             return list(self._sizes)
-
-    def size_of(self, key: str) -> int | None:
-        """The stored bytes of `key` (as the budget counts them), or None when absent."""
-        with self._lock:
-            return self._sizes.get(key)
-
-    def plan_put(self, key: str, nbytes: int) -> list[str] | None:
-        """The keys a put of `nbytes` under `key` would evict now (base.plan_eviction), or None if it would
-        not fit; nothing changes (a placement policy asks before it reads the entry)."""
-        with self._lock:
-            return plan_eviction(self._sizes, self._pins, self.capacity_bytes, key, nbytes)
 
     def _drop(self, key: str) -> None:
         if self._entries.pop(key, None) is not None:
