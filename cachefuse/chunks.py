@@ -85,7 +85,7 @@ def resolve_model_dir(model_config: Any) -> Path:
     model = str(model_config.model)
     if os.path.isdir(model):
         return Path(model)
-    if model.startswith(("/", "./", "../", "~")) or os.path.exists(model):
+    if model.startswith(("/", "./", "../", "~")):  # no hub id starts so
         raise ConfigError(f"model={model!r}: no such checkpoint directory; expected a local directory or a hub id "
                           "in the local cache")
     try:

@@ -4,12 +4,16 @@ Imports the standard library and cachefuse.errors; no torch (the scheduler's met
 redis only inside `redis_client` (it is an optional extra, and `redact_url` serves every process). Both
 Redis users, the K/V tier (`cachefuse.store.redis`) and the metadata store (`cachefuse.metadata.redis`),
 get their clients here, so a shared cache behaves the same everywhere: every call fails within about
-the timeout, and no message or log line carries a password.
+the timeout, an outage costs two timeouts a second at most (OutageBackoff), and no message or log line
+carries a password.
 """
 
 from __future__ import annotations
 
 import re
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -20,13 +24,38 @@ if TYPE_CHECKING:
 
 
 OUTAGE_BACKOFF_S = 1.0
-"""After OUTAGE_TIMEOUTS calls in a row time out, the stores send no call for this long (each fails at
-once, as the timed-out ones did): a server that does not answer (a partition, a frozen host) answers no
-faster a moment later, and each call would wait out the socket timeout again, one per chunk of every
-request."""
-OUTAGE_TIMEOUTS = 2
-"""Timeouts in a row (no call answered in between) that start the backoff: one alone may be a busy
-server (another client's long script), which the next call finds answering."""
+"""How long the stores send no call once Redis has stopped answering (OutageBackoff)."""
+
+
+class OutageBackoff:
+    """Whether a store should send calls to its Redis. A server that does not answer (a partition, a frozen
+    host) answers no faster a moment later, and each call would wait out the socket timeout again, one
+    per chunk, pin and reuse of every request; so once it has not answered for a whole socket timeout
+    after a first timeout (a second timeout at least `timeout_s` later, no answer between), calls are not
+    sent for `backoff_s`. One timeout alone, or several at once from threads caught in one stall, may be
+    a busy server (another client's long script) and start none. Thread-safe; `clock` is injectable."""
+
+    def __init__(self, timeout_s: float, backoff_s: float = OUTAGE_BACKOFF_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s, self.backoff_s, self.clock = timeout_s, backoff_s, clock
+        self._lock = threading.Lock()
+        self._streak_start: float | None = None  # the first timeout since the last answer
+        self._until = float("-inf")
+
+    def blocked(self) -> bool:
+        return self.clock() < self._until
+
+    def timed_out(self) -> None:
+        with self._lock:
+            now = self.clock()
+            if self._streak_start is None:
+                self._streak_start = now
+            elif now - self._streak_start >= self.timeout_s:
+                self._until = now + self.backoff_s
+
+    def answered(self) -> None:
+        """The server answered (a reply, an error reply included): not an outage."""
+        self._streak_start = None
 
 
 def require_redis_package(what: str) -> None:

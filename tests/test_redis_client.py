@@ -89,3 +89,33 @@ def test_inspect_prints_an_unreachable_store_without_its_password(capsys):
     assert main(["inspect", "--store", f"redis://:hunter2@127.0.0.1:{free_port()}/0"]) == 1
     err = capsys.readouterr().err
     assert "hunter2" not in err and ":***@127.0.0.1" in err
+
+
+def test_the_outage_backoff_starts_only_when_redis_stops_answering_for_a_whole_timeout():
+    """Timeouts of one stall (a busy server's long script, several threads caught at once) start no
+    backoff; a second timeout a whole socket timeout after the first, no answer between, does, for
+    OUTAGE_BACKOFF_S; an answer (an error reply counts) ends the streak."""
+    from cachefuse.redis_client import OutageBackoff
+
+    now = [0.0]
+    outage = OutageBackoff(timeout_s=0.5, backoff_s=1.0, clock=lambda: now[0])
+    outage.timed_out()
+    outage.timed_out()  # another thread, the same stall
+    assert not outage.blocked()
+    now[0] = 0.4
+    outage.timed_out()
+    assert not outage.blocked()
+    now[0] = 0.5
+    outage.answered()  # the server answered: the streak ends
+    now[0] = 1.0
+    outage.timed_out()
+    assert not outage.blocked()
+    now[0] = 1.5
+    outage.timed_out()  # a whole timeout later, no answer between: an outage
+    assert outage.blocked()
+    now[0] = 2.49
+    assert outage.blocked()
+    now[0] = 2.5
+    assert not outage.blocked()  # a call is sent again; timing out now restarts the backoff at once
+    outage.timed_out()
+    assert outage.blocked()

@@ -139,8 +139,9 @@ class FrequencyPlacement:
         """Whether putting `key` (its size as `source` stores it) into `target` would evict a hot entry, or
         cannot fit at all: asked of the target's own eviction plan before the entry is read, so a refused
         promotion costs no read. Entries the placement never saw read (saves) count as cold, so a tier
-        filled by saves still takes hot entries. A tier that cannot say (no `plan_put`, or a source
-        without `size_of`) is promoted into as before."""
+        filled by saves still takes hot entries. Sizes are the source's (file bytes, header included, from
+        disk and Redis): a little over what a memory tier counts, so a promotion errs towards refusing.
+        Without an answer (a tier with no `plan_put`, a size the source cannot give) it is promoted."""
         size_of, plan_put = getattr(source, "size_of", None), getattr(target, "plan_put", None)
         size = size_of(key) if size_of is not None else None
         if size is None or plan_put is None:

@@ -49,7 +49,7 @@ import redis
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
-from cachefuse.redis_client import OUTAGE_BACKOFF_S, OUTAGE_TIMEOUTS, check_eviction_policy, redis_client
+from cachefuse.redis_client import OutageBackoff, check_eviction_policy, redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -282,9 +282,7 @@ class RedisMetaStore:
             raise ConfigError(f"policy={policy!r}, expected one of {POLICIES}")
         self.max_variants, self.policy, self._clock = max_variants, policy, clock
         self.namespace, self.read_only = namespace, read_only
-        self._monotonic: Callable[[], float] = time.monotonic  # the outage backoff's clock (tests replace it)
-        self._down_until = float("-inf")
-        self._timeouts = 0  # in a row, no call answered since
+        self._outage = OutageBackoff(timeout_s)
         self._prefix = f"{namespace}:meta:"
         self._client = redis_client(url, timeout_s, decode_responses=True)
         self._lock = threading.Lock()
@@ -325,24 +323,25 @@ class RedisMetaStore:
 
     @contextlib.contextmanager
     def _redis(self, op: str) -> Iterator[None]:
-        """Turn any Redis failure (network, timeout, server error) into StoreError. For OUTAGE_BACKOFF_S
-        after OUTAGE_TIMEOUTS calls in a row timed out, no call is sent: each raises at once (a request's
-        pin and reuse calls had each waited out the timeout across a partition)."""
+        """Turn any Redis failure (network, timeout, server error) into StoreError. While Redis has stopped
+        answering (redis_client.OutageBackoff), no call is sent: each raises at once (a request's pin and
+        reuse calls had each waited out the timeout across a partition)."""
         if self.read_only and op in _WRITES:
             raise StoreError(f"redis metastore {op}: opened read-only")
-        if self._monotonic() < self._down_until:
-            raise StoreError(f"redis metastore {op}: not sent, Redis timed out less than {OUTAGE_BACKOFF_S:g} s ago")
+        if self._outage.blocked():
+            raise StoreError(f"redis metastore {op}: not sent, Redis has not answered for a while "
+                             f"({self._outage.backoff_s:g} s backoff)")
         try:
             if not self._layout_checked and op != "open":  # Redis was down when this store was opened
                 self._check_layout()
             yield
         except (redis.RedisError, ValueError, TypeError) as exc:  # also a counter holding garbage
             if isinstance(exc, redis.TimeoutError):
-                self._timeouts += 1
-                if self._timeouts >= OUTAGE_TIMEOUTS:
-                    self._down_until = self._monotonic() + OUTAGE_BACKOFF_S
+                self._outage.timed_out()
+            elif not isinstance(exc, redis.ConnectionError):  # an error reply or garbage: an answer
+                self._outage.answered()
             raise StoreError(f"redis metastore {op}: {exc!r}") from exc
-        self._timeouts = 0
+        self._outage.answered()
 
     def put(self, record: VariantRecord) -> list[VariantRecord]:
         """Insert or replace `record` (last_access := clock()), evicting on demand when full.

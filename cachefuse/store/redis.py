@@ -50,7 +50,7 @@ import redis
 import torch
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.redis_client import OUTAGE_BACKOFF_S, OUTAGE_TIMEOUTS, redact_url, redis_client
+from cachefuse.redis_client import OUTAGE_BACKOFF_S, OutageBackoff, redact_url, redis_client
 from cachefuse.store import base, disk
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
@@ -264,9 +264,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         self._pins = _Pins()
         self._lock = threading.Lock()  # guards stats and the reachability flag
         self._unreachable = False
-        self.outage_backoff_s, self._now = outage_backoff_s, clock
-        self._down_until = float("-inf")
-        self._timeouts = 0  # in a row, no call answered since
+        self._outage = OutageBackoff(timeout_s, outage_backoff_s, clock)
 
     def _entry(self, key: str) -> str:
         return f"{self._prefix}e:{key}"
@@ -330,6 +328,18 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             logger.debug("redis evicted %s", victim.decode())
         return True
 
+    def size_of(self, key: str) -> int | None:
+        """The stored bytes of `key` (header and fields, as the budget counts them), or None when absent or
+        Redis does not answer: what a placement policy asks before it reads an entry to promote."""
+        try:
+            self._guard()
+            size = self._client.hget(self._sizes, key)
+            self._reachable()
+            return int(size) if size is not None else None
+        except (redis.RedisError, ValueError) as exc:
+            self._io_error("size_of", exc)
+            return None
+
     def contains(self, key: str) -> bool:
         """Whether the entry exists (one round trip); False when Redis does not answer."""
         try:
@@ -349,6 +359,8 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             self._drop_entry(key, "any")
         except redis.RedisError as exc:
             self._io_error("remove", exc)
+            return
+        self._reachable()
 
     def keys(self) -> list[str]:
         """Indexed keys, least recently used first ([] when Redis does not answer)."""
@@ -446,23 +458,23 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
 
     def _guard(self) -> None:
         """Raises _Skipped (a redis.ConnectionError, handled as any) during an outage backoff."""
-        if self._now() < self._down_until:
-            raise _Skipped(f"not sent: Redis timed out less than {self.outage_backoff_s:g} s ago")
+        if self._outage.blocked():
+            raise _Skipped(f"not sent: Redis has not answered for a while ({self._outage.backoff_s:g} s backoff)")
 
     def _io_error(self, op: str, exc: Exception) -> None:
         """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news); a
-        timeout in a row (OUTAGE_TIMEOUTS) starts the outage backoff (a refused or reset connection fails at
-        once: no need)."""
+        timeout counts towards the outage backoff, an error reply as an answer (a refused or reset
+        connection fails at once: neither)."""
+        if isinstance(exc, redis.TimeoutError):
+            self._outage.timed_out()
+        elif not isinstance(exc, redis.ConnectionError):  # an error reply: the server answered
+            self._outage.answered()
         with self._lock:
             first, self._unreachable = not self._unreachable, True
-            if isinstance(exc, redis.TimeoutError):
-                self._timeouts += 1
-                if self._timeouts >= OUTAGE_TIMEOUTS:
-                    self._down_until = self._now() + self.outage_backoff_s
         (logger.warning if first else logger.debug)("redis %s failed, treating as a miss: %r", op, exc)
 
     def _reachable(self) -> None:
-        self._timeouts = 0
+        self._outage.answered()
         if self._unreachable:
             with self._lock:
                 self._unreachable = False

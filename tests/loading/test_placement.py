@@ -175,3 +175,27 @@ def test_a_hot_entry_that_fits_in_the_free_room_is_promoted_beside_a_large_hot_o
     policy.record(["big001", "hot002"] * 4)
     assert policy.apply() == [("hot002", "disk", "memory")]
     assert memory.contains("big001") and memory.contains("hot002")
+
+
+def test_promotions_out_of_redis_are_checked_like_the_others(redis_url, redis_namespace, tmp_path):
+    """Redis gives an entry's stored size too, so a promotion from Redis into a full disk tier that would
+    evict a hot entry is refused (without a size the check was skipped and copies evicted each other)."""
+    from cachefuse.store.disk import DiskStore
+    from cachefuse.store.redis import RedisKVStore
+    from cachefuse.store.tiered import TieredStore
+
+    size = len(encode_entry(make_entry(7), IDENTITY))
+    redis_tier = RedisKVStore(redis_url, IDENTITY, namespace=redis_namespace)
+    disk_tier = DiskStore(tmp_path, IDENTITY, 2 * size)
+    store = TieredStore([disk_tier, redis_tier], promote_on_hit=False)
+    keys = [f"hot{i:02d}" for i in range(4)]
+    for i, key in enumerate(keys):
+        redis_tier.put(key, make_entry(7, seed=i))
+    assert redis_tier.size_of(keys[0]) > make_entry(7).nbytes and redis_tier.size_of("absent") is None
+    policy = FrequencyPlacement(store, hot=3.0, cold=0.5, half_life_s=1e9, clock=FakeClock())
+    moved = []
+    for _ in range(5):
+        policy.record(keys * 4)
+        moved.append(len(policy.apply()))
+    assert moved == [2, 0, 0, 0, 0] and disk_tier.stats.evictions == 0
+    redis_tier.close()

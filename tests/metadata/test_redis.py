@@ -71,13 +71,14 @@ def test_another_layout_version_fails_at_once(private_redis):
 
 
 def test_paused_server_raises_store_error_then_recovers(private_redis):
-    """A server that does not answer costs two timeouts, not one per call: after two in a row, calls are
-    not sent for OUTAGE_BACKOFF_S and raise at once; then they are sent again."""
+    """A server that does not answer costs two timeouts, not one per call: once a second timeout comes a
+    whole timeout after the first with no answer between, calls are not sent for OUTAGE_BACKOFF_S and
+    raise at once; then they are sent again."""
     from cachefuse.redis_client import OUTAGE_BACKOFF_S
 
     store = RedisMetaStore(private_redis.url, max_variants=10, clock=lambda: 1.0, timeout_s=0.1)
     now = [0.0]
-    store._monotonic = lambda: now[0]
+    store._outage.clock = lambda: now[0]
     store.put(alone("A"))
     with private_redis.frozen():  # every reply waits until the block ends, however loaded the machine
         start = time.monotonic()
@@ -111,7 +112,7 @@ def test_dropped_connections_raise_store_error_then_recover(private_redis):
 def test_pins_survive_an_outage(private_redis):
     store = RedisMetaStore(private_redis.url, max_variants=1, clock=lambda: 1.0, timeout_s=0.2)
     now = [0.0]
-    store._monotonic = lambda: now[0]
+    store._outage.clock = lambda: now[0]
     store.put(alone("A"))
     store.pin(alone("A").variant_id)
     with private_redis.frozen(), pytest.raises(StoreError):

@@ -368,25 +368,29 @@ def test_stopped_server_is_a_bounded_miss_then_recovers(private_redis):
 
 def test_paused_server_is_a_bounded_miss_then_recovers(private_redis, caplog):
     """A server that does not answer (frozen, or across a partition) costs two socket timeouts, not one per
-    call: after two in a row, calls are not sent for `outage_backoff_s` and fail at once (16 chunks had
-    cost 16 timeouts per request, up to the load budget). Then the next call is sent, and the store
-    recovers. One timeout alone (a busy server) starts no backoff."""
+    call: once a second timeout comes a whole timeout after the first with no answer between, calls are
+    not sent for `outage_backoff_s` and fail at once (16 chunks had cost 16 timeouts per request, up to
+    the load budget). Then the next call is sent, and the store recovers. Timeouts of one stall (a busy
+    server; several threads at once) start no backoff."""
     now = [0.0]
     store = RedisKVStore(private_redis.url, IDENTITY, timeout_s=0.2, namespace="t", clock=lambda: now[0])
     assert store.put(KEY, make_entry(5))
     with private_redis.frozen():
         assert store.get(KEY) is None  # one timeout ...
-    assert_same_entry(store.get(KEY), make_entry(5))  # ... then an answer: no backoff
+        assert store.get_layer(KEY, 0) is None  # ... and another at the same moment (another thread's): a stall
+    assert_same_entry(store.get(KEY), make_entry(5))  # then an answer: no backoff
     with private_redis.frozen(), caplog.at_level("DEBUG", logger="cachefuse.store.redis"):
         start = time.monotonic()
-        assert store.get(KEY) is None and store.get_layer(KEY, 0) is None  # two in a row: the backoff starts
+        assert store.get(KEY) is None
+        now[0] += 0.2  # a whole socket timeout later, still no answer: the backoff starts
+        assert store.get_layer(KEY, 0) is None
         assert not store.put("bb02", make_entry(3)) and not store.contains(KEY)
         assert time.monotonic() - start < HANG_GUARD_S
     skipped = [r for r in caplog.records if "treating as a miss" in r.getMessage() and "_Skipped" in r.getMessage()]
     assert len(skipped) == 2  # the two calls after them, not sent
-    assert store.stats.misses == {"io_error": 3} and store.stats.put_failures == 1
+    assert store.stats.misses == {"io_error": 4} and store.stats.put_failures == 1
     assert store.get(KEY) is None  # unfrozen, but still within the backoff: not sent
-    now[0] = store.outage_backoff_s
+    now[0] += store._outage.backoff_s
     assert_same_entry(store.get(KEY), make_entry(5))  # sent again: the entry was kept
 
 
