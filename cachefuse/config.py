@@ -163,7 +163,8 @@ class CacheFuseConfig:
     """A file holding Redis's password (e.g. a mounted secret; surrounding whitespace is dropped), read
     once, when the config is built. Overrides a password in `redis_url`."""
     redis_capacity_bytes: int = 0
-    """Byte budget of the Redis tier over its namespace (LRU); 0: only Redis's own maxmemory applies (under noeviction; allkeys-* policies are refused at start-up)."""
+    """Byte budget of the Redis tier over its namespace (LRU); 0: only Redis's own maxmemory applies (under
+    noeviction; allkeys-* policies are refused at start-up)."""
     redis_timeout_s: float = 0.5
     """Socket connect/read timeout of every Redis call: a slow or unreachable Redis is a miss after this."""
     index_refresh_interval_s: float = 1.0

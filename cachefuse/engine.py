@@ -29,7 +29,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion_stats import FusionStats
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
-from cachefuse.loading.entries import MISS_LOAD_TIMEOUT, EntryReader, LoadBudget, LoadFigures, RankAgreement
+from cachefuse.loading.entries import EntryReader, LoadBudget, LoadFigures, RankAgreement
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
 from cachefuse.metadata.base import MetaStore, VariantRecord
@@ -307,12 +307,8 @@ class FusionEngine:
         fetched = {}
         reader = self._reader()
         for index, key in keys.items():
-            if reader.budget.exhausted():  # asking costs a call too: the rest are computed in full
-                miss_reasons[MISS_LOAD_TIMEOUT] += 1
-            elif reader.timed_call(lambda key=key: self.store.contains(key)):
+            if reader.present(key, miss_reasons):
                 fetched[index] = key
-            else:
-                miss_reasons["not_stored"] += 1
         fetched_keys = list(dict.fromkeys(fetched.values()))
         fetch = reader.timed(store_layer_fetcher(self.store, fetched_keys), figures, fetched_keys)
         # A query-aware selector's probe reads its view and score-layer keys first, straight from the

@@ -57,6 +57,16 @@ class OutageBackoff:
         """The server answered (a reply, an error reply included): not an outage."""
         self._streak_start = None
 
+    def failed(self, exc: BaseException) -> None:
+        """A call failed with `exc`: a timeout counts towards an outage, an error reply (or a reply that
+        did not parse) is an answer, a refused or reset connection (it fails at once) is neither."""
+        import redis
+
+        if isinstance(exc, redis.TimeoutError):
+            self.timed_out()
+        elif not isinstance(exc, redis.ConnectionError):
+            self.answered()
+
 
 def require_redis_package(what: str) -> None:
     """Raises ConfigError naming `what` (the field or argument that asked for Redis) and the install

@@ -107,6 +107,18 @@ class EntryReader:
             return out
         return timed_fetch
 
+    def present(self, key: str, miss_reasons: Counter) -> bool:
+        """Whether `key` is stored, asked within the budget; when not, the miss is counted under its reason
+        ("load_timeout": the budget was spent, so not asked: computed in full rather than waited for, and
+        asking costs a call too; else "not_stored")."""
+        if self.budget.exhausted():
+            miss_reasons[MISS_LOAD_TIMEOUT] += 1
+            return False
+        if not self.timed_call(lambda: self.store.contains(key)):
+            miss_reasons["not_stored"] += 1
+            return False
+        return True
+
     def read(self, segments: list[Segment], keys: dict[int, str], figures: LoadFigures
              ) -> tuple[dict[int, ChunkKV], Counter]:
         """Every declared chunk's whole entry (segment index -> entry) and the misses by reason. An entry
@@ -115,11 +127,7 @@ class EntryReader:
         loaded, miss_reasons = {}, Counter()
         for index, key in keys.items():
             seg = segments[index]
-            if self.budget.exhausted():  # computed in full rather than waited for (asking costs a call too)
-                miss_reasons[MISS_LOAD_TIMEOUT] += 1
-                continue
-            if not self.timed_call(lambda key=key: self.store.contains(key)):
-                miss_reasons["not_stored"] += 1
+            if not self.present(key, miss_reasons):
                 continue
             before = dict(self.store.stats.misses)
             start = self.clock()

@@ -336,10 +336,7 @@ class RedisMetaStore:
                 self._check_layout()
             yield
         except (redis.RedisError, ValueError, TypeError) as exc:  # also a counter holding garbage
-            if isinstance(exc, redis.TimeoutError):
-                self._outage.timed_out()
-            elif not isinstance(exc, redis.ConnectionError):  # an error reply or garbage: an answer
-                self._outage.answered()
+            self._outage.failed(exc)
             raise StoreError(f"redis metastore {op}: {exc!r}") from exc
         self._outage.answered()
 

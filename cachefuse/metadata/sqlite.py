@@ -268,14 +268,20 @@ class SqliteMetaStore:
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
         """The readable variants among `variant_ids`, in insertion order (absent and unreadable ones skipped)."""
-        ids, rows = list(dict.fromkeys(variant_ids)), []
         with self._locked():
-            for begin in range(0, len(ids), 500):  # under SQLite's bound on query parameters
-                part = ids[begin:begin + 500]
-                rows += self._conn.execute(
-                    f"SELECT * FROM variants WHERE variant_id IN ({','.join('?' * len(part))})", part).fetchall()
+            rows = self._rows_with_ids("*", variant_ids)
         rows.sort(key=lambda row: row["seq"])
         return [record for record in map(self._parse, rows) if record is not None]
+
+    def _rows_with_ids(self, columns: str, variant_ids: Sequence[str]) -> list[sqlite3.Row]:
+        """`columns` of the rows among `variant_ids` (each once; caller holds the lock), in batches under
+        SQLite's bound on query parameters."""
+        ids, rows = list(dict.fromkeys(variant_ids)), []
+        for begin in range(0, len(ids), 500):
+            part = ids[begin:begin + 500]
+            rows += self._conn.execute(
+                f"SELECT {columns} FROM variants WHERE variant_id IN ({','.join('?' * len(part))})", part).fetchall()
+        return rows
 
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         """The chunk's variants in insertion order (empty: a miss)."""
@@ -359,14 +365,8 @@ class SqliteMetaStore:
 
     def pin_many(self, variant_ids: Sequence[str]) -> list[str]:
         """`pin` of every variant that exists, in one read; returns those pinned (absent ones are skipped)."""
-        ids = list(dict.fromkeys(variant_ids))
         with self._locked():
-            found: set[str] = set()
-            for begin in range(0, len(ids), 500):  # under SQLite's bound on query parameters
-                part = ids[begin:begin + 500]
-                marks = ",".join("?" * len(part))
-                found.update(row[0] for row in self._conn.execute(
-                    f"SELECT variant_id FROM variants WHERE variant_id IN ({marks})", part))
+            found = {row[0] for row in self._rows_with_ids("variant_id", variant_ids)}
             pinned = [variant_id for variant_id in variant_ids if variant_id in found]
             for variant_id in pinned:
                 self._pins.add(variant_id)

@@ -16,11 +16,11 @@ sees the whole old file or the whole new one, never a prefix; a crashed writer l
 file, which a later scan deletes once it is older than STALE_TEMP_S (a younger one may be another
 process's write in flight). A write the filesystem refuses as full (ENOSPC) evicts least recently used
 unpinned entries and is tried once more. Entry files are opened without following links or blocking
-and must be regular files (a named pipe would block a plain open forever). The index (key -> file bytes, LRU order) is built by one directory
-scan at construction, so `contains` does no I/O. LRU order survives a restart: every write and every
-hit stamps the file's mtime from a strictly increasing clock, and the scan orders by it. An entry
-another process writes later (precompute beside a server) is indexed the first time `contains` asks
-for its key (one stat of a key the index lacks).
+and must be regular files (a named pipe would block a plain open forever). The index (key -> file
+bytes, LRU order) is built by one directory scan at construction, so `contains` does no I/O. LRU order
+survives a restart: every write and every hit stamps the file's mtime from a strictly increasing clock,
+and the scan orders by it. An entry another process writes later (precompute beside a server) is
+indexed the first time `contains` asks for its key (one stat of a key the index lacks).
 
 Reads are plain reads into tensors that own their memory, each verified (crc32) in that memory: the
 file is never memory-mapped, so a served tensor cannot change under its reader when the file is

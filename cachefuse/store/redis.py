@@ -29,8 +29,9 @@ namespace, so they need standalone Redis (or one shard), not Redis Cluster.
 
 Misses, as in disk.py: "foreign_model", "shape_mismatch", "corrupt" (bad checksum, missing or
 overlong field, unparsable header, a key of another Redis type; a field, the header included, longer
-than the whole entry's recorded size is dropped by the read script before any byte is sent), "truncated" (a field shorter than its
-shape, a header cut short, an empty header); each drops the entry unless a put replaced it meanwhile.
+than the whole entry's recorded size is dropped by the read script before any byte is sent),
+"truncated" (a field shorter than its shape, a header cut short, an empty header); each drops the entry
+unless a put replaced it meanwhile.
 Any Redis error (connection refused or reset, timeout, a server error reply) is "io_error" and keeps
 the entry. Nothing raises out of get / get_layer / contains / put / remove / keys / nbytes: every call
 returns within about `timeout_s` per round trip (redis_client never retries).
@@ -57,11 +58,12 @@ from cachefuse.store.base import ChunkKV, StoreIdentity
 logger = logging.getLogger(__name__)
 
 STAGING_TTL_S = 300
+_Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
 
 
 class _Skipped(redis.ConnectionError):
-    """A call not sent: the server timed out less than `outage_backoff_s` ago."""
-_Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
+    """A call not sent: Redis stopped answering, and the outage backoff runs (redis_client.OutageBackoff)."""
+
 
 # KEYS: entry, lru, clock, sizes, nbytes; ARGV: key, field names. Touches the LRU stamp and returns
 # {1, values...}; {0} when absent (its index entry dropped); {-1} when the key holds another type;
@@ -465,10 +467,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news); a
         timeout counts towards the outage backoff, an error reply as an answer (a refused or reset
         connection fails at once: neither)."""
-        if isinstance(exc, redis.TimeoutError):
-            self._outage.timed_out()
-        elif not isinstance(exc, redis.ConnectionError):  # an error reply: the server answered
-            self._outage.answered()
+        self._outage.failed(exc)
         with self._lock:
             first, self._unreachable = not self._unreachable, True
         (logger.warning if first else logger.debug)("redis %s failed, treating as a miss: %r", op, exc)

@@ -130,15 +130,15 @@ class SchedulerSide:
         self._budget = _StepBudget()
         self.counters: Counter[str] = Counter()
         self.figures: dict[str, Any] = {}
+        """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self.clock = time.monotonic
         self._no_go_since: dict[str, float] = {}
         """Per tier, since when the controller has turned down requests whose load it bounds (and fused
         none of them): a tier's figure only changes when a blend reads it, so after FIGURE_STALE_S of
         that, one request is fused anyway to measure the tier again."""
         self._remeasuring: dict[str, dict[str, Any]] = {}
-        """The forced decision of a request picked to re-measure, kept until it is planned or fails, so
+        """The forced decision of a request picked to re-measure, kept until the request finishes, so
         vLLM asking again (no free blocks yet) gets the same answer."""
-        """The worker's latest measured figures (tiers' bytes/s, blend and prefill speed)."""
         self._stats = CacheFuseConnectorStats()
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
                     redact_url(config.redis_url) if config.redis_url else config.store_path)

@@ -55,10 +55,7 @@ class WorkerSide:
                 "run. Install cachefuse into vLLM's environment (its `vllm.general_plugins` entry point "
                 "registers it), and if VLLM_PLUGINS is set, include 'cachefuse' in it")
         self.adapter = VLLMAdapter(model)
-        # The scheduler plans in rank 0's keys: another rank's store keys would sit in its index for good,
-        # matching no row.
-        self.tp_rank = tp_rank
-        self.reports_keys = tp_rank == 0
+        self.tp_rank = tp_rank  # rank 0 reports saved keys and counts requests' figures (see their uses)
         fingerprint = model_fingerprint(resolve_model_dir(vllm_config.model_config))
         shape = self.adapter.shape
         # QCFuse's critical layers from `cachefuse profile-layers`, stored beside the chunks (when not set)
@@ -156,7 +153,9 @@ class WorkerSide:
         finally:
             fusor.attention_backend = None
         self._meta.evict(stats.evicted_variants)
-        self._meta.announce(list(stats.saved_keys) if self.reports_keys else [],
+        # The scheduler plans in rank 0's keys: another rank's store keys would sit in its index for good,
+        # matching no row.
+        self._meta.announce(list(stats.saved_keys) if self.tp_rank == 0 else [],
                             [record_to_dict(r) for r in stats.saved_variants])
         self.figures.observe_blend(stats, len(plan.token_ids))
         # The entries read (a variant's key, not its chunk's plain key), once per request: not again on a replay.
@@ -195,7 +194,7 @@ class WorkerSide:
             self.figures.changed = False
         written = self.engine.take_save_report()  # background saves finished since the last step
         self._meta.evict(written.evicted)
-        if self.reports_keys:
+        if self.tp_rank == 0:
             self._meta.written_keys.extend(written.written)
         self._meta.save_failures += written.failures
         if written.failures:
