@@ -64,7 +64,7 @@ from cachefuse.eval.harness import (  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import fidelity, summarize  # noqa: E402
 from cachefuse.eval.stats import mean_se  # noqa: E402
-from cachefuse.select import make_selector  # noqa: E402
+from cachefuse.select.registry import make_selector  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 MAX_NEW_TOKENS = 8

@@ -36,7 +36,7 @@ from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval, selector_at, store_base_variants  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import plot_report, summarize  # noqa: E402
-from cachefuse.offline.layer_profile import LayerProfile  # noqa: E402
+from cachefuse.metadata.layer_profiles import LayerProfile  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 SELECTORS = ("cacheblend", "fusionrag", "qcfuse", "qclast", "qcall", "prophetkv")

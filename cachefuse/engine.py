@@ -43,8 +43,9 @@ from cachefuse.saving import (
     hole_saves,
     with_key_norm_anchors,
 )
-from cachefuse.select import ChunkReuse, Selector, make_selector
+from cachefuse.select.base import ChunkReuse, Selector
 from cachefuse.select.full_prefill import FullPrefillSelector
+from cachefuse.select.registry import make_selector
 from cachefuse.store.base import ChunkKV, KVStore
 
 logger = logging.getLogger(__name__)

@@ -35,9 +35,8 @@ from cachefuse.chunks import Segment
 from cachefuse.errors import StoreError
 from cachefuse.fusor import FuseResult, extract_chunk_kv
 from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id
-from cachefuse.offline.anchors import choose_anchors, with_anchors
 from cachefuse.rope import RopeSpec
-from cachefuse.select.qcfuse import ANCHORS_META
+from cachefuse.select.qcfuse import ANCHORS_META, choose_anchors, with_anchors
 from cachefuse.store.base import ChunkKV, KVStore, select_rows
 
 logger = logging.getLogger(__name__)

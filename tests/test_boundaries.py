@@ -16,10 +16,10 @@ class Blocker:
 sys.meta_path.insert(0, Blocker())
 import cachefuse, cachefuse.config, cachefuse.rope, cachefuse.chunks, cachefuse.ops, cachefuse.fusor
 import cachefuse.engine, cachefuse.select, cachefuse.store.tiered, cachefuse.adapters.hf
-import cachefuse.cli, cachefuse.metadata.index, cachefuse.metadata.sqlite, cachefuse.loading.placement
+import cachefuse.cli.main, cachefuse.metadata.index, cachefuse.metadata.sqlite, cachefuse.loading.placement
 import cachefuse.offline.precompute, cachefuse.eval.harness, cachefuse.eval.vllm_backend, cachefuse.store_report
 import torch
-from cachefuse.select import make_selector
+from cachefuse.select.registry import make_selector
 from cachefuse.config import CacheFuseConfig
 for name in ("full_prefill", "full_reuse", "cacheblend", "epic", "random"):
     make_selector(name, CacheFuseConfig())

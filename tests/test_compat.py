@@ -18,7 +18,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from cachefuse.cli import build_parser
+from cachefuse.cli.main import build_parser
 from cachefuse.config import CacheFuseConfig
 
 SURFACE = json.loads((Path(__file__).parent / "compat_surface.json").read_text())
@@ -92,8 +92,8 @@ def test_entry_points_resolve():
     assert plugin.value == "cachefuse.vllm.plugin:register"
     assert callable(plugin.load())
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "cachefuse"]
-    assert script.value == "cachefuse.cli:main"
-    assert script.load() is importlib.import_module("cachefuse.cli").main
+    assert script.value == "cachefuse.cli.main:main"  # the command's name is the surface; its module may move
+    assert script.load() is importlib.import_module("cachefuse.cli.main").main
 
 
 def test_the_connector_module_path_users_configure_still_holds_the_connector():

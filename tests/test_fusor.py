@@ -25,8 +25,8 @@ from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, Fusor
 from cachefuse.metadata.base import variant_store_key
-from cachefuse.select import make_selector
 from cachefuse.select.qcfuse import ANCHORS_META
+from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.models import ALL_FAMILIES
 from tests.test_attention import bottom_right_attention

@@ -20,8 +20,8 @@ from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, Fusor
 from cachefuse.loading.loader import LoadedLayers
-from cachefuse.select import make_selector
 from cachefuse.select.base import CheckLayerKV
+from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import hole_request_parts
 
 READ_BACK_OPS = {"nonzero", "_unique2", "unique_consecutive", "unique_dim", "_local_scalar_dense", "masked_select",

@@ -23,7 +23,6 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.fusor import FuseRequest, Fusor
 from cachefuse.probe import question_rows, run_probe
-from cachefuse.select import make_selector
 from cachefuse.select.base import ProbeSpec
 from cachefuse.select.qcfuse import (
     ANCHORS_META,
@@ -35,6 +34,7 @@ from cachefuse.select.qcfuse import (
     key_norm_scores,
     rank_anchors,
 )
+from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import hole_request_parts, make_engine
 
 TOL = dict(atol=1e-4, rtol=1e-4)

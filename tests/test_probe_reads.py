@@ -17,8 +17,8 @@ import torch
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.offline.anchors import anchor_annotator
-from cachefuse.select import make_selector
 from cachefuse.select.qcfuse import anchors_from_meta
+from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import make_case, make_engine
 
 

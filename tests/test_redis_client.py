@@ -62,7 +62,7 @@ def test_a_password_source_that_does_not_work_fails_at_start_up(fields, name):
 
 
 def test_a_store_reaches_a_password_protected_redis_with_the_password_from_the_environment(monkeypatch):
-    from cachefuse.metadata import open_config_metastore
+    from cachefuse.metadata.backends import open_config_metastore
     from tests.helpers.redis_server import RedisServer
 
     with RedisServer(password="pw-from-env") as server:
@@ -83,7 +83,7 @@ def test_a_rejected_url_is_shown_without_its_password():
 
 
 def test_inspect_prints_an_unreachable_store_without_its_password(capsys):
-    from cachefuse.cli import main
+    from cachefuse.cli.main import main
     from tests.helpers.redis_server import free_port
 
     assert main(["inspect", "--store", f"redis://:hunter2@127.0.0.1:{free_port()}/0"]) == 1

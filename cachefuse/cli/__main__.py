@@ -2,6 +2,6 @@
 
 import sys
 
-from cachefuse.cli import main
+from cachefuse.cli.main import main
 
 sys.exit(main())

@@ -62,14 +62,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     from cachefuse.eval.harness import reference_engine
     from cachefuse.eval.qa_set import answer_evidence_rows, eval_items, make_items
-    from cachefuse.offline.layer_profile import (
-        evidence_item,
-        format_profile,
-        plot_profile,
-        profile_layers,
-        profile_path,
-        save_profile,
-    )
+    from cachefuse.metadata.layer_profiles import profile_path, save_profile
+    from cachefuse.offline.layer_profile import evidence_item, format_profile, plot_profile, profile_layers
 
     engine, tokenizer = reference_engine(args.model, config)
     qa = make_items(args.split, args.items, args.seed)

@@ -39,7 +39,8 @@ from cachefuse.eval.fidelity import greedy_continuation, kv_deviation_per_layer,
 from cachefuse.eval.metrics import best_score, normalize_answer, qa_f1_score, rouge_l_score
 from cachefuse.fusor import FuseResult
 from cachefuse.offline.anchors import anchor_annotator
-from cachefuse.select import Selector, make_selector
+from cachefuse.select.base import Selector
+from cachefuse.select.registry import make_selector
 
 BASELINES = ("full_prefill", "full_reuse")
 DEFAULT_SELECTORS = ("cacheblend", "epic", "cachecraft", "random")

@@ -50,7 +50,8 @@ from cachefuse.eval.fidelity import greedy_continuation, matching_prefix
 from cachefuse.eval.harness import decode_text, store_base_variants
 from cachefuse.eval.metrics import qa_f1_score
 from cachefuse.jsonl import read_jsonl
-from cachefuse.select import Selector, make_selector
+from cachefuse.select.base import Selector
+from cachefuse.select.registry import make_selector
 
 METRICS = ("match", "f1")
 

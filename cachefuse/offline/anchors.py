@@ -1,6 +1,8 @@
 """QCFuse's anchors chosen offline and stored in each chunk's metadata, where the `qcfuse` selector reads them.
 
-Imports torch, cachefuse.{adapters.base, attention, select.qcfuse, store.base}. Two rankings of a
+Imports torch, cachefuse.{adapters.base, attention, select.qcfuse, store.base}. The ranking and storing
+of anchors (`choose_anchors`, `with_anchors`) live in select/qcfuse.py, where hole saves reach them at
+serving time; this module adds what needs the model offline (`received_attention`). Two rankings of a
 chunk's tokens (the first `sink_tokens` are always anchors, then the highest ranked, ceil(r_a x |c|)
 in all, as `select.qcfuse.rank_anchors` counts them):
 
@@ -23,10 +25,8 @@ import torch
 
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
-from cachefuse.select.qcfuse import ANCHORS_META, anchors_meta, key_norm_scores, rank_anchors
+from cachefuse.select.qcfuse import RANKINGS, choose_anchors, with_anchors
 from cachefuse.store.base import ChunkKV
-
-RANKINGS = ("key_norm", "attention")
 
 
 @torch.inference_mode()
@@ -56,27 +56,6 @@ def received_attention(adapter: ModelAdapter, token_ids: Sequence[int], chunk_st
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
     viewers = (num_tokens - chunk_rows).float()  # chunk rows at or after each chunk token
     return (received[chunk_start:] / shape.num_layers / viewers).cpu()
-
-
-def choose_anchors(entry: ChunkKV, ranking: str, ratio: float, sink_tokens: int,
-                   attention_scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Sorted chunk-local offsets of the anchors (CPU int64); "attention" needs `attention_scores`."""
-    if ranking == "key_norm":
-        scores = key_norm_scores(entry.k_nope).cpu()
-    elif ranking == "attention":
-        if attention_scores is None or attention_scores.numel() != entry.num_tokens:
-            raise ValueError(f"ranking 'attention' needs {entry.num_tokens} scores (received_attention)")
-        scores = attention_scores
-    else:
-        raise ValueError(f"anchor ranking {ranking!r}: expected one of {', '.join(RANKINGS)}")
-    return rank_anchors(scores, ratio, sink_tokens).cpu()
-
-
-def with_anchors(entry: ChunkKV, offsets: torch.Tensor, ranking: str, ratio: float, sink_tokens: int) -> ChunkKV:
-    """The same tensors (not copied: stored entries are read-only) with the anchors in the metadata."""
-    meta = dict(entry.meta)
-    meta[ANCHORS_META] = anchors_meta(offsets, ranking, ratio, sink_tokens)
-    return ChunkKV(entry.k_nope, entry.v, meta)
 
 
 def anchor_annotator(adapter: ModelAdapter, prefix_ids: Sequence[int], ranking: str, ratio: float,

@@ -190,7 +190,7 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
 
 def _variant_rows(config: CacheFuseConfig) -> set[str]:
     """Store keys of the variants the engine's metadata store has rows for."""
-    from cachefuse.metadata import open_config_metastore
+    from cachefuse.metadata.backends import open_config_metastore
 
     metastore = open_config_metastore(config)
     try:

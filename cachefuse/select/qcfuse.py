@@ -29,6 +29,10 @@ import torch
 
 from cachefuse.chunks import Segment
 from cachefuse.select.base import ProbeSelector, ProbeSpec
+from cachefuse.store.base import ChunkKV
+
+RANKINGS = ("key_norm", "attention")
+"""How a chunk's tokens are ranked for anchors (cachefuse.offline.anchors says how each is computed)."""
 
 ANCHORS_META = "qcfuse_anchors"
 """Entry metadata key: JSON {"ranking", "ratio", "sink_tokens", "offsets"} of the chunk's anchors."""
@@ -72,6 +76,27 @@ def anchors_from_meta(meta: Mapping[str, str], num_tokens: int, ratio: float, si
 def anchors_meta(offsets: torch.Tensor, ranking: str, ratio: float, sink_tokens: int) -> str:
     return json.dumps({"ranking": ranking, "ratio": ratio, "sink_tokens": sink_tokens,
                        "offsets": [int(x) for x in offsets]})
+
+
+def choose_anchors(entry: ChunkKV, ranking: str, ratio: float, sink_tokens: int,
+                   attention_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted chunk-local offsets of the anchors (CPU int64); "attention" needs `attention_scores`."""
+    if ranking == "key_norm":
+        scores = key_norm_scores(entry.k_nope).cpu()
+    elif ranking == "attention":
+        if attention_scores is None or attention_scores.numel() != entry.num_tokens:
+            raise ValueError(f"ranking 'attention' needs {entry.num_tokens} scores (received_attention)")
+        scores = attention_scores
+    else:
+        raise ValueError(f"anchor ranking {ranking!r}: expected one of {', '.join(RANKINGS)}")
+    return rank_anchors(scores, ratio, sink_tokens).cpu()
+
+
+def with_anchors(entry: ChunkKV, offsets: torch.Tensor, ranking: str, ratio: float, sink_tokens: int) -> ChunkKV:
+    """The same tensors (not copied: stored entries are read-only) with the anchors in the metadata."""
+    meta = dict(entry.meta)
+    meta[ANCHORS_META] = anchors_meta(offsets, ranking, ratio, sink_tokens)
+    return ChunkKV(entry.k_nope, entry.v, meta)
 
 
 def critical_layer_indices(layers: Sequence[int], num_layers: int) -> tuple[int, ...]:

@@ -47,13 +47,14 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.loading.controller import RequestShape, decide, tier_bytes
 from cachefuse.loading.figures import FIGURE_STALE_S, ComputeFigures, TierFigures
-from cachefuse.metadata import open_config_metastore
+from cachefuse.metadata.backends import open_config_metastore
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import Admission, IndexRefresher, VariantChoice, VariantIndex, plan_variants
-from cachefuse.offline.layer_profile import with_profiled_layers
+from cachefuse.metadata.layer_profiles import with_profiled_layers
 from cachefuse.redis_client import redact_url
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
-from cachefuse.select import PlannedChunk, make_selector
+from cachefuse.select.base import PlannedChunk
+from cachefuse.select.registry import make_selector
 from cachefuse.store.disk import DiskStore, list_keys
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats

@@ -24,11 +24,11 @@ from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.loading.figures import FigureRecorder
 from cachefuse.loading.placement import FrequencyPlacement
-from cachefuse.metadata import open_config_metastore, open_metastore
+from cachefuse.metadata.backends import open_config_metastore, open_metastore
 from cachefuse.metadata.base import record_to_dict
-from cachefuse.offline.layer_profile import with_profiled_layers
-from cachefuse.select import make_selector
+from cachefuse.metadata.layer_profiles import with_profiled_layers
 from cachefuse.select.fixed import FixedSelector
+from cachefuse.select.registry import make_selector
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store
 from cachefuse.vllm.adapters import VLLMAdapter

@@ -151,7 +151,7 @@ def test_a_fused_pass_rotates_q_and_k_in_one_launch_per_layer(adapter, monkeypat
     """Through Fusor.fuse (inference mode), every rotation of the adapter's own q and k is one call."""
     from cachefuse.config import CacheFuseConfig
     from cachefuse.fusor import FuseRequest, Fusor
-    from cachefuse.select import make_selector
+    from cachefuse.select.registry import make_selector
     from tests.helpers.fusion import hole_request_parts
 
     if hasattr(adapter.layers[1].self_attn, "q_norm"):

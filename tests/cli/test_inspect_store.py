@@ -7,10 +7,10 @@ import json
 import pytest
 
 from cachefuse.chunks import KeyContext
-from cachefuse.cli import main
+from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.engine import FusionEngine
-from cachefuse.metadata import open_config_metastore
+from cachefuse.metadata.backends import open_config_metastore
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store

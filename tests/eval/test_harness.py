@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cachefuse.chunks import build_rag_prompt
-from cachefuse.cli import main
+from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.eval.harness import (
     EvalItem,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachefuse.adapters.hf import HFAdapter
-from cachefuse.cli import main
+from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.eval.metrics import normalize_answer, qa_f1_score

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import Segment
 from cachefuse.config import CacheFuseConfig
-from cachefuse.offline.anchors import anchor_annotator, choose_anchors, received_attention
-from cachefuse.select import make_selector
-from cachefuse.select.qcfuse import anchors_from_meta
+from cachefuse.offline.anchors import anchor_annotator, received_attention
+from cachefuse.select.qcfuse import anchors_from_meta, choose_anchors
+from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import make_case, make_engine
 
 

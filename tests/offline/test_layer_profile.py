@@ -21,18 +21,16 @@ import torch
 
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import segment_prompt
-from cachefuse.cli import main as cli_main
+from cachefuse.cli.main import main as cli_main
 from cachefuse.config import CacheFuseConfig
-from cachefuse.offline.layer_profile import (
+from cachefuse.metadata.layer_profiles import (
     LayerProfile,
-    evidence_item,
     load_profile,
-    profile_layers,
     profile_path,
-    recall_at,
     save_profile,
     with_profiled_layers,
 )
+from cachefuse.offline.layer_profile import evidence_item, profile_layers, recall_at
 from cachefuse.select.qcfuse import QCFuseSelector
 from tests.helpers.fusion import make_case, make_engine
 
@@ -123,7 +121,7 @@ def test_a_stored_profile_serves_its_own_model_only(tmp_path, caplog):
     assert config.qcfuse_critical_layers == (1, 2)
     explicit = CacheFuseConfig(qcfuse_critical_layers=(0,))
     assert with_profiled_layers(explicit, tmp_path, "fp", 4) is explicit  # a set field wins
-    with caplog.at_level(logging.WARNING, logger="cachefuse.offline.layer_profile"):
+    with caplog.at_level(logging.WARNING, logger="cachefuse.metadata.layer_profiles"):
         assert load_profile(tmp_path, "fp", 6) is None  # another depth (the same name: a renamed copy)
         assert load_profile(tmp_path, "other", 4) is None  # nothing stored for that model: no warning
         save_profile(_profile(fingerprint="x"), profile_path(tmp_path, "y"))

@@ -16,8 +16,9 @@ from cachefuse.attention import rows_attention
 from cachefuse.chunks import Segment, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor
-from cachefuse.select import ChunkReuse, PlannedChunk, RowEstimate, SelectionContext, make_selector
+from cachefuse.select.base import ChunkReuse, PlannedChunk, RowEstimate, SelectionContext
 from cachefuse.select.cachecraft import CacheCraftSelector
+from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import make_case, make_engine
 from tests.helpers.tolerances import TOL
 

@@ -9,9 +9,15 @@ import torch
 
 from cachefuse.chunks import Segment
 from cachefuse.config import CacheFuseConfig
-from cachefuse.select import CheckLayerKV, PlannedChunk, RowEstimate, SelectionContext, make_selector
-from cachefuse.select.base import num_rows_for_ratio
+from cachefuse.select.base import (
+    CheckLayerKV,
+    PlannedChunk,
+    RowEstimate,
+    SelectionContext,
+    num_rows_for_ratio,
+)
 from cachefuse.select.cacheblend import kv_deviation
+from cachefuse.select.registry import make_selector
 
 SEGMENTS = (
     Segment(0, 10, is_chunk=True, is_system=True),

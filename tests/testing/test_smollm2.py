@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cachefuse.cli import build_parser
+from cachefuse.cli.main import build_parser
 from cachefuse.errors import ConfigError
 from cachefuse.testing import smollm2
 

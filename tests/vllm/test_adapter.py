@@ -24,7 +24,7 @@ from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import UnsupportedModelError
 from cachefuse.fusor import FuseRequest, FuseResult, Fusor
-from cachefuse.select import make_selector
+from cachefuse.select.registry import make_selector
 from cachefuse.vllm.adapters import SUPPORTED_VLLM_VERSION, VLLMAdapter, check_vllm_version
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.tolerances import TOL

@@ -5,7 +5,7 @@ default ones (the control: the default's depth on this model is deeper)."""
 from __future__ import annotations
 
 from cachefuse.chunks import model_fingerprint
-from cachefuse.offline.layer_profile import LayerProfile, profile_path, save_profile
+from cachefuse.metadata.layer_profiles import LayerProfile, profile_path, save_profile
 from cachefuse.select.qcfuse import default_critical_layers
 from tests.helpers.vllm_engines import (
     generate,

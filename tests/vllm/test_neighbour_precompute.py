@@ -131,7 +131,7 @@ def test_cli_fuse_neighbours_with_the_lexical_embedder(model_dir, tmp_path):
 
 
 def test_cli_fuse_neighbours_needs_a_system_prompt(model_dir, tmp_path, capsys):
-    from cachefuse.cli import main
+    from cachefuse.cli.main import main
 
     chunks = tmp_path / "chunks.jsonl"
     chunks.write_text(json.dumps({"text": CHUNKS[0]}) + "\n")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cachefuse.chunks import KeyContext, build_rag_prompt, chunk_key, model_fingerprint, tokenize_piece
-from cachefuse.cli import main
+from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.store.disk import list_keys
