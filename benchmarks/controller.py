@@ -51,7 +51,7 @@ from fusor_prefill import CHUNK_LEN, NUM_CHUNKS, QUESTION_LEN, SYSTEM_LEN, bench
 from cachefuse.adapters.hf import HFAdapter  # noqa: E402
 from cachefuse.chunks import KeyContext  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
-from cachefuse.engine import FusionEngine  # noqa: E402
+from cachefuse.fusion.engine import FusionEngine  # noqa: E402
 from cachefuse.loading.controller import RequestShape, decide, pipeline_depth  # noqa: E402
 from cachefuse.loading.figures import FigureRecorder, TierFigures  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from cachefuse.adapters.hf import HFAdapter  # noqa: E402
 from cachefuse.chunks import KeyContext  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
-from cachefuse.engine import FusionEngine  # noqa: E402
+from cachefuse.fusion.engine import FusionEngine  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.memory import MemoryStore  # noqa: E402
 from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402

@@ -8,7 +8,7 @@ variant (computed after the system prompt alone). Settings: full prefill, full r
 `--ratios` cacheblend, fusionrag (final-layer question attention over the full loaded view), qcfuse
 (anchors at r_a 0.1, the default critical layers, or a profile's with `--layer-profile`), qclast / qcall (QCFuse's view scored at the last /
 every layer) and prophetkv (the full view scored at every layer). Ratio 0 is full reuse and 1 full
-prefill for all of them (tests/test_probe.py, tests/test_fusor.py), so they are not rerun.
+prefill for all of them (tests/fusion/test_probe.py, tests/fusion/test_fusor.py), so they are not rerun.
 
 Reports token F1 (8 greedy tokens) per setting with paired differences against cacheblend at the
 same ratio (cachefuse.eval.report), fidelity to full prefill, and, at 15%, the selection overhead:

@@ -15,7 +15,8 @@ import torch
 
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusor import FuseRequest, Fusor
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FuseRequest
 from cachefuse.select.epic import EpicSelector
 from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import hole_request_parts, make_engine, precompute_case

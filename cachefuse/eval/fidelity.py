@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from cachefuse.adapters.hf import HFAdapter
-from cachefuse.fusor import FuseResult
+from cachefuse.fusion.plan import FuseResult
 
 
 def kv_deviation_per_layer(fused: FuseResult, full: FuseResult) -> list[float]:

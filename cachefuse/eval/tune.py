@@ -44,11 +44,11 @@ from typing import Any
 
 from cachefuse.chunks import RagPrompt, build_rag_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
 from cachefuse.errors import ConfigError
 from cachefuse.eval.fidelity import greedy_continuation, matching_prefix
 from cachefuse.eval.harness import decode_text, store_base_variants
 from cachefuse.eval.metrics import qa_f1_score
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.jsonl import read_jsonl
 from cachefuse.select.base import Selector
 from cachefuse.select.registry import make_selector

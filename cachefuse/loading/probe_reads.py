@@ -2,7 +2,7 @@
 
 Imports torch, `cachefuse.store.base` and `cachefuse.loading.{loader, entries}` (miss reporting, the
 blend's load budget); never vllm. A query-aware selector (qcfuse, fusionrag) scores rows with a probe
-over each chunk's metadata, anchor rows and score-layer keys (cachefuse.probe); reading only those
+over each chunk's metadata, anchor rows and score-layer keys (cachefuse.fusion.probe); reading only those
 instead of whole entries is what keeps the probe's load small when the pass itself then fetches layer
 by layer (cachefuse.loading.loader).
 """
@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 class StoreProbeReads:
     """The question probe's reads, straight from the store, before selection (a ProbeSource,
-    cachefuse.probe): each chunk's metadata (where its anchors are stored), its view rows of the layers
+    cachefuse.fusion.probe): each chunk's metadata (where its anchors are stored), its view rows of the layers
     the probe runs, and every row's K at the score layers; the rest of each entry is fetched layer by
     layer for the blend pass that follows. A miss raises LayerUnavailable, as a fetch does.
 

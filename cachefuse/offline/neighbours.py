@@ -129,7 +129,7 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
     """Stores every chunk's base variant (if missing) and its neighbour variant (FusionRAG's offline stage).
 
     Args:
-        engine: a cachefuse.engine.FusionEngine (the reference engine) over the store to fill.
+        engine: a cachefuse.fusion.engine.FusionEngine (the reference engine) over the store to fill.
         system_ids: the system prompt's ids ([BOS] + ids, as `build_rag_prompt` makes them): the prompt
             start every chunk is computed after.
         chunks: the knowledge base, one id list per chunk.

@@ -53,7 +53,7 @@ class SelectionContext:
     """Segment index -> the chosen variant's CFO and ranking, for loaded chunks the metadata knows."""
     probe_scores: torch.Tensor | None = None
     """[num_candidates] fp32 aligned with `candidate_rows`: the question probe's score of each candidate
-    (cachefuse.probe), set before `initial_rows` when the selector asks for a probe; else None."""
+    (cachefuse.fusion.probe), set before `initial_rows` when the selector asks for a probe; else None."""
     probe_layer_scores: Mapping[int, torch.Tensor] | None = None
     """Score layer -> that layer's share of `probe_scores`, when the probe spec asks `per_layer`."""
 
@@ -80,7 +80,7 @@ class CheckLayerKV:
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """What a query-aware selector asks of the question probe (cachefuse.probe) before the blend pass."""
+    """What a query-aware selector asks of the question probe (cachefuse.fusion.probe) before the blend pass."""
 
     score_layers: tuple[int, ...]
     """Sorted distinct layers (0-based) at which the question's attention scores the context."""

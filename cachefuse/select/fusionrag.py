@@ -1,6 +1,6 @@
 """fusionrag: FusionRAG's query-guided selection (SIGMOD'26, section 3.2).
 
-The question is run first over every loaded row (a probe through all layers, cachefuse.probe); its
+The question is run first over every loaded row (a probe through all layers, cachefuse.fusion.probe); its
 attention to each context token at the last `score_layers` layers scores the token; one global top-k
 at the recompute ratio is recomputed through every layer. Its offline half (chunks stored after their
 likely neighbours) is cachefuse.offline.neighbours and works under any selector.

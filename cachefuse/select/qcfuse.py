@@ -1,6 +1,6 @@
 """qcfuse: QCFuse's query-aware selection over a compressed view (anchors, critical layers).
 
-The question is probed (cachefuse.probe) against the system chunk and each loaded chunk's *anchors*
+The question is probed (cachefuse.fusion.probe) against the system chunk and each loaded chunk's *anchors*
 only, up to the deepest critical layer; at each critical layer its attention to every context token
 (the full context's keys) scores the token; one global top-k at the recompute ratio is recomputed
 through every layer. The ablations are configurations of this one class (docs/selectors.md):

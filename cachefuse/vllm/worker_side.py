@@ -20,8 +20,8 @@ import torch
 
 from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
 from cachefuse.errors import CacheFuseError, StoreError
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.loading.figures import FigureRecorder
 from cachefuse.loading.placement import FrequencyPlacement
 from cachefuse.metadata.backends import open_config_metastore, open_metastore

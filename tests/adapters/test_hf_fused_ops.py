@@ -150,7 +150,8 @@ def test_only_adjacent_views_of_one_tensor_rotate_together():
 def test_a_fused_pass_rotates_q_and_k_in_one_launch_per_layer(adapter, monkeypatch, tiny_model_dir):
     """Through Fusor.fuse (inference mode), every rotation of the adapter's own q and k is one call."""
     from cachefuse.config import CacheFuseConfig
-    from cachefuse.fusor import FuseRequest, Fusor
+    from cachefuse.fusion.fusor import Fusor
+    from cachefuse.fusion.plan import FuseRequest
     from cachefuse.select.registry import make_selector
     from tests.helpers.fusion import hole_request_parts
 

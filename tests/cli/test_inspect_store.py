@@ -9,7 +9,7 @@ import pytest
 from cachefuse.chunks import KeyContext
 from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.metadata.backends import open_config_metastore
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.store.base import StoreIdentity

@@ -12,7 +12,7 @@ import torch
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.memory import MemoryStore
 from tests.helpers.fusion import make_case, precompute_case

@@ -9,7 +9,7 @@ import torch
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.memory import MemoryStore
 

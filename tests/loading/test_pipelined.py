@@ -15,8 +15,8 @@ import torch
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
 from cachefuse.errors import ConfigError
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.disk import DiskStore
 from tests.helpers.fusion import make_case, precompute_case

@@ -15,7 +15,8 @@ from cachefuse.adapters.hf import HFAdapter
 from cachefuse.attention import rows_attention
 from cachefuse.chunks import Segment, segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusor import FuseRequest, FuseResult, Fusor
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FuseRequest, FuseResult
 from cachefuse.select.base import ChunkReuse, PlannedChunk, RowEstimate, SelectionContext
 from cachefuse.select.cachecraft import CacheCraftSelector
 from cachefuse.select.registry import make_selector

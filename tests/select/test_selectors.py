@@ -1,5 +1,5 @@
 """Selector sets: sizes follow the ratio (and schedule), gradual-filtering sets nest, EPIC picks chunk
-heads, the control is seeded. Forced rows are the fusor's job: see tests/test_fusor.py."""
+heads, the control is seeded. Forced rows are the fusor's job: see tests/fusion/test_fusor.py."""
 
 import dataclasses
 import math

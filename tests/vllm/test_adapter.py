@@ -9,7 +9,7 @@
 
 fp32 tolerances: both engines run the same fp32 math in a different summation order (vLLM's oneDNN
 GEMMs and CPU attention kernel vs torch), measured differences are ~1e-6; logits and logprobs
-are compared at 1e-4 (as tests/test_fusor.py), K/V at the float32 entry of TOL.
+are compared at 1e-4 (as tests/fusion/test_fusor.py), K/V at the float32 entry of TOL.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import UnsupportedModelError
-from cachefuse.fusor import FuseRequest, FuseResult, Fusor
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FuseRequest, FuseResult
 from cachefuse.select.registry import make_selector
 from cachefuse.vllm.adapters import SUPPORTED_VLLM_VERSION, VLLMAdapter, check_vllm_version
 from tests.helpers.fusion import make_case, make_engine, precompute_case

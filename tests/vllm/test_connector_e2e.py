@@ -21,7 +21,7 @@ import torch
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, model_fingerprint
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.select.fixed import FixedSelector
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.memory import MemoryStore

@@ -1,4 +1,4 @@
-"""Hole saves behind the request (cachefuse/saving.py):
+"""Hole saves behind the request (cachefuse/fusion/saving.py):
 
 - a store whose writes block never blocks a prefill saving in the background (inline, the same prefill
   would wait: the negative control); the queued hole reads as stored at once, and the next prefill
@@ -21,10 +21,11 @@ import torch
 
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore
+from cachefuse.fusion.engine import FusionEngine
+from cachefuse.fusion.saving import HoleSave, HoleWriter
 from cachefuse.metadata.base import VariantRecord
 from cachefuse.metadata.sqlite import SqliteMetaStore
-from cachefuse.saving import BackgroundSaver, HoleSave, HoleWriter, PendingReadsStore
 from cachefuse.store.base import ChunkKV, StoreIdentity
 from cachefuse.store.memory import MemoryStore
 from tests.helpers.fusion import make_case, make_engine

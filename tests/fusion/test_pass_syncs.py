@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cachefuse import fusor as fusor_module
+from cachefuse.fusion import fusor as fusor_module
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusor import FuseRequest, Fusor
-from cachefuse.loading.loader import LoadedLayers
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.layers import LoadedLayers
+from cachefuse.fusion.plan import FuseRequest
 from cachefuse.select.base import CheckLayerKV
 from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import hole_request_parts

@@ -1,6 +1,7 @@
 """Fusor: the layer-wise blend pass (CacheBlend section 4, generalised over selectors).
 
-Imports torch, cachefuse.{adapters.base, attention, chunks, loading.loader, ops, select, store.base};
+Imports torch, cachefuse.{adapters.base, attention, chunks, fusion.layers, fusion.plan, fusion.probe, ops,
+select.base, store.base};
 never vllm.
 Given a prompt, its segments and the loaded RoPE-stripped chunk caches, it re-rotates cached K to
 target positions, runs the selector's full layers over every row, then recomputes only the
@@ -21,8 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,80 +31,13 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
-from cachefuse.loading.loader import FetchLayer, LoadedLayers
-from cachefuse.probe import EntrySource, ProbeResult, ProbeSource, run_probe
-from cachefuse.select.base import CheckLayerKV, ChunkReuse, SelectionContext, Selector
+from cachefuse.fusion.layers import LoadedLayers
+from cachefuse.fusion.plan import FuseRequest, FuseResult
+from cachefuse.fusion.probe import EntrySource, ProbeResult, ProbeSource, run_probe
+from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
 RowsAttention = Callable[..., torch.Tensor]
-
-
-@dataclass
-class FuseRequest:
-    """One prompt to fuse."""
-
-    token_ids: torch.Tensor
-    """[num_tokens] int64, the whole prompt."""
-    segments: Sequence[Segment]
-    """Tile [0, num_tokens) (chunks.segment_prompt)."""
-    loaded: Mapping[int, ChunkKV]
-    """Segment index -> its stored K/V; a declared chunk absent here is a hole (computed in full)."""
-    ratio: float
-    """Recompute ratio over the candidate rows (docs/architecture.md, Definitions)."""
-    fetch_layer: FetchLayer | None = None
-    """Layer -> K/V of the chunks in `fetched` (loader.store_layer_fetcher), called for layers 0..L-1
-    in order. A layer that misses raises loader.LayerUnavailable out of `fuse` (the caller re-runs)."""
-    fetched: Mapping[int, str] = field(default_factory=dict)
-    """Segment index -> chunk key served by `fetch_layer`; loaded like `loaded`, one layer at a time."""
-    preload_depth: int = 1
-    """Layers `fetch_layer` may run ahead on a loader thread; 0 fetches in the pass's own thread."""
-    reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
-    """Segment index -> the chosen variant's CFO and recompute ranking (SelectionContext.reuse)."""
-    probe_source: ProbeSource | None = None
-    """With `fetched`: where the question probe reads before selection (probe_reads.StoreProbeReads: the
-    anchors' rows and the score layers' keys only); whole `loaded` entries need none."""
-    collect_attention_stats: bool = False
-    """Gather each hole's attention mass per segment (FuseResult.hole_token_mass): one extra softmax
-    pass over the holes' rows, for the statistics a saved variant carries."""
-
-
-@dataclass
-class FuseResult:
-    k: list[torch.Tensor]
-    """Per layer [num_tokens, num_kv_heads, head_dim], rotated at positions 0..num_tokens-1. Empty when the
-    attention backend wrote every layer into its own cache (`writes_kv`): then only `hole_kv` is kept."""
-    v: list[torch.Tensor]
-    """Per layer [num_tokens, num_kv_heads, head_dim] (empty as `k`)."""
-    logits: torch.Tensor
-    """[vocab_size] fp32 at the last prompt position."""
-    rows_per_layer: list[torch.Tensor | None]
-    """Rows computed at each layer (None: every row)."""
-    num_candidates: int
-    num_selected: int
-    """Candidate rows recomputed after the last selection."""
-    num_forced: int
-    """Holes, undeclared tokens, question and last token (computed in every layer)."""
-    hole_segments: list[int] = field(default_factory=list)
-    layer_seconds: list[float] = field(default_factory=list)
-    """Time of each layer of the pass (Fusor.clock), the samples of the compute figures."""
-    hole_token_mass: dict[int, list[list[float]]] = field(default_factory=dict)
-    """With FuseRequest.collect_attention_stats: hole segment index -> [token][segment] attention mass each
-    of its tokens puts on each segment, averaged over heads and layers."""
-    probe_seconds: float = 0.0
-    """Time of the question probe before the pass (query-aware selectors; Fusor.clock), else 0."""
-    probe_layers: int = 0
-    """Layers the probe ran (0: no probe)."""
-    probe_rows: int = 0
-    """Rows the probe computed at each of its layers (the forced rows)."""
-    hole_kv: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
-    """With a backend that writes K/V (`k` and `v` empty): hole segment start -> per layer (K, V) of its rows,
-    copied: what saving reads, instead of every layer's whole prompt kept to the end of the pass."""
-
-    @property
-    def hole_attention(self) -> dict[int, list[float]]:
-        """Per hole, the mass its rows put on each segment (summed over its tokens; Cache-Craft's
-        inter/intra attention)."""
-        return {h: [sum(column) for column in zip(*rows, strict=True)] for h, rows in self.hole_token_mass.items()}
 
 
 class _RequestLayout:
@@ -427,19 +360,3 @@ def _segment_of_key(segments: Sequence[Segment], device: torch.device) -> torch.
     """int64 [num_tokens]: the index of the segment each row belongs to."""
     lengths = torch.tensor([s.length for s in segments], device=device)
     return torch.repeat_interleave(torch.arange(len(segments), device=device), lengths)
-
-
-def extract_chunk_kv(result: FuseResult, segment: Segment, rope_spec, meta: dict[str, str] | None = None) -> ChunkKV:
-    """A segment's fused K/V as a storable entry: RoPE stripped at the segment's positions, copied.
-
-    Raises:
-        KeyError: the pass kept only the holes' K/V (FuseResult.hole_kv) and `segment` was not a hole.
-    """
-    if result.k:
-        k_rows = [k[segment.start:segment.end] for k in result.k]
-        v_rows = [v[segment.start:segment.end].clone() for v in result.v]
-    else:
-        k_rows, v_rows = result.hole_kv[segment.start]
-    positions = torch.arange(segment.start, segment.end, dtype=torch.int64, device=k_rows[0].device)
-    return ChunkKV(k_nope=[ops.strip_rope(k, positions, rope_spec) for k in k_rows], v=list(v_rows),
-                   meta=dict(meta or {}))

@@ -1,4 +1,4 @@
-"""FusionEngine's own contract (cachefuse/engine.py), on the tiny llama model in float32.
+"""FusionEngine's own contract (cachefuse/fusion/engine.py), on the tiny llama model in float32.
 
 - precompute stores one base entry per chunk under chunk_key (content, not position or prefix) and
   stores nothing for a chunk already there;
@@ -23,7 +23,7 @@ from cachefuse import ops
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
-from cachefuse.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine
 from cachefuse.loading.entries import RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity

@@ -23,7 +23,8 @@ from cachefuse.adapters.hf import HFAdapter
 from cachefuse.attention import rows_attention
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusor import FuseRequest, Fusor
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FuseRequest
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.select.qcfuse import ANCHORS_META
 from cachefuse.select.registry import make_selector
@@ -269,7 +270,7 @@ def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):
     import hashlib
 
     from cachefuse.chunks import KeyContext
-    from cachefuse.engine import FusionEngine
+    from cachefuse.fusion.engine import FusionEngine
     from cachefuse.store.base import StoreIdentity
     from cachefuse.store.tiered import open_store
 
@@ -345,7 +346,7 @@ def test_a_prompt_ending_inside_a_loaded_chunk_equals_that_chunk_declared_one_to
     candidates, exactly as the same chunk declared one token shorter before an undeclared last token
     (whose entry holds the same K/V: causal, same positions). Selection, probe and result must not tell
     the two apart: EPIC once picked the forced last row as a candidate, and the question probe attended
-    to position N-1 twice (its loaded K/V and its fresh ones; tests/test_probe.py compares its scores)."""
+    to position N-1 twice (its loaded K/V and its fresh ones; tests/fusion/test_probe.py compares its scores)."""
     engine, case, shorter_chunks = ends_inside_and_shorter(adapters("llama"))
     results = []
     for chunks in (case.chunks, shorter_chunks):

@@ -6,8 +6,8 @@ import torch
 from cachefuse import rope
 from cachefuse.adapters.base import ModelShape
 from cachefuse.chunks import Segment
-from cachefuse.fusor import FuseRequest
-from cachefuse.loading.loader import LoadedLayers
+from cachefuse.fusion.layers import LoadedLayers
+from cachefuse.fusion.plan import FuseRequest
 from cachefuse.rope import RopeSpec
 from cachefuse.store.base import ChunkKV
 

@@ -1,6 +1,6 @@
 """The question probe and the query-aware selectors (fusionrag, qcfuse) on tiny models.
 
-- ratio 0 equals full reuse exactly, ratio 1 full prefill (tests/test_fusor.py runs both selectors
+- ratio 0 equals full reuse exactly, ratio 1 full prefill (tests/fusion/test_fusor.py runs both selectors
   through every family); an intermediate ratio differs from both (negative control);
 - the full-view probe's scores equal the question's softmax attention computed from the tensors of an
   independent full-reuse pass (captured in its attention calls);
@@ -21,8 +21,9 @@ from cachefuse.attention import rows_attention, rows_attention_at
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
-from cachefuse.fusor import FuseRequest, Fusor
-from cachefuse.probe import question_rows, run_probe
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FuseRequest
+from cachefuse.fusion.probe import question_rows, run_probe
 from cachefuse.select.base import ProbeSpec
 from cachefuse.select.qcfuse import (
     ANCHORS_META,
@@ -67,7 +68,7 @@ def test_ratio_zero_equals_full_reuse_and_in_between_differs(adapter, loaded_cas
 
 
 def test_full_view_scores_equal_attention_of_a_full_reuse_pass(adapter, loaded_case):
-    """Independent of cachefuse.probe: the full-reuse pass computes the same forced rows over the same
+    """Independent of cachefuse.fusion.probe: the full-reuse pass computes the same forced rows over the same
     K/V; its attention calls are captured and the question's softmax weights recomputed by hand."""
     engine, case, segments, loaded = loaded_case
     ids = torch.tensor(case.token_ids)
@@ -81,7 +82,7 @@ def test_full_view_scores_equal_attention_of_a_full_reuse_pass(adapter, loaded_c
         "full_reuse", CacheFuseConfig()))
     num_layers, scale = adapter.shape.num_layers, adapter.shape.scaling
     request = FuseRequest(ids, segments, loaded, 0.15)
-    from cachefuse.fusor import _RequestLayout
+    from cachefuse.fusion.fusor import _RequestLayout
 
     layout = _RequestLayout(request, num_layers, adapter.device)
     spec = ProbeSpec((1, num_layers - 2))  # the pass's last layer attends from the last row only
@@ -132,7 +133,7 @@ def test_probe_stops_at_the_deepest_critical_layer(adapter, loaded_case):
 def test_anchor_view_with_every_token_equals_the_full_view(adapter, loaded_case):
     engine, case, segments, loaded = loaded_case
     ids, num_layers = torch.tensor(case.token_ids), adapter.shape.num_layers
-    from cachefuse.fusor import _RequestLayout
+    from cachefuse.fusion.fusor import _RequestLayout
 
     layout = _RequestLayout(FuseRequest(ids, segments, loaded, 0.15), num_layers, torch.device("cpu"))
     layers = (1, num_layers - 1)
@@ -249,8 +250,8 @@ def test_probe_attends_to_the_last_position_once_when_the_prompt_ends_inside_a_l
     leave that row's loaded K/V out. Its scores then equal those of the same prompt with the chunk
     declared one token shorter (the same loaded K/V, bit for bit); with position N-1 attended twice they
     did not."""
-    from cachefuse.fusor import _RequestLayout
-    from tests.test_fusor import ends_inside_and_shorter
+    from cachefuse.fusion.fusor import _RequestLayout
+    from tests.fusion.test_fusor import ends_inside_and_shorter
 
     engine, case, shorter_chunks = ends_inside_and_shorter(adapter)
     ids = torch.tensor(case.token_ids)

@@ -27,22 +27,23 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
-from cachefuse.fusion_stats import FusionStats
-from cachefuse.fusor import FuseRequest, FuseResult, Fusor, extract_chunk_kv
+from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FuseRequest, FuseResult
+from cachefuse.fusion.saving import (
+    HoleWriter,
+    SaveReport,
+    extract_chunk_kv,
+    hole_saves,
+    with_key_norm_anchors,
+)
+from cachefuse.fusion.stats import FusionStats
 from cachefuse.loading.entries import EntryReader, LoadBudget, LoadFigures, RankAgreement
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
 from cachefuse.metadata.base import MetaStore, VariantRecord
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
-from cachefuse.saving import (
-    BackgroundSaver,
-    HoleWriter,
-    PendingReadsStore,
-    SaveReport,
-    hole_saves,
-    with_key_norm_anchors,
-)
 from cachefuse.select.base import ChunkReuse, Selector
 from cachefuse.select.full_prefill import FullPrefillSelector
 from cachefuse.select.registry import make_selector
@@ -343,7 +344,7 @@ class FusionEngine:
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
                     meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:
-        """Stores every hole as the variant for its prefix (cachefuse.saving): written now, or queued for
+        """Stores every hole as the variant for its prefix (cachefuse.fusion.saving): written now, or queued for
         the background saver (`save_in_background`), the request's path then only copying them out."""
         saves = hole_saves(result, segments, keys, meta_keys, ratio, self.adapter.rope_spec,
                            self.config.max_variant_prefix_chunks)
