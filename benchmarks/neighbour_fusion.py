@@ -59,14 +59,14 @@ def run_items(engine, tokenizer, prompts, items, settings) -> dict:
             for name, ratio in settings:
                 if name == "full_prefill":
                     result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill",
-                                                   ratio=1.0, save_holes=False, choices=[None] * len(prompt.chunks))
+                                                   ratio=1.0, save_holes=False, variants=[None] * len(prompt.chunks))
                     full = result
                 else:
                     # cachecraft as deployed: its recompute follows each variant's CFO (no force_cfo)
                     selector = name if name in ("full_reuse", "cachecraft") else selector_at(engine, name, ratio)
                     choices = engine.plan_variants(prompt.token_ids, prompt.chunks)
                     result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio,
-                                                   save_holes=False, choices=choices)
+                                                   save_holes=False, variants=choices)
                     if stats.chunks_missed:
                         raise RuntimeError(f"{name}: {stats.chunks_missed} chunk(s) missed ({stats.miss_reasons})")
                 answer = decode_text(tokenizer, greedy_continuation(engine.adapter, result, NEW_TOKENS))

@@ -54,7 +54,7 @@ def prefill_times(engine, tokenizer, items, selector: str, repeats: int) -> dict
         store_base_variants(engine, prompt)
         for _ in range(repeats):
             _, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
-                                      save_holes=False, choices=[None] * len(prompt.chunks))
+                                      save_holes=False, variants=[None] * len(prompt.chunks))
             full.append(stats.blend_time_s)
             _, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=TARGET_RATIO,
                                       save_holes=False)

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     def run(selector, ratio: float):
         if selector == "full_prefill":
             return engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
-                                  save_holes=False, choices=[None] * len(prompt.chunks))
+                                  save_holes=False, variants=[None] * len(prompt.chunks))
         return engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio, save_holes=False)
 
     metric = METRICS["f1"]

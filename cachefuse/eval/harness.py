@@ -264,7 +264,7 @@ def measure_run(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: Eval
 def full_prefill(engine: FusionEngine, prompt: RagPrompt) -> FuseResult:
     """Every row of every layer computed: the reference (no chunk loaded, nothing saved)."""
     result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
-                               save_holes=False, choices=[None] * len(prompt.chunks))
+                               save_holes=False, variants=[None] * len(prompt.chunks))
     return result
 
 

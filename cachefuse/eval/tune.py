@@ -238,7 +238,7 @@ def tune_alpha(engine: FusionEngine, tokenizer: Any, items: Sequence[ValItem], s
             for prompt in prompts:
                 store_base_variants(engine, prompt)
                 full.append(_continuation(engine, prompt, "full_prefill", spec.max_new_tokens,
-                                          choices=[None] * len(prompt.chunks)))  # every chunk computed
+                                          variants=[None] * len(prompt.chunks)))  # every chunk computed
                 bar.update(2)
         if spec.warm_variants:
             with _configured(engine, base.replace(collect_attention_stats=True)):
@@ -276,7 +276,7 @@ def _warm(engine: FusionEngine, tokenizer: Any, items: Sequence[ValItem], seed: 
         prompt = build_rag_prompt(tokenizer, item.system, item.chunks[shift:] + item.chunks[:shift], item.question)
         choices = engine.plan_variants(prompt.token_ids, prompt.chunks)
         choices = [c if start == 0 else None for (start, _), c in zip(prompt.chunks, choices, strict=True)]
-        engine.prefill(prompt.token_ids, prompt.chunks, selector="full_reuse", save_holes=True, choices=choices)
+        engine.prefill(prompt.token_ids, prompt.chunks, selector="full_reuse", save_holes=True, variants=choices)
         bar.update(1)
 
 
@@ -292,10 +292,10 @@ class _Run:
 
 
 def _continuation(engine: FusionEngine, prompt: RagPrompt, selector: str | Selector, max_new_tokens: int,
-                  choices: list | None = None) -> _Run:
+                  variants: list | None = None) -> _Run:
     """One prefill (no holes saved) and the greedy tokens decoded on its K/V."""
     result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, save_holes=False,
-                                   choices=choices)
+                                   variants=variants)
     return _Run(greedy_continuation(engine.adapter, result, max_new_tokens), stats.chunk_cfo,
                 result.num_selected, result.num_candidates)
 

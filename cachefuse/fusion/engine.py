@@ -20,6 +20,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,7 +31,7 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore
 from cachefuse.fusion.fusor import Fusor
-from cachefuse.fusion.plan import FuseRequest, FuseResult
+from cachefuse.fusion.plan import FusePlan, FuseRequest, FuseResult
 from cachefuse.fusion.saving import (
     HoleWriter,
     SaveReport,
@@ -37,7 +39,7 @@ from cachefuse.fusion.saving import (
     hole_saves,
     with_key_norm_anchors,
 )
-from cachefuse.fusion.stats import FusionStats
+from cachefuse.fusion.stats import FusionStats, PassLoads, pass_stats
 from cachefuse.loading.entries import EntryReader, LoadBudget, LoadFigures, RankAgreement
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
@@ -55,6 +57,25 @@ DEFAULT_PRELOAD_DEPTH = 2
 """preload_depth=None's depth when no measured figures gave one (the controller's L_p, in the vLLM worker)."""
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """What one tensor-parallel rank's engine needs of its group; the defaults are a single rank."""
+
+    meta_key_context: KeyContext | None = None
+    """The key context of metadata rows (rank 0's, so every rank plans with the same variants); K/V
+    entries use the engine's own `key_context`. None: the engine's own."""
+    writes_metadata: bool = True
+    """False on ranks other than 0 (rank 0 owns the metadata rows; the others store and load K/V only)."""
+    reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """An all-reduce (sum) over the ranks: every rank scores only its own heads, the sum makes all ranks
+    pick the same rows (Fusor)."""
+    rank_agreement: RankAgreement | None = None
+    """(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed); a
+    collective, so every rank calls it once per pass, before the pass. Set, it makes loading serial
+    (every miss is known before the first layer): ranks that disagree on a hit would recompute different
+    rows and the model's collectives would deadlock."""
+
+
 class FusionEngine:
     """Looks up declared chunks, fuses, and saves holes as new entries.
 
@@ -65,32 +86,25 @@ class FusionEngine:
         config: selector, ratio and fusor settings.
         clock: time source for blend_time_s (injectable so tests never depend on wall time).
         metastore: the variant metadata (default: an in-memory SQLite store of config.max_variants).
-        meta_key_context: the key context of metadata rows (tensor parallelism: rank 0's, so every rank
-            plans with the same variants); K/V entries use `key_context`, this rank's.
-        writes_metadata: False on tensor-parallel ranks other than 0 (rank 0 owns the metadata rows;
-            the others store and load K/V only).
+        ranks: this rank's place in a tensor-parallel group (None: a single rank).
     """
 
     def __init__(self, adapter: ModelAdapter, store: KVStore, key_context: KeyContext,
                  config: CacheFuseConfig, clock: Callable[[], float] = time.perf_counter,
-                 metastore: MetaStore | None = None, meta_key_context: KeyContext | None = None,
-                 writes_metadata: bool = True) -> None:
+                 metastore: MetaStore | None = None, ranks: RankGroup | None = None) -> None:
         self.adapter, self.store, self.key_context, self.config = adapter, store, key_context, config
         config.check_model(adapter.shape.num_layers)
-        self.meta_key_context = key_context if meta_key_context is None else meta_key_context
-        self.writes_metadata = writes_metadata
+        ranks = RankGroup() if ranks is None else ranks
+        self.meta_key_context = ranks.meta_key_context or key_context
+        self.writes_metadata = ranks.writes_metadata
+        self.rank_agreement = ranks.rank_agreement
         self.metastore: MetaStore = metastore if metastore is not None else SqliteMetaStore(
             ":memory:", max_variants=config.max_variants, policy=config.eviction_policy)
         self.saver: BackgroundSaver | None = None
-        self.fusor = Fusor(adapter, block_rows=config.attention_block_rows)
-        self.fusor.clock = clock
+        self.fusor = Fusor(adapter, block_rows=config.attention_block_rows, reduce_scores=ranks.reduce_scores,
+                           clock=clock)
         self.clock = clock
         self._load_budget = LoadBudget(None)  # the running prefill's store time (config load_timeout_s)
-        self.rank_agreement: RankAgreement | None = None
-        """Under tensor parallelism: (this rank's hits, whether it failed) -> (hits every rank has, whether
-        any rank failed); a collective, so every rank calls it once per pass, before the pass. Set, it
-        makes loading serial (every miss is known before the first layer): ranks that disagree on a hit
-        would recompute different rows and the model's collectives would deadlock."""
 
     def fusor_full_layers(self, selector: str) -> int:
         """How many leading layers `selector` computes in full on this model."""
@@ -148,11 +162,15 @@ class FusionEngine:
         metadata store; the vLLM scheduler makes the same choice from its in-process index."""
         segments = [s for s in segment_prompt(len(token_ids), chunks) if s.is_chunk]
         keys = [self.meta_key(token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments]
+        return self._plan_variants(segments, keys)
+
+    def _plan_variants(self, segments: Sequence[Segment], meta_keys: Sequence[str]) -> list[VariantChoice | None]:
+        """`plan_variants` of the declared `segments` whose metadata keys are `meta_keys`."""
         index = VariantIndex()
         queued: dict[str, list[VariantRecord]] = {}  # rows a background save has not written yet
         for record in [] if self.saver is None else self.saver.pending_records():
             queued.setdefault(record.chunk_key, []).append(record)
-        for key in dict.fromkeys(keys):
+        for key in dict.fromkeys(meta_keys):
             try:
                 records = self.metastore.variants(key)
             except StoreError as exc:
@@ -164,40 +182,33 @@ class FusionEngine:
                 index.add(record)
             if not records and self.key_context == self.meta_key_context and self.store.contains(key):
                 index.add_plain_keys([key])
-        return plan_variants(index, keys, [s.is_system for s in segments], [s.length for s in segments],
+        return plan_variants(index, list(meta_keys), [s.is_system for s in segments], [s.length for s in segments],
                              self.config.cachecraft_alpha, Admission.from_config(self.config),
                              self.config.max_variant_prefix_chunks)
 
     # ------------------------------------------------------------------ fused prefill
 
-    def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]], *,
+    def prefill(self, token_ids: Sequence[int], chunks: Sequence[Sequence[int]],
                 selector: str | Selector | None = None, ratio: float | None = None,
-                save_holes: bool = True, preload_depth: int | None = None,
-                choices: Sequence[VariantChoice | None] | None = None,
-                save_inline: bool = False, record_uses: bool = True) -> tuple[FuseResult, FusionStats]:
-        """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets).
+                **plan_fields: Any) -> tuple[FuseResult, FusionStats]:
+        """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets): `fuse` of the
+        FusePlan of these, the config's selector and ratio where not given, and any other FusePlan field
+        (`save_holes`, `variants`, `preload_depth`, `save_inline`, `record_uses`, `attention_backend`)."""
+        return self.fuse(FusePlan(
+            token_ids=token_ids, segments=segment_prompt(len(token_ids), chunks),
+            selector=selector or self.config.selector,
+            ratio=self.config.recompute_ratio if ratio is None else ratio, **plan_fields))
 
-        `selector` is a registry name (built from the config) or a ready Selector instance;
-        `preload_depth` overrides the config's (the loading controller's L_p for this request);
-        `choices` are the variants to reuse per declared chunk (the scheduler's plan; None: chosen
-        here by `plan_variants`); `save_inline` writes the holes before returning even when the engine
-        saves in the background; `record_uses` False leaves the reused variants' f_r alone (a blend
-        replayed after a preemption counted them the first time).
-        """
-        selector = selector or self.config.selector
-        selector_obj = make_selector(selector, self.config) if isinstance(selector, str) else selector
-        selector_name = selector_obj.name
-        ratio = self.config.recompute_ratio if ratio is None else ratio
+    def fuse(self, plan: FusePlan) -> tuple[FuseResult, FusionStats]:
+        """Runs one fused prefill: variants (the plan's, or chosen here), load, blend pass, hole saves."""
+        selector = make_selector(plan.selector, self.config) if isinstance(plan.selector, str) else plan.selector
+        token_ids, segments = plan.token_ids, list(plan.segments)
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.adapter.device)
-        segments = segment_prompt(len(token_ids), chunks)
         chunk_indices = [i for i, s in enumerate(segments) if s.is_chunk]
-        keys = {i: self.key(token_ids[segments[i].start:segments[i].end], at_prompt_start=segments[i].is_system)
-                for i in chunk_indices}
-        meta_keys = keys if self.meta_key_context == self.key_context else {
-            i: self.meta_key(token_ids[segments[i].start:segments[i].end], at_prompt_start=segments[i].is_system)
-            for i in chunk_indices}
+        keys, meta_keys = self._chunk_keys(plan, chunk_indices)
+        choices = plan.variants
         if choices is None:
-            choices = self.plan_variants(token_ids, chunks)
+            choices = self._plan_variants([segments[i] for i in chunk_indices], [meta_keys[i] for i in chunk_indices])
         if len(choices) != len(chunk_indices):
             raise ValueError(f"{len(choices)} variant choices for {len(chunk_indices)} declared chunks")
         chosen = {i: c for i, c in zip(chunk_indices, choices, strict=True) if c is not None}
@@ -208,33 +219,37 @@ class FusionEngine:
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
         with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()) as metadata_ok:
-            result, loaded, more_misses, bytes_loaded = self._fuse(ids, segments, load_keys, ratio, selector_obj,
-                                                                   figures, preload_depth, reuse)
+            result, loaded, more_misses, bytes_loaded = self._fuse(
+                ids, segments, load_keys, plan, selector, figures, reuse)
         miss_reasons += more_misses
         blend_time = self.clock() - start
-        if metadata_ok and record_uses:  # else the store has just failed: its timeout is not paid again for f_r
+        if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
             self._record_uses(chosen, loaded)
-        saved = self._save_holes(result, segments, keys, meta_keys, ratio, save_inline) if save_holes else SaveReport()
-        last = result.rows_per_layer[-1]
-        num_recomputed = len(ids) if last is None else last.numel()
-        num_loaded = sum(segments[i].length for i in loaded)
-        stats = FusionStats(
-            selector=selector_name, recompute_ratio=ratio, chunks_hit=len(loaded),
-            chunks_missed=len(keys) - len(loaded),
-            tokens_reused=num_loaded - (num_loaded if last is None else int(_loaded_rows_in(last, segments, loaded))),
-            tokens_recomputed=num_recomputed, num_selected=result.num_selected, num_forced=result.num_forced,
-            bytes_loaded=bytes_loaded, blend_time_s=blend_time,
-            holes_saved=len(saved.saved_keys), saved_keys=tuple(saved.saved_keys), save_failures=saved.failures,
-            loaded_keys=tuple(load_keys[i] for i in loaded),
-            saves_skipped=saved.skipped,
-            miss_reasons=dict(+miss_reasons), load_seconds_by_tier=dict(figures.seconds),
-            load_bytes_by_tier=dict(figures.bytes), layer_seconds=list(result.layer_seconds),
-            layer_rows=[len(ids) if rows is None else rows.numel() for rows in result.rows_per_layer],
-            chunk_cfo=[None if c is None else c.cfo for c in choices],
-            chunks_loaded=[i in loaded for i in chunk_indices],
-            saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted),
-            probe_time_s=result.probe_seconds, probe_layers=result.probe_layers, probe_rows=result.probe_rows)
+        saved = (self._save_holes(result, segments, keys, meta_keys, plan.ratio, plan.save_inline)
+                 if plan.save_holes else SaveReport())
+        stats = pass_stats(selector.name, plan.ratio, segments, chunk_indices, result, PassLoads(
+            loaded=loaded, load_keys=load_keys, choices=list(choices), figures=figures, miss_reasons=miss_reasons,
+            bytes_loaded=bytes_loaded), saved, blend_time)
         return result, stats
+
+    def _chunk_keys(self, plan: FusePlan, chunk_indices: list[int]) -> tuple[dict[int, str], dict[int, str]]:
+        """(this rank's K/V key, metadata key) of each declared chunk by segment index. The metadata keys
+        are the plan's when its caller hashed them (the vLLM scheduler, in rank 0's key context); a rank's
+        own keys are hashed here only where its key context differs (tensor-parallel ranks other than 0)."""
+        token_ids, segments = plan.token_ids, plan.segments
+
+        def hashed(context: KeyContext) -> dict[int, str]:
+            return {i: chunk_key(token_ids[segments[i].start:segments[i].end], context,
+                                 at_prompt_start=segments[i].is_system) for i in chunk_indices}
+
+        if plan.meta_keys is None:
+            meta_keys = hashed(self.meta_key_context)
+        elif len(plan.meta_keys) != len(chunk_indices):
+            raise ValueError(f"{len(plan.meta_keys)} chunk keys for {len(chunk_indices)} declared chunks")
+        else:
+            meta_keys = dict(zip(chunk_indices, plan.meta_keys, strict=True))
+        keys = meta_keys if self.key_context == self.meta_key_context else hashed(self.key_context)
+        return keys, meta_keys
 
     @contextlib.contextmanager
     def _pinned_variants(self, choices: Iterable[VariantChoice]):
@@ -275,9 +290,8 @@ class FusionEngine:
         except StoreError as exc:
             logger.warning("cachefuse: reuse of %d variants not recorded (%s)", len(uses), exc)
 
-    def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], ratio: float,
-              selector: Selector, figures: LoadFigures, depth: int | None = None,
-              reuse: dict[int, ChunkReuse] | None = None
+    def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], plan: FusePlan,
+              selector: Selector, figures: LoadFigures, reuse: dict[int, ChunkReuse]
               ) -> tuple[FuseResult, dict[int, ChunkKV] | dict[int, str], Counter, int]:
         """One blend pass: entries read whole first (preload_depth 0) or fetched layer by layer.
 
@@ -288,8 +302,9 @@ class FusionEngine:
         Returns:
             the result, the loaded segments (index -> entry or key), misses by reason, bytes loaded.
         """
+        ratio, backend = plan.ratio, plan.attention_backend
         stats = self.config.gathers_attention_stats  # read per pass: callers may swap `config`
-        depth = self.config.preload_depth if depth is None else depth
+        depth = self.config.preload_depth if plan.preload_depth is None else plan.preload_depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if self.rank_agreement is not None:
             depth = 0  # serial: every miss is known before the first layer (see rank_agreement)
@@ -302,8 +317,8 @@ class FusionEngine:
                 loaded, miss_reasons = reader.read(segments, keys, figures)
             else:
                 loaded, miss_reasons = reader.read_agreed(segments, keys, figures, self.rank_agreement)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
-                                                 collect_attention_stats=stats), selector)
+            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse,
+                                                 collect_attention_stats=stats, attention_backend=backend), selector)
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         miss_reasons = Counter()
         fetched = {}
@@ -317,8 +332,8 @@ class FusionEngine:
         # store (counted in bytes_loaded); the pass then fetches every layer.
         probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers, reader) if probes else None
         request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
-                              preload_depth=depth, reuse=reuse or {}, collect_attention_stats=stats,
-                              probe_source=probe_reads)
+                              preload_depth=depth, reuse=reuse, collect_attention_stats=stats,
+                              probe_source=probe_reads, attention_backend=backend)
         try:
             result = self.fusor.fuse(request, selector)
             probe_bytes = 0 if probe_reads is None else probe_reads.bytes_read
@@ -333,8 +348,8 @@ class FusionEngine:
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
         loaded, more = self._reader().read(segments, rest, figures)
-        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse or {},
-                                             collect_attention_stats=stats), selector)
+        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse,
+                                             collect_attention_stats=stats, attention_backend=backend), selector)
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
     def _reader(self) -> EntryReader:
@@ -386,14 +401,3 @@ class FusionEngine:
         if tiers:
             return getattr(tiers[-1], "name", type(tiers[-1]).__name__)
         return getattr(self.store, "name", "store")
-
-
-def _loaded_rows_in(rows: torch.Tensor, segments: list[Segment],
-                    loaded: dict[int, ChunkKV] | dict[int, str]) -> int:
-    """How many of `rows` fall inside loaded segments."""
-    rows = rows.cpu()  # one read from the device, not one sync per loaded segment
-    count = 0
-    for index in loaded:
-        seg = segments[index]
-        count += int(((rows >= seg.start) & (rows < seg.end)).sum())
-    return count

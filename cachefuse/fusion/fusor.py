@@ -100,26 +100,24 @@ class Fusor:
         block_rows: selected rows per attention call.
         attention_fn: rows attention (q, q_positions, k, v, scale, block_rows): ops.rows_attention, the
             Triton sparse-query kernel on CUDA and its torch twin elsewhere; tests substitute it.
+        reduce_scores: under tensor parallelism an all-reduce (sum) over the ranks, so every rank
+            selects the same rows from scores over all heads; None on one rank.
+        clock: time source of the layer and probe timings on a CPU (injectable: tests never read wall
+            time); on a GPU the default clock gives way to CUDA events.
 
-    Attributes:
-        reduce_scores: set under tensor parallelism to an all-reduce (sum) over the ranks, so every
-            rank selects the same rows from scores over all heads.
-        attention_backend: an object with `causal(layer, q, k, v)` and
-            `rows(layer, q, q_positions, k, v)` that replaces the torch attention (the vLLM worker
-            sets one that writes each layer's merged K/V into vLLM's paged cache, cachefuse.vllm.paged).
-            It must be exact per query. One whose `writes_kv` is true keeps every layer's merged K/V
-            itself, so the pass keeps only the holes' rows (FuseResult.hole_kv): 1 GiB per 8K tokens on
-            Llama-3-8B would otherwise outlive the pass.
+    The attention backend is the request's (`FuseRequest.attention_backend`): it is bound to where that
+    request's K/V go (vLLM's slots), so it travels with the request rather than living on the fusor.
     """
 
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
-                 attention_fn: RowsAttention = ops.rows_attention) -> None:
+                 attention_fn: RowsAttention = ops.rows_attention,
+                 reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.adapter = adapter
         self.block_rows = block_rows
         self.attention_fn = attention_fn
-        self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.attention_backend: Any | None = None
-        self.clock: Callable[[], float] = time.perf_counter
+        self.reduce_scores = reduce_scores
+        self.clock = clock
 
     @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
@@ -177,7 +175,7 @@ class Fusor:
         hidden = adapter.embed(layout.token_ids if rows is None else layout.token_ids[rows])
         residual = None
         out_k, out_v, rows_per_layer = [], [], []
-        keep_all_kv = not getattr(self.attention_backend, "writes_kv", False)
+        keep_all_kv = not getattr(request.attention_backend, "writes_kv", False)
         hole_spans = [] if keep_all_kv else [request.segments[i] for i in layout.hole_segments]
         hole_kv: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {s.start: ([], []) for s in hole_spans}
         timer = _LayerTimer(self.clock, layout.device)
@@ -230,7 +228,7 @@ class Fusor:
             if next_rows is not None and next_rows is not rows:
                 keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
                 q, residual = q[keep], residual[keep]
-            attn = self._attend(layer, q, next_rows, k_merged, v_merged)
+            attn = self._attend(request.attention_backend, layer, q, next_rows, k_merged, v_merged)
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
             rows = next_rows
             timer.stop()
@@ -245,9 +243,10 @@ class Fusor:
             layer_seconds=timer.seconds(), hole_token_mass={} if stats is None else stats.result(num_layers),
             hole_kv=hole_kv)
 
-    def _attend(self, layer, q, query_rows, k, v) -> torch.Tensor:
-        """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V."""
-        backend, scale = self.attention_backend, self.adapter.shape.scaling
+    def _attend(self, backend, layer, q, query_rows, k, v) -> torch.Tensor:
+        """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V, through the
+        request's attention backend (None: the fusor's own torch / Triton attention)."""
+        scale = self.adapter.shape.scaling
         if query_rows is None:
             return causal_attention(q, k, v, scale) if backend is None else backend.causal(layer, q, k, v)
         if backend is None:

@@ -10,14 +10,34 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from cachefuse.chunks import Segment
 from cachefuse.fusion.probe import ProbeSource
 from cachefuse.loading.loader import FetchLayer
-from cachefuse.select.base import ChunkReuse
+from cachefuse.metadata.index import VariantChoice
+from cachefuse.select.base import ChunkReuse, Selector
 from cachefuse.store.base import ChunkKV
+
+
+class AttentionBackend(Protocol):
+    """Attention of a pass's rows over the merged K/V of a layer, exact per query (a token at position p
+    never sees a key beyond p). `writes_kv` true: the backend keeps every layer's merged K/V itself, so
+    the pass keeps only the holes' rows (FuseResult.hole_kv): 1 GiB per 8K tokens on Llama-3-8B would
+    otherwise outlive the pass."""
+
+    writes_kv: bool
+
+    def causal(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Every row, causally: q [T, num_heads, head_dim] -> [T, num_heads, head_dim]."""
+        ...
+
+    def rows(self, layer: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor:
+        """The rows at `q_positions` (sorted) over keys 0..T-1, each up to its own position."""
+        ...
 
 
 @dataclass
@@ -47,6 +67,10 @@ class FuseRequest:
     collect_attention_stats: bool = False
     """Gather each hole's attention mass per segment (FuseResult.hole_token_mass): one extra softmax
     pass over the holes' rows, for the statistics a saved variant carries."""
+    attention_backend: AttentionBackend | None = None
+    """Replaces the fusor's own attention for this request (None: torch / Triton attention over the
+    merged K/V). The vLLM worker gives one that writes each layer's merged K/V into the request's slots
+    of vLLM's paged cache as the layer attends (cachefuse.vllm.paged)."""
 
 
 @dataclass
@@ -86,3 +110,36 @@ class FuseResult:
         """Per hole, the mass its rows put on each segment (summed over its tokens; Cache-Craft's
         inter/intra attention)."""
         return {h: [sum(column) for column in zip(*rows, strict=True)] for h, rows in self.hole_token_mass.items()}
+
+
+@dataclass(frozen=True)
+class FusePlan:
+    """One fused prefill as FusionEngine.fuse runs it: the prompt, its segments (computed once, where the
+    request was parsed), its chunk keys when the caller hashed them already, and how to fuse and save.
+
+    ```
+    | system (chunk 0) | chunk A | chunk B | question | last |     segments tile [0, N)
+    ```
+    """
+
+    token_ids: Sequence[int]
+    segments: Sequence[Segment]
+    """Tile [0, len(token_ids)) (chunks.segment_prompt); the declared chunks are those with is_chunk."""
+    selector: str | Selector
+    """A registry name (built from the engine's config) or a ready Selector."""
+    ratio: float
+    meta_keys: Sequence[str] | None = None
+    """Per declared chunk, in order, its metadata key (rank 0's: the vLLM scheduler's plan carries the
+    keys it hashed); None: the engine hashes them."""
+    variants: Sequence[VariantChoice | None] | None = None
+    """Per declared chunk, the variant to reuse (None in the list: computed in full); None: chosen by the
+    engine from its metadata store (FusionEngine.plan_variants)."""
+    preload_depth: int | None = None
+    """Overrides the config's (the loading controller's L_p for this request)."""
+    save_holes: bool = True
+    save_inline: bool = False
+    """Write the holes before returning even when the engine saves in the background."""
+    record_uses: bool = True
+    """False leaves the reused variants' f_r alone (a blend replayed after a preemption counted them)."""
+    attention_backend: AttentionBackend | None = None
+    """FuseRequest.attention_backend for this prefill's pass."""

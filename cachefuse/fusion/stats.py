@@ -1,14 +1,27 @@
 """FusionStats: one fused prefill's figures, by the names the vLLM connector reports in a response's
 `kv_transfer_params["cachefuse"]` and the loading controller learns from.
 
-Imports `cachefuse.metadata.base` (the saved variants' records); no torch, never vllm.
+Imports `cachefuse.metadata.base` (the saved variants' records); never vllm, and no torch on import (a
+pass's tensors are only read through their methods). `pass_stats` turns one pass into its figures.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from cachefuse.metadata.base import VariantRecord, record_to_dict
+
+if TYPE_CHECKING:
+    import torch
+
+    from cachefuse.chunks import Segment
+    from cachefuse.fusion.plan import FuseResult
+    from cachefuse.fusion.saving import SaveReport
+    from cachefuse.loading.entries import LoadFigures
+    from cachefuse.metadata.index import VariantChoice
 
 
 @dataclass
@@ -71,3 +84,50 @@ class FusionStats:
         data = asdict(self)
         data["saved_variants"] = [record_to_dict(r) for r in self.saved_variants]
         return data
+
+
+@dataclass
+class PassLoads:
+    """What one pass loaded, and what it missed: the engine's side of `pass_stats`."""
+
+    loaded: dict[int, Any]
+    """Segment index -> the entry (or key) loaded for it."""
+    load_keys: dict[int, str]
+    """Segment index -> the store key it was to load (its chosen variant's)."""
+    choices: list[VariantChoice | None]
+    """Per declared chunk, the variant chosen (None: computed in full)."""
+    figures: LoadFigures
+    miss_reasons: Counter
+    bytes_loaded: int
+
+
+def pass_stats(selector: str, ratio: float, segments: Sequence[Segment], chunk_indices: list[int],
+               result: FuseResult, loads: PassLoads, saved: SaveReport, blend_time_s: float) -> FusionStats:
+    """One pass's figures: what it reused, recomputed, loaded, missed and saved."""
+    num_tokens, loaded = segments[-1].end, loads.loaded
+    last = result.rows_per_layer[-1]
+    num_loaded = sum(segments[i].length for i in loaded)
+    return FusionStats(
+        selector=selector, recompute_ratio=ratio, chunks_hit=len(loaded), chunks_missed=len(chunk_indices) - len(loaded),
+        tokens_reused=num_loaded - (num_loaded if last is None else _loaded_rows_in(last, segments, loaded)),
+        tokens_recomputed=num_tokens if last is None else last.numel(), num_selected=result.num_selected,
+        num_forced=result.num_forced, bytes_loaded=loads.bytes_loaded, blend_time_s=blend_time_s,
+        holes_saved=len(saved.saved_keys), saved_keys=tuple(saved.saved_keys), save_failures=saved.failures,
+        loaded_keys=tuple(loads.load_keys[i] for i in loaded), saves_skipped=saved.skipped,
+        miss_reasons=dict(+loads.miss_reasons), load_seconds_by_tier=dict(loads.figures.seconds),
+        load_bytes_by_tier=dict(loads.figures.bytes), layer_seconds=list(result.layer_seconds),
+        layer_rows=[num_tokens if rows is None else rows.numel() for rows in result.rows_per_layer],
+        chunk_cfo=[None if c is None else c.cfo for c in loads.choices],
+        chunks_loaded=[i in loaded for i in chunk_indices],
+        saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted),
+        probe_time_s=result.probe_seconds, probe_layers=result.probe_layers, probe_rows=result.probe_rows)
+
+
+def _loaded_rows_in(rows: torch.Tensor, segments: Sequence[Segment], loaded: dict[int, Any]) -> int:
+    """How many of `rows` fall inside loaded segments."""
+    rows = rows.cpu()  # one read from the device, not one sync per loaded segment
+    count = 0
+    for index in loaded:
+        seg = segments[index]
+        count += int(((rows >= seg.start) & (rows < seg.end)).sum())
+    return count

@@ -172,7 +172,7 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
         try:
             choices = list(engine.plan_variants(token_ids, offsets))
             choices[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
-            _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, choices=choices,
+            _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, variants=choices,
                                       save_holes=True, save_inline=True)
         finally:
             engine.config = previous

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir
+from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
-from cachefuse.fusion.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine, RankGroup
+from cachefuse.fusion.plan import FusePlan
 from cachefuse.loading.figures import FigureRecorder
 from cachefuse.loading.placement import FrequencyPlacement
 from cachefuse.metadata.backends import open_config_metastore, open_metastore
@@ -68,10 +69,16 @@ class WorkerSide:
         key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash())
         # Rank 0 owns the variant metadata (in rank 0's keys, so the scheduler's plan names them); every
         # rank keeps its own K/V under its own keys.
-        meta_key_context = dataclasses.replace(key_context, tp_rank=0)
-        self.engine = FusionEngine(self.adapter, store, key_context, config,
-                                   metastore=_open_metastore(config), meta_key_context=meta_key_context,
-                                   writes_metadata=tp_rank == 0)
+        ranks = RankGroup(meta_key_context=dataclasses.replace(key_context, tp_rank=0), writes_metadata=tp_rank == 0)
+        if tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            # Every rank scores only its own heads; summing makes all ranks pick the same rows. Every rank
+            # loads its own heads: they agree on the hits (and on any failure) before the pass.
+            ranks = dataclasses.replace(ranks, reduce_scores=tensor_model_parallel_all_reduce,
+                                        rank_agreement=_rank_agreement(tp_size, next(model.parameters()).device))
+        self.engine = FusionEngine(self.adapter, store, key_context, config, metastore=_open_metastore(config),
+                                   ranks=ranks)
         if config.save_holes and config.save_queue_bytes > 0:  # fsyncs and metadata writes leave the request's path
             self.engine.save_in_background(config.save_queue_bytes, config.save_flush_timeout_s)
         self.placement = None
@@ -79,13 +86,6 @@ class WorkerSide:
             store.promote_on_hit = False
             self.placement = FrequencyPlacement(store, config.placement_hot, config.placement_cold,
                                                 config.placement_half_life_s, time.monotonic)
-        if tp_size > 1:
-            from vllm.distributed import tensor_model_parallel_all_reduce
-
-            # Every rank scores only its own heads; summing makes all ranks pick the same rows.
-            self.engine.fusor.reduce_scores = tensor_model_parallel_all_reduce
-            # Every rank loads its own heads: they agree on the hits (and on any failure) before the pass.
-            self.engine.rank_agreement = _rank_agreement(tp_size, next(model.parameters()).device)
         self.layer_names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
         # Attention on the engine's own paged kernel where it is vLLM's CPU backend, else the fusor's
         # kernels (SlotWritingAttention); decided at the first blend, once vLLM's attention backends are set up.
@@ -135,23 +135,18 @@ class WorkerSide:
             self.paged_attention = all(supports_paged_attention(layers[name]) for name in self.layer_names)
         fusor = self.engine.fusor
         if self.paged_attention:  # both write every layer's merged K/V into the slots as they attend
-            fusor.attention_backend = PagedAttention(
-                layers, self.layer_names, slot_mapping,
-                torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device))
+            backend = PagedAttention(layers, self.layer_names, slot_mapping,
+                                     torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device))
         else:
-            fusor.attention_backend = SlotWritingAttention(layers, self.layer_names, slot_mapping,
-                                                           self.adapter.shape.scaling, fusor.block_rows,
-                                                           fusor.attention_fn)
-        try:
-            # A replay (the request's first blend ran before a preemption) saved its holes and counted its
-            # reuses the first time.
-            _, stats = self.engine.prefill(plan.token_ids, plan.chunks, selector=selector,
-                                           ratio=plan.recompute_ratio,
-                                           save_holes=self.config.save_holes and not plan.replay,
-                                           preload_depth=plan.preload_depth, choices=plan.variants,
-                                           save_inline=plan.sync_save, record_uses=not plan.replay)
-        finally:
-            fusor.attention_backend = None
+            backend = SlotWritingAttention(layers, self.layer_names, slot_mapping, self.adapter.shape.scaling,
+                                           fusor.block_rows, fusor.attention_fn)
+        # A replay (the request's first blend ran before a preemption) saved its holes and counted its
+        # reuses the first time.
+        _, stats = self.engine.fuse(FusePlan(
+            token_ids=plan.token_ids, segments=segment_prompt(len(plan.token_ids), plan.chunks), selector=selector,
+            ratio=plan.recompute_ratio, variants=plan.variants, preload_depth=plan.preload_depth,
+            save_holes=self.config.save_holes and not plan.replay, save_inline=plan.sync_save,
+            record_uses=not plan.replay, attention_backend=backend))
         self._meta.evict(stats.evicted_variants)
         # The scheduler plans in rank 0's keys: another rank's store keys would sit in its index for good,
         # matching no row.

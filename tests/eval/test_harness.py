@@ -80,7 +80,7 @@ def test_last_token_attention_is_the_full_prefills_own(model_dir):
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
     store_base_variants(engine, prompt)
     result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", save_holes=False,
-                               choices=[None] * len(prompt.chunks))
+                               variants=[None] * len(prompt.chunks))
     layers = range(engine.adapter.shape.num_layers)
     attention = last_token_attention(engine, result, prompt.token_ids[-1], layers)
     model = engine.adapter.model

@@ -23,7 +23,7 @@ from cachefuse import ops
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusion.engine import FusionEngine
+from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.loading.entries import RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity
@@ -49,6 +49,12 @@ def _full(adapter, case, config: CacheFuseConfig | None = None) -> FusionEngine:
     engine = make_engine(adapter, config)
     precompute_case(engine, case, with_hole=False)
     return engine
+
+
+def _on_ranks(source: FusionEngine, config: CacheFuseConfig, ranks: RankGroup) -> FusionEngine:
+    """An engine over `source`'s store and metadata, as one rank of a tensor-parallel group."""
+    return FusionEngine(source.adapter, source.store, source.key_context, config, metastore=source.metastore,
+                        ranks=ranks)
 
 
 def _copy(source: FusionEngine, target: FusionEngine, skip: str = "") -> FusionEngine:
@@ -240,7 +246,7 @@ def test_stats_to_dict_is_json_and_blend_time_comes_from_the_clock(adapter, case
 def test_choices_of_the_wrong_length_are_refused(adapter, case):
     engine = make_engine(adapter)
     with pytest.raises(ValueError, match="3 variant choices for 4 declared chunks"):
-        engine.prefill(case.token_ids, case.chunks, choices=[None] * 3)
+        engine.prefill(case.token_ids, case.chunks, variants=[None] * 3)
 
 
 def test_a_chunk_saved_after_other_tokens_is_never_served_as_an_exact_system_chunk(adapter, case):
@@ -271,14 +277,14 @@ def test_tensor_parallel_ranks_agree_on_hits_before_the_pass(adapter, case):
     """Under tensor parallelism a chunk is loaded only where every rank loaded it: a rank that sees a hit
     another rank missed computes it as a hole too (else the ranks recompute different rows and the model's
     collectives deadlock), and a failure on any rank makes every rank raise before the pass."""
-    engine = _full(adapter, case, CacheFuseConfig(preload_depth=2))  # agreement forces serial loading
     seen = []
 
     def other_rank_missed_b(hits, failed):
         seen.append((list(hits), failed))
         return [hit and i != 2 for i, hit in enumerate(hits)], False  # chunk B (index 2) missed elsewhere
 
-    engine.rank_agreement = other_rank_missed_b
+    config = CacheFuseConfig(preload_depth=2)  # agreement forces serial loading
+    engine = _on_ranks(_full(adapter, case, config), config, RankGroup(rank_agreement=other_rank_missed_b))
     result, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
     assert seen == [([True, True, True, True], False)]
     assert stats.chunks_hit == 3 and stats.miss_reasons == {"other_rank_missed": 1}
@@ -287,7 +293,8 @@ def test_tensor_parallel_ranks_agree_on_hits_before_the_pass(adapter, case):
     expected, _ = hole.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
     torch.testing.assert_close(result.logits, expected.logits, **LOGIT_TOL)
 
-    engine.rank_agreement = lambda hits, failed: (hits, True)  # another rank failed while loading
+    failing = RankGroup(rank_agreement=lambda hits, failed: (hits, True))  # another rank failed while loading
+    engine = _on_ranks(engine, config, failing)
     with pytest.raises(RankDisagreement):
         engine.prefill(case.token_ids, case.chunks, save_holes=False)
 

@@ -43,9 +43,8 @@ def _run(adapter, backend, selector="cacheblend"):
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=3)
     precompute_case(engine, case)  # chunk B stays a hole
-    engine.fusor.attention_backend = backend
     result, stats = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.15, save_holes=True,
-                                   save_inline=True)
+                                   save_inline=True, attention_backend=backend)
     return engine, case, result, stats
 
 

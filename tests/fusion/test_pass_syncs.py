@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cachefuse.fusion import fusor as fusor_module
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
+from cachefuse.fusion import fusor as fusor_module
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.layers import LoadedLayers
 from cachefuse.fusion.plan import FuseRequest

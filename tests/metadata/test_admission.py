@@ -128,7 +128,7 @@ def test_admission_leaves_chunks_served_as_exact_alone(adapter):
     precompute_case(eager, case, with_hole=False)
     ids, chunks = prompt(case, [0])
     result, stats = eager.prefill(ids, chunks, save_inline=True)
-    full, _ = eager.prefill(ids, chunks, selector="full_prefill", save_holes=False, choices=[None, None])
+    full, _ = eager.prefill(ids, chunks, selector="full_prefill", save_holes=False, variants=[None, None])
     assert stats.chunk_cfo == [0.0, 0.0] and stats.holes_saved == 0 and stats.tokens_recomputed == len(case.question)
     torch.testing.assert_close(result.logits, full.logits, **TOL[torch.float32])
     _, control = eager.prefill(*prompt(case, [0, 1]), save_inline=True)

@@ -106,7 +106,7 @@ def test_the_variant_is_what_a_full_reuse_pass_computes_for_the_chunk_there(fuse
     assert stats.chunks_hit == len(offsets) and stats.chunk_cfo[-1] == 0.0
     choices = list(engine.plan_variants(ids, offsets))
     computed, _ = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False,
-                                 choices=choices[:-1] + [None])
+                                 variants=choices[:-1] + [None])
     assert torch.allclose(loaded.logits, computed.logits, atol=1e-5)
     base = make_engine(adapter)  # negative control: the same prompt over base variants only
     base.precompute([system])

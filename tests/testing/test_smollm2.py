@@ -94,7 +94,7 @@ def test_the_real_checkpoint_loads_matches_its_checksum_and_answers():
     prompt = build_rag_prompt(tokenizer, pieces.system, [document],
                               question + pieces.question_suffix + "Tilda Brannock plays the")
     result, _ = engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
-                               save_holes=False, choices=[None] * len(prompt.chunks))
+                               save_holes=False, variants=[None] * len(prompt.chunks))
     answer = decode_text(tokenizer, greedy_continuation(engine.adapter, result, 4))
     assert answer.strip().rstrip(".").lower() == "harp", answer
 

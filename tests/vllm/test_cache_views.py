@@ -119,8 +119,7 @@ def _fused_logits(adapter, backend_factory, selector):
     case = make_case(adapter.shape.vocab_size, seed=5)
     precompute_case(engine, case)
     backend = backend_factory(len(case.token_ids)) if backend_factory else None
-    engine.fusor.attention_backend = backend
-    result, _ = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.15)
+    result, _ = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.15, attention_backend=backend)
     return result.logits, backend
 
 

@@ -86,8 +86,8 @@ def _passes(adapter, triton_attn, selector):
               for name in names}
     block_table, slots = _request_slots(num_tokens + 1, num_pages, seed=7)
     backend = SlotWritingAttention(layers, names, slots, shape.scaling)
-    engine.fusor.attention_backend = backend
-    fused, _ = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.15, save_holes=False)
+    fused, _ = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.15, save_holes=False,
+                              attention_backend=backend)
     return plain, fused, backend, [layers[name] for name in names], block_table, slots
 
 
