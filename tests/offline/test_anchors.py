@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import Segment
 from cachefuse.config import CacheFuseConfig
 from cachefuse.offline.anchors import anchor_annotator, received_attention
@@ -17,20 +16,12 @@ from cachefuse.select.qcfuse import anchors_from_meta, choose_anchors
 from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import make_case, make_engine
 
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama", num_layers=3))
-
-
-@pytest.fixture(scope="module")
-def adapter(model_dir):
-    return HFAdapter.from_pretrained(model_dir)
+pytestmark = pytest.mark.tiny_model("llama", num_layers=3)  # `adapter`, `model_dir`: tests/conftest.py
 
 
 def _eager_received(model_dir, token_ids, chunk_start):
     """The same quantity from transformers' eager attention weights: the specification."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), output_attentions=True)
     per_layer = [a[0, :, chunk_start:, :].sum(dim=1).mean(dim=0) for a in out.attentions]  # [T] each

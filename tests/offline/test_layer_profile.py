@@ -19,7 +19,6 @@ import logging
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import segment_prompt
 from cachefuse.cli.main import main as cli_main
 from cachefuse.config import CacheFuseConfig
@@ -35,11 +34,6 @@ from cachefuse.select.qcfuse import QCFuseSelector
 from tests.helpers.fusion import make_case, make_engine
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 def test_recall_counts_evidence_in_the_top_share_and_breaks_ties_by_row():
