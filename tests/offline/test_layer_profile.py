@@ -4,27 +4,20 @@ profiles (cachefuse/metadata/layer_profiles.py) are tested in tests/metadata/tes
 - Recall@r counts evidence among the top r of candidates, ties broken by row (a flat score earns no luck);
 - the probe's per-layer scores sum to its total, and the profile's R(l) equals the recall of the
   `qcfuse` selector's own probe scored at layer l alone (an independent run per layer); the critical set
-  is the top-k layers by R(l);
-- answer evidence rows of the real-text QA set are the tokens that spell the answer;
-- the CLI writes the profile under the store, where an engine on that store finds it.
+  is the top-k layers by R(l).
+
+The QA set's answer evidence rows are tests/eval/test_qa_set.py's; the `profile-layers` command's
+tests/cli/test_profile_layers.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
 from cachefuse.chunks import segment_prompt
-from cachefuse.cli.main import main as cli_main
-from cachefuse.config import CacheFuseConfig
-from cachefuse.metadata.layer_profiles import (
-    LayerProfile,
-    load_profile,
-    with_profiled_layers,
-)
 from cachefuse.offline.layer_profile import evidence_item, profile_layers, recall_at
 from cachefuse.select.qcfuse import QCFuseSelector
 from tests.helpers.fusion import make_case, make_engine
@@ -96,47 +89,3 @@ def test_profile_recall_equals_single_layer_probes_and_picks_the_best_layers(ada
         assert profile.recall[layer] == pytest.approx(sum(recalls) / len(recalls))
     assert profile.critical_layers == tuple(sorted(profile.ranked_layers[:2]))
     assert profile.top_k_recall[0] == pytest.approx(max(profile.recall))
-
-
-def test_answer_evidence_rows_spell_the_answer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    from cachefuse.eval.qa_set import answer_evidence_rows, eval_items, make_items
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
-    items = make_items("validation", 6)
-    found = 0
-    for item, eval_item in zip(items, eval_items(items, tokenizer), strict=True):
-        prompt, rows = answer_evidence_rows(item, eval_item, tokenizer)
-        text = tokenizer.decode([prompt.token_ids[r] for r in rows]).lower()
-        assert all(prompt.chunks[1][0] <= r < prompt.chunks[-1][1] for r in rows)
-        if rows:
-            found += 1
-            assert any(answer.lower().split()[0] in text for answer in item.answers), (text, item.answers)
-    assert found >= 5  # the answer is written in its document (a rare tokenizer mismatch drops one)
-
-
-def test_cli_writes_the_profile_where_an_engine_on_the_store_finds_it(tiny_model_dir, tmp_path, capsys):
-    from cachefuse.chunks import model_fingerprint
-
-    model = tiny_model_dir("llama")
-    store = tmp_path / "store"
-    status = cli_main(["profile-layers", "--model", str(model), "--store", str(store), "--items", "4",
-                       "--critical", "2", "--no-progress", "--json", "--plot", str(tmp_path / "profile.png")])
-    assert status == 0 and (tmp_path / "profile.png").stat().st_size > 0
-    printed = LayerProfile.from_dict(json.loads(capsys.readouterr().out))
-    fingerprint = model_fingerprint(model)
-    num_layers = len(printed.recall)
-    assert load_profile(store, fingerprint, num_layers) == printed and len(printed.critical_layers) == 2
-    config = with_profiled_layers(CacheFuseConfig(), store, fingerprint, num_layers)
-    assert config.qcfuse_critical_layers == printed.critical_layers
-    with pytest.raises(SystemExit):
-        cli_main(["profile-layers", "--model", str(model)])  # written nowhere: refused before the model loads
-    a_file = tmp_path / "afile"
-    a_file.write_text("")
-    for argv, message in ((["--store", str(a_file)], "not a directory"),  # checked before profiling, not after
-                          (["--out", str(tmp_path / "none" / "p.json")], "no directory")):
-        with pytest.raises(SystemExit) as exc:
-            cli_main(["profile-layers", "--model", str(model), "--items", "1", *argv])
-        assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert not (tmp_path / "none").exists()
