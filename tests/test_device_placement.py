@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FuseRequest
@@ -29,11 +28,7 @@ SELECTORS = {
     "epic": {}, "cachecraft": {}, "fusionrag": {}, "qcfuse": {}, "random": {}, "full_reuse": {},
     "full_prefill": {},
 }
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama", num_layers=4)))
+pytestmark = pytest.mark.tiny_model("llama", num_layers=4)  # the shared `adapter` (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,11 @@ from transformers import AutoModelForCausalLM
 from cachefuse.adapters.hf import HFAdapter
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama", num_layers=3))
+pytestmark = pytest.mark.tiny_model("llama", num_layers=3)  # `model_dir`: tests/conftest.py
 
 
 def _adapter(model_dir, compile):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa")
     return HFAdapter(model, compile=compile)
 
 

@@ -22,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cachefuse import rope
 from cachefuse.adapters import hf
-from cachefuse.adapters.hf import HFAdapter
 
 FAMILIES = ["llama", "llama31", "mistral", "qwen2", "qwen3"]
 # add, norm, qkv GEMM, (Qwen3: q and k norms), o_proj GEMM, add, norm, gate/up GEMM, silu, mul, down GEMM;
@@ -47,11 +46,11 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def adapter(request, tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir(request.param)))
+EVERY_FAMILY = pytest.mark.parametrize("adapter", FAMILIES, indirect=True)
+"""The shared module-scoped `adapter` (tests/conftest.py), one per family."""
 
 
+@EVERY_FAMILY
 def test_norms_and_rotation_equal_the_modules_bit_for_bit(adapter):
     g = torch.Generator().manual_seed(0)
     block = adapter.layers[1]
@@ -72,6 +71,7 @@ def test_norms_and_rotation_equal_the_modules_bit_for_bit(adapter):
     assert torch.equal(k, rope.apply_rope(k_nope, positions, adapter.rope_spec))
 
 
+@EVERY_FAMILY
 def test_prefill_through_the_adapter_equals_the_model(adapter):
     ids = torch.randint(3, adapter.shape.vocab_size, (41,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -102,16 +102,19 @@ def _dense_layer_ops(adapter) -> list[str]:
     return counter.ops
 
 
+@EVERY_FAMILY
 def test_a_layers_dense_work_stays_within_its_op_budget(adapter):
     ops = _dense_layer_ops(adapter)
     assert len(ops) <= DENSE_OPS_PER_LAYER + (2 if hasattr(adapter.layers[1].self_attn, "q_norm") else 0), ops
 
 
+@EVERY_FAMILY
 def test_negative_control_the_modules_norms_break_the_budget(adapter, monkeypatch):
     monkeypatch.setattr(hf, "rms_norm", lambda norm, x: norm(x))
     assert len(_dense_layer_ops(adapter)) > DENSE_OPS_PER_LAYER + 2
 
 
+@EVERY_FAMILY
 def test_q_and_k_rotate_in_one_launch_when_they_share_the_projection(adapter, monkeypatch):
     """On CUDA each apply_rope is a Triton launch (tens of microseconds of host time per layer): q and k,
     neighbouring slices of the fused qkv projection, rotate as one [T, heads + kv_heads, D] tensor. Qwen3
@@ -147,6 +150,7 @@ def test_only_adjacent_views_of_one_tensor_rotate_together():
     assert hf._adjacent_heads(q[:4], k[1:]) is None  # other rows
 
 
+@EVERY_FAMILY
 def test_a_fused_pass_rotates_q_and_k_in_one_launch_per_layer(adapter, monkeypatch, tiny_model_dir):
     """Through Fusor.fuse (inference mode), every rotation of the adapter's own q and k is one call."""
     from cachefuse.config import CacheFuseConfig

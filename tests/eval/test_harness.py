@@ -39,11 +39,6 @@ def make_items(num_items: int, seed: int = 0) -> list[EvalItem]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def runs(model_dir):
     engine, tokenizer = reference_engine(model_dir, CacheFuseConfig(cachecraft_early_termination=False))
     spec = EvalSpec(selectors=("cacheblend", "epic", "cachecraft", "random"), ratios=(0.0, 0.15, 1.0),

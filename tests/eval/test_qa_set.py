@@ -1,5 +1,6 @@
 """The real-text QA set (cachefuse/eval/qa_set.py, qa_world.py): seeded, split by entity, evidence
-where it says, multi-document questions that no single document answers."""
+where it says, multi-document questions that no single document answers; the answer evidence rows (layer profiling's
+evidence) are the tokens that spell the answer."""
 
 from __future__ import annotations
 
@@ -132,3 +133,21 @@ def test_eval_items_follow_the_chat_template(tiny_model_dir):
         assert len(prompt.chunks) == 1 + len(q.documents)
     plain = eval_items(qa)[0]
     assert plain.system == SYSTEM_PROMPT + "\n" and plain.question.endswith("\nAnswer: " + qa[0].stem)
+
+
+def test_answer_evidence_rows_spell_the_answer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from cachefuse.eval.qa_set import answer_evidence_rows, eval_items, make_items
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    items = make_items("validation", 6)
+    found = 0
+    for item, eval_item in zip(items, eval_items(items, tokenizer), strict=True):
+        prompt, rows = answer_evidence_rows(item, eval_item, tokenizer)
+        text = tokenizer.decode([prompt.token_ids[r] for r in rows]).lower()
+        assert all(prompt.chunks[1][0] <= r < prompt.chunks[-1][1] for r in rows)
+        if rows:
+            found += 1
+            assert any(answer.lower().split()[0] in text for answer in item.answers), (text, item.answers)
+    assert found >= 5  # the answer is written in its document (a rare tokenizer mismatch drops one)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
@@ -48,16 +47,6 @@ def write_jsonl(path: Path, items: list[ValItem]) -> Path:
     lines = [json.dumps({k: v for k, v in asdict(item).items() if v is not None}) for item in items]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> Path:
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def adapter(model_dir) -> HFAdapter:
-    return HFAdapter.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from cachefuse.store.base import StoreIdentity
 from cachefuse.store.memory import MemoryStore
 from tests.helpers.fusion import make_case, precompute_case
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.tiny_model("llama", num_layers=4)]  # `model_dir`: tests/conftest.py
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
@@ -25,13 +25,8 @@ BF16_LOGIT_TOL = dict(atol=0.1, rtol=0.05)
 """bf16 end to end over 4 layers: logits of order 1-10 agree to a few bf16 ulps of the largest."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama", num_layers=4))
-
-
 def _engine(model_dir, dtype, device, store_device="cpu", pin=False):
-    return _engine_over(HFAdapter.from_pretrained(model_dir, dtype=dtype, device=device), store_device, pin)
+    return _engine_over(HFAdapter.from_pretrained(str(model_dir), dtype=dtype, device=device), store_device, pin)
 
 
 def _engine_over(adapter, store_device="cpu", pin=False):
@@ -117,7 +112,7 @@ def test_inductor_compiled_layers_equal_eager_on_cuda(model_dir):
 
     results = []
     for compile in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, attn_implementation="sdpa")
         engine = _engine_over(HFAdapter(model.to("cuda"), compile=compile))
         case = make_case(engine.adapter.shape.vocab_size, seed=11, lengths=(16, 96, 40, 128, 12))
         precompute_case(engine, case)

@@ -20,17 +20,11 @@ from cachefuse.fusion.engine import FusionEngine
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.disk import DiskStore
 from tests.helpers.fusion import make_case, precompute_case
-from tests.helpers.models import ALL_FAMILIES
 from tests.helpers.throttled import ThrottledStore, real_sleep
 from tests.loading.test_loader import _corrupt_tensor
 
 SELECTORS = ["cacheblend", "epic", "full_reuse"]
 RATIOS = [0.15, 1.0]
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir(ALL_FAMILIES[0])))
 
 
 def _disk_store(adapter: HFAdapter, root) -> DiskStore:

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import VariantRecord
@@ -20,11 +19,6 @@ from cachefuse.metadata.index import Admission, VariantIndex, plan_variants
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.helpers.tolerances import TOL
 from tests.metadata.test_variants import prompt
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir) -> HFAdapter:
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 def test_config_resolves_the_threshold_from_the_selector_and_alpha():

@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.metadata import scores
@@ -18,11 +17,6 @@ from cachefuse.metadata.base import VariantRecord, make_variant_id, variant_stor
 from cachefuse.metadata.index import Admission, IndexRefresher, VariantIndex, new_prefixes, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from tests.helpers.fusion import make_case, make_engine, precompute_case
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir) -> HFAdapter:
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 def prompt(case, order: list[int]) -> tuple[list[int], list[tuple[int, int]]]:

@@ -1,5 +1,6 @@
-"""QCFuse's offline anchors: counts, first tokens, the attention ranking against transformers' own
-attention weights, and stored anchors used by the selector."""
+"""QCFuse's offline anchors (cachefuse/offline/anchors.py): counts, first tokens, the attention ranking
+against transformers' own attention weights, and stored anchors used by the selector. The anchors every
+save stores (select/qcfuse.py) are tested in tests/select/test_qcfuse.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import Segment
 from cachefuse.config import CacheFuseConfig
 from cachefuse.offline.anchors import anchor_annotator, received_attention
@@ -17,20 +17,12 @@ from cachefuse.select.qcfuse import anchors_from_meta, choose_anchors
 from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import make_case, make_engine
 
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return str(tiny_model_dir("llama", num_layers=3))
-
-
-@pytest.fixture(scope="module")
-def adapter(model_dir):
-    return HFAdapter.from_pretrained(model_dir)
+pytestmark = pytest.mark.tiny_model("llama", num_layers=3)  # `adapter`, `model_dir`: tests/conftest.py
 
 
 def _eager_received(model_dir, token_ids, chunk_start):
     """The same quantity from transformers' eager attention weights: the specification."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), output_attentions=True)
     per_layer = [a[0, :, chunk_start:, :].sum(dim=1).mean(dim=0) for a in out.attentions]  # [T] each
@@ -78,21 +70,3 @@ def test_the_two_rankings_choose_differently(adapter):
     assert not torch.equal(by_norm, by_attention)
     with pytest.raises(ValueError, match="ranking"):
         choose_anchors(entry, "attention", 0.1, 1)
-
-
-def test_every_saved_entry_carries_key_norm_anchors_by_default(adapter):
-    """Precompute and hole saves store the key-norm anchors (the serving config's ratio and sinks), so
-    a qcfuse request reads them instead of every layer's keys."""
-    engine = make_engine(adapter)
-    case = make_case(adapter.shape.vocab_size, seed=9)
-    config = engine.config
-    engine.precompute([case.pieces[0]], prefix_ids=case.system)
-    _, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15, save_inline=True)
-    assert len(stats.saved_keys) == 3  # the system chunk and B, C as variants after their prefixes
-    for key in [engine.key(case.pieces[0]), *stats.saved_keys]:
-        entry = engine.store.get(key)
-        assert entry is not None
-        stored = anchors_from_meta(entry.meta, entry.num_tokens, config.qcfuse_anchor_ratio,
-                                   config.qcfuse_sink_tokens)
-        expected = choose_anchors(entry, "key_norm", config.qcfuse_anchor_ratio, config.qcfuse_sink_tokens)
-        assert stored is not None and torch.equal(stored, expected)

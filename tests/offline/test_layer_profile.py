@@ -1,45 +1,28 @@
-"""QCFuse's layer profiling (cachefuse/offline/layer_profile.py, `cachefuse profile-layers`).
+"""QCFuse's layer profiling (cachefuse/offline/layer_profile.py, `cachefuse profile-layers`). The stored
+profiles (cachefuse/metadata/layer_profiles.py) are tested in tests/metadata/test_layer_profiles.py.
 
 - Recall@r counts evidence among the top r of candidates, ties broken by row (a flat score earns no luck);
 - the probe's per-layer scores sum to its total, and the profile's R(l) equals the recall of the
   `qcfuse` selector's own probe scored at layer l alone (an independent run per layer); the critical set
-  is the top-k layers by R(l);
-- answer evidence rows of the real-text QA set are the tokens that spell the answer;
-- a stored profile round-trips, and is used only for its own model and depth, only when the config
-  leaves `qcfuse_critical_layers` null; a damaged one is ignored with a warning;
-- the CLI writes the profile under the store, where an engine on that store finds it.
+  is the top-k layers by R(l).
+
+The QA set's answer evidence rows are tests/eval/test_qa_set.py's; the `profile-layers` command's
+tests/cli/test_profile_layers.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import segment_prompt
-from cachefuse.cli.main import main as cli_main
-from cachefuse.config import CacheFuseConfig
-from cachefuse.metadata.layer_profiles import (
-    LayerProfile,
-    load_profile,
-    profile_path,
-    save_profile,
-    with_profiled_layers,
-)
 from cachefuse.offline.layer_profile import evidence_item, profile_layers, recall_at
 from cachefuse.select.qcfuse import QCFuseSelector
 from tests.helpers.fusion import make_case, make_engine
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 def test_recall_counts_evidence_in_the_top_share_and_breaks_ties_by_row():
@@ -106,86 +89,3 @@ def test_profile_recall_equals_single_layer_probes_and_picks_the_best_layers(ada
         assert profile.recall[layer] == pytest.approx(sum(recalls) / len(recalls))
     assert profile.critical_layers == tuple(sorted(profile.ranked_layers[:2]))
     assert profile.top_k_recall[0] == pytest.approx(max(profile.recall))
-
-
-def _profile(**changes) -> LayerProfile:
-    base = LayerProfile("fp", 4, 0.1, "anchors", 0.1, 3, (0.1, 0.5, 0.4, 0.2), (0.5, 0.6), (1, 2))
-    return dataclasses.replace(base, **changes)
-
-
-def test_a_stored_profile_serves_its_own_model_only(tmp_path, caplog):
-    profile = _profile()
-    save_profile(profile, profile_path(tmp_path, "fp"))
-    assert load_profile(tmp_path, "fp", 4) == profile
-    config = with_profiled_layers(CacheFuseConfig(), tmp_path, "fp", 4)
-    assert config.qcfuse_critical_layers == (1, 2)
-    explicit = CacheFuseConfig(qcfuse_critical_layers=(0,))
-    assert with_profiled_layers(explicit, tmp_path, "fp", 4) is explicit  # a set field wins
-    with caplog.at_level(logging.WARNING, logger="cachefuse.metadata.layer_profiles"):
-        assert load_profile(tmp_path, "fp", 6) is None  # another depth (the same name: a renamed copy)
-        assert load_profile(tmp_path, "other", 4) is None  # nothing stored for that model: no warning
-        save_profile(_profile(fingerprint="x"), profile_path(tmp_path, "y"))
-        assert load_profile(tmp_path, "y", 4) is None
-        profile_path(tmp_path, "broken").write_text("{not json")
-        assert load_profile(tmp_path, "broken", 4) is None
-        data = profile.to_dict() | {"critical_layers": [1, 9]}
-        profile_path(tmp_path, "oob").write_text(json.dumps(data))
-        assert load_profile(tmp_path, "oob", 4) is None
-    assert len(caplog.records) == 4 and all("ignored" in r.getMessage() for r in caplog.records)
-    assert with_profiled_layers(CacheFuseConfig(), tmp_path, "broken", 4).qcfuse_critical_layers is None
-
-
-def test_answer_evidence_rows_spell_the_answer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    from cachefuse.eval.qa_set import answer_evidence_rows, eval_items, make_items
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
-    items = make_items("validation", 6)
-    found = 0
-    for item, eval_item in zip(items, eval_items(items, tokenizer), strict=True):
-        prompt, rows = answer_evidence_rows(item, eval_item, tokenizer)
-        text = tokenizer.decode([prompt.token_ids[r] for r in rows]).lower()
-        assert all(prompt.chunks[1][0] <= r < prompt.chunks[-1][1] for r in rows)
-        if rows:
-            found += 1
-            assert any(answer.lower().split()[0] in text for answer in item.answers), (text, item.answers)
-    assert found >= 5  # the answer is written in its document (a rare tokenizer mismatch drops one)
-
-
-def test_cli_writes_the_profile_where_an_engine_on_the_store_finds_it(tiny_model_dir, tmp_path, capsys):
-    from cachefuse.chunks import model_fingerprint
-
-    model = tiny_model_dir("llama")
-    store = tmp_path / "store"
-    status = cli_main(["profile-layers", "--model", str(model), "--store", str(store), "--items", "4",
-                       "--critical", "2", "--no-progress", "--json", "--plot", str(tmp_path / "profile.png")])
-    assert status == 0 and (tmp_path / "profile.png").stat().st_size > 0
-    printed = LayerProfile.from_dict(json.loads(capsys.readouterr().out))
-    fingerprint = model_fingerprint(model)
-    num_layers = len(printed.recall)
-    assert load_profile(store, fingerprint, num_layers) == printed and len(printed.critical_layers) == 2
-    config = with_profiled_layers(CacheFuseConfig(), store, fingerprint, num_layers)
-    assert config.qcfuse_critical_layers == printed.critical_layers
-    with pytest.raises(SystemExit):
-        cli_main(["profile-layers", "--model", str(model)])  # written nowhere: refused before the model loads
-    a_file = tmp_path / "afile"
-    a_file.write_text("")
-    for argv, message in ((["--store", str(a_file)], "not a directory"),  # checked before profiling, not after
-                          (["--out", str(tmp_path / "none" / "p.json")], "no directory")):
-        with pytest.raises(SystemExit) as exc:
-            cli_main(["profile-layers", "--model", str(model), "--items", "1", *argv])
-        assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert not (tmp_path / "none").exists()
-
-
-def test_a_damaged_profile_never_stops_start_up(tmp_path):
-    """Read at every engine's start (qcfuse_critical_layers unset, whatever the selector): int(inf), deep
-    nesting or a list for an object once raised out of start-up instead of being ignored."""
-    data = _profile().to_dict()
-    profile_path(tmp_path, "inf").parent.mkdir(parents=True)
-    profile_path(tmp_path, "inf").write_text(json.dumps(data | {"critical_layers": [1e999]}))
-    profile_path(tmp_path, "deep").write_text("[" * 100_000 + "]" * 100_000)
-    profile_path(tmp_path, "list").write_text("[1, 2]")
-    for name in ("inf", "deep", "list"):
-        assert load_profile(tmp_path, name, 4) is None, name

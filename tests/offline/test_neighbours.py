@@ -15,15 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.offline.neighbours import fuse_neighbours, lexical_embedder, model_embedder, top_neighbours
 from tests.helpers.fusion import make_engine
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir) -> HFAdapter:
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 def random_ids(vocab: int, lengths, seed: int) -> list[list[int]]:

@@ -1,44 +1,17 @@
-"""Selector sets: sizes follow the ratio (and schedule), gradual-filtering sets nest, EPIC picks chunk
-heads, the control is seeded. Forced rows are the fusor's job: see tests/fusion/test_fusor.py."""
+"""cacheblend (cachefuse/select/cacheblend.py): the set's size follows the ratio (and the gradual-filtering
+schedule, whose sets nest), the highest KV deviation is picked, sink tokens and the per-chunk floor share
+the budget, a damaged row is recomputed. Forced rows are the fusor's job: see tests/fusion/test_fusor.py."""
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from cachefuse.chunks import Segment
 from cachefuse.config import CacheFuseConfig
-from cachefuse.select.base import (
-    CheckLayerKV,
-    PlannedChunk,
-    RowEstimate,
-    SelectionContext,
-    num_rows_for_ratio,
-)
+from cachefuse.select.base import CheckLayerKV, num_rows_for_ratio
 from cachefuse.select.cacheblend import kv_deviation
 from cachefuse.select.registry import make_selector
-
-SEGMENTS = (
-    Segment(0, 10, is_chunk=True, is_system=True),
-    Segment(10, 37, is_chunk=True, is_system=False),
-    Segment(47, 50, is_chunk=True, is_system=False),
-    Segment(97, 13, is_chunk=False, is_system=False),
-)
-
-
-def make_ctx(ratio: float) -> SelectionContext:
-    candidates = [s for s in SEGMENTS if s.is_chunk and not s.is_system]
-    rows = torch.cat([torch.arange(s.start, s.end) for s in candidates])
-    return SelectionContext(num_tokens=110, num_layers=8, segments=SEGMENTS, candidate_rows=rows,
-                            candidate_segments=tuple(candidates), ratio=ratio)
-
-
-def check_kv(rows: torch.Tensor, seed: int) -> CheckLayerKV:
-    g = torch.Generator().manual_seed(seed)
-    shape = (rows.numel(), 2, 4)
-    return CheckLayerKV(rows, torch.randn(shape, generator=g), torch.randn(shape, generator=g),
-                        torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+from tests.helpers.selection import check_kv, make_ctx
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.05, 0.15, 0.3, 1.0])
@@ -144,64 +117,3 @@ def test_a_damaged_row_is_recomputed_and_leaves_the_others_ranking_alone(metric,
         expected = kv_deviation(CheckLayerKV(*(t[keep] for t in (kv.rows, kv.fresh_k_nope, kv.fresh_v, loaded_k,
                                                                   loaded_v))), metric)
     torch.testing.assert_close(others, expected, rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("ratio", [0.05, 0.15, 0.5])
-def test_epic_picks_first_tokens_of_each_chunk(ratio):
-    ctx = make_ctx(ratio)
-    chosen = make_selector("epic", CacheFuseConfig()).initial_rows(ctx).tolist()
-    expected = [r for s in ctx.candidate_segments for r in range(s.start, s.start + math.ceil(ratio * s.length))]
-    assert chosen == expected
-    fixed = make_selector("epic", CacheFuseConfig(epic_k=3)).initial_rows(ctx).tolist()
-    assert fixed == [10, 11, 12, 47, 48, 49]
-
-
-def test_full_reuse_and_full_prefill():
-    ctx = make_ctx(0.5)
-    reuse = make_selector("full_reuse", CacheFuseConfig())
-    assert reuse.num_full_layers(8) == 0 and reuse.initial_rows(ctx).numel() == 0
-    assert make_selector("full_prefill", CacheFuseConfig()).num_full_layers(8) == 8
-
-
-def test_estimated_rows_match_the_rows_picked():
-    """Each selector's estimate before the pass (Selector.estimate_rows) against what it picks."""
-    chunks = [PlannedChunk(s.length) for s in SEGMENTS if s.is_chunk and not s.is_system]
-    ctx = make_ctx(0.3)
-    for name, config in (("cacheblend", CacheFuseConfig()), ("random", CacheFuseConfig()),
-                         ("epic", CacheFuseConfig(epic_k=3))):
-        estimate = make_selector(name, config).estimate_rows(chunks, 8)
-        rows = num_rows_for_ratio(0.3, estimate.num_ratio_candidates) + estimate.num_planned_rows
-        if name == "cacheblend":
-            assert estimate == RowEstimate(0, 87) and rows == num_rows_for_ratio(0.3, 87)  # kept after its check
-        else:
-            assert rows == make_selector(name, config).initial_rows(ctx).numel()
-    assert make_selector("full_reuse", CacheFuseConfig()).estimate_rows(chunks, 8) == RowEstimate(0, 0)
-    ratio_epic = make_selector("epic", CacheFuseConfig()).estimate_rows(chunks, 8)
-    # ceil per chunk (12 + 15) can exceed ceil over all (27): at most one row per chunk
-    assert 0 <= make_selector("epic", CacheFuseConfig()).initial_rows(ctx).numel() - num_rows_for_ratio(
-        0.3, ratio_epic.num_ratio_candidates) <= len(chunks)
-
-
-def test_random_is_seeded_and_sized():
-    ctx = make_ctx(0.3)
-    a = make_selector("random", CacheFuseConfig(random_seed=1)).initial_rows(ctx)
-    b = make_selector("random", CacheFuseConfig(random_seed=1)).initial_rows(ctx)
-    c = make_selector("random", CacheFuseConfig(random_seed=2)).initial_rows(ctx)
-    assert torch.equal(a, b) and not torch.equal(a, c)
-    assert a.numel() == math.ceil(0.3 * 87)
-
-
-@pytest.mark.parametrize("name", ["fusionrag", "qcfuse"])
-@pytest.mark.parametrize("ratio", [0.1, 0.3, 0.55])
-def test_query_aware_selectors_recompute_the_rows_the_probe_scores_highest(name, ratio):
-    """The probe's scores decide: the ceil(r x n) candidates it scored highest, no others (picking the
-    lowest passed every other test)."""
-    ctx = make_ctx(ratio)
-    scores = torch.randperm(ctx.candidate_rows.numel(), generator=torch.Generator().manual_seed(5)).float()
-    ctx = dataclasses.replace(ctx, probe_scores=scores)
-    count = num_rows_for_ratio(ratio, ctx.candidate_rows.numel())
-    expected = ctx.candidate_rows[scores.argsort(descending=True)[:count]].sort().values
-    rows = make_selector(name, CacheFuseConfig()).initial_rows(ctx)
-    assert torch.equal(rows, expected)
-    lowest = ctx.candidate_rows[scores.argsort()[:count]].sort().values
-    assert not torch.equal(rows, lowest)  # control: the other end of the ranking is another set
