@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from cachefuse import ops
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusion.engine import FusionEngine, RankGroup
@@ -33,11 +32,6 @@ from tests.store.test_disk import _flip_data_byte, _truncate
 
 LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)
 SEED = 11
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir) -> HFAdapter:
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 @pytest.fixture(scope="module")

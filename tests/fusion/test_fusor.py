@@ -36,18 +36,6 @@ LOGIT_TOL = dict(atol=1e-4, rtol=1e-4)
 SELECTIVE = ["cacheblend", "epic", "random", "fusionrag", "qcfuse"]
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_model_dir):
-    cache: dict[str, HFAdapter] = {}
-
-    def get(family: str) -> HFAdapter:
-        if family not in cache:
-            cache[family] = HFAdapter.from_pretrained(str(tiny_model_dir(family)))
-        return cache[family]
-
-    return get
-
-
 def model_logits(adapter: HFAdapter, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return adapter.model(torch.tensor([token_ids])).logits[0, -1].float()
@@ -60,8 +48,8 @@ def assert_same_greedy(actual: torch.Tensor, expected: torch.Tensor, tol: float)
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_full_prefill_selector_equals_model_forward(adapters, family):
-    adapter = adapters(family)
+def test_full_prefill_selector_equals_model_forward(tiny_adapter, family):
+    adapter = tiny_adapter(family)
     ids = make_case(adapter.shape.vocab_size, seed=3).token_ids
     request = FuseRequest(torch.tensor(ids), segment_prompt(len(ids), []), {}, 1.0)
     result = Fusor(adapter).fuse(request, make_selector("full_prefill", CacheFuseConfig()))
@@ -75,8 +63,8 @@ def test_full_prefill_selector_equals_model_forward(adapters, family):
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 @pytest.mark.parametrize("selector", SELECTIVE)
-def test_ratio_one_equals_full_prefill(adapters, family, selector):
-    adapter = adapters(family)
+def test_ratio_one_equals_full_prefill(tiny_adapter, family, selector):
+    adapter = tiny_adapter(family)
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size)
     precompute_case(engine, case)
@@ -91,8 +79,8 @@ def test_ratio_one_equals_full_prefill(adapters, family, selector):
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_question_first_and_reordered_chunks_ratio_one(adapters, family):
-    adapter = adapters(family)
+def test_question_first_and_reordered_chunks_ratio_one(tiny_adapter, family):
+    adapter = tiny_adapter(family)
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=5)
     precompute_case(engine, case, with_hole=False)
@@ -135,8 +123,8 @@ def reference_full_reuse(adapter: HFAdapter, case) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
-def test_full_reuse_equals_independent_reference(adapters, family):
-    adapter = adapters(family)
+def test_full_reuse_equals_independent_reference(tiny_adapter, family):
+    adapter = tiny_adapter(family)
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=1)
     precompute_case(engine, case)
@@ -146,8 +134,8 @@ def test_full_reuse_equals_independent_reference(adapters, family):
     assert (result.logits - model_logits(adapter, case.token_ids)).abs().max() > 100 * LOGIT_TOL["atol"]
 
 
-def test_unselected_rows_are_loaded_values_rerotated(adapters):
-    adapter = adapters("llama")
+def test_unselected_rows_are_loaded_values_rerotated(tiny_adapter):
+    adapter = tiny_adapter("llama")
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=2)
     precompute_case(engine, case)
@@ -176,8 +164,8 @@ def test_unselected_rows_are_loaded_values_rerotated(adapters):
 
 @pytest.mark.parametrize("selector", SELECTIVE + ["full_reuse"])
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 0.5])
-def test_forced_rows_always_computed(adapters, selector, ratio):
-    adapter = adapters("qwen3")
+def test_forced_rows_always_computed(tiny_adapter, selector, ratio):
+    adapter = tiny_adapter("qwen3")
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=4)
     precompute_case(engine, case)
@@ -196,8 +184,8 @@ def test_forced_rows_always_computed(adapters, selector, ratio):
         assert result.num_selected == min(num_candidates, int(torch.tensor(ratio * num_candidates).ceil()))
 
 
-def test_poisoned_key_after_check_layer_is_invisible(adapters):
-    adapter = adapters("llama")
+def test_poisoned_key_after_check_layer_is_invisible(tiny_adapter):
+    adapter = tiny_adapter("llama")
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=6)
     precompute_case(engine, case, with_hole=False)
@@ -231,8 +219,8 @@ def test_poisoned_key_after_check_layer_is_invisible(adapters):
         assert holds is should_hold
 
 
-def test_stored_tensors_unchanged_by_fused_requests(adapters):
-    adapter = adapters("qwen2")
+def test_stored_tensors_unchanged_by_fused_requests(tiny_adapter):
+    adapter = tiny_adapter("qwen2")
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=7)
     precompute_case(engine, case)
@@ -246,8 +234,8 @@ def test_stored_tensors_unchanged_by_fused_requests(adapters):
         assert all(torch.equal(a, b) for a, b in zip(before[key], after, strict=True))
 
 
-def test_holes_are_saved_and_hit_next_time(adapters):
-    adapter = adapters("mistral")
+def test_holes_are_saved_and_hit_next_time(tiny_adapter):
+    adapter = tiny_adapter("mistral")
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=8)
     precompute_case(engine, case)
@@ -266,7 +254,7 @@ def test_holes_are_saved_and_hit_next_time(adapters):
                                                          last_access=first.saved_variants[0].last_access),)
 
 
-def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):
+def test_stored_files_byte_identical_after_fused_requests(tiny_adapter, tmp_path):
     import hashlib
 
     from cachefuse.chunks import KeyContext
@@ -274,7 +262,7 @@ def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):
     from cachefuse.store.base import StoreIdentity
     from cachefuse.store.tiered import open_store
 
-    adapter = adapters("llama31")
+    adapter = tiny_adapter("llama31")
     identity = StoreIdentity("test-model", adapter.shape.num_layers, adapter.shape.dtype)
     store = open_store(tmp_path, identity, memory_capacity_bytes=1 << 30, disk_capacity_bytes=1 << 30)
     engine = FusionEngine(adapter, store, KeyContext("test-model", "float32"), CacheFuseConfig())
@@ -294,14 +282,14 @@ def test_stored_files_byte_identical_after_fused_requests(adapters, tmp_path):
 
 
 @pytest.mark.parametrize("schedule,mean_multiplier", [((1.0,), 1.0), ((2.0, 1.0), 1.5)])
-def test_cacheblend_row_estimate_prices_the_rows_the_pass_computes(adapters, schedule, mean_multiplier):
+def test_cacheblend_row_estimate_prices_the_rows_the_pass_computes(tiny_adapter, schedule, mean_multiplier):
     """The controller's row estimate (Selector.estimate_rows) against the candidate rows a real pass computes
     in its selective layers, with and without gradual filtering (check layers 1 and 2 of 4: layer 2 keeps
     2r, layer 3 r). Negative control: the ratio alone (the estimate before gradual filtering was priced)
     misses the gradual pass's rows."""
     from cachefuse.select.base import PlannedChunk, num_rows_for_ratio
 
-    adapter = adapters("llama")
+    adapter = tiny_adapter("llama")
     num_layers = adapter.shape.num_layers
     checks = (1, 2)[:len(schedule)]
     config = CacheFuseConfig(cacheblend_check_layers=checks, cacheblend_ratio_schedule=schedule)
@@ -341,13 +329,13 @@ def ends_inside_and_shorter(adapter):
 
 
 @pytest.mark.parametrize("selector", ["epic", "fusionrag"])
-def test_a_prompt_ending_inside_a_loaded_chunk_equals_that_chunk_declared_one_token_shorter(adapters, selector):
+def test_a_prompt_ending_inside_a_loaded_chunk_equals_that_chunk_declared_one_token_shorter(tiny_adapter, selector):
     """The last token is always computed, so a chunk that ends the prompt offers every row but its last as
     candidates, exactly as the same chunk declared one token shorter before an undeclared last token
     (whose entry holds the same K/V: causal, same positions). Selection, probe and result must not tell
     the two apart: EPIC once picked the forced last row as a candidate, and the question probe attended
     to position N-1 twice (its loaded K/V and its fresh ones; tests/fusion/test_probe.py compares its scores)."""
-    engine, case, shorter_chunks = ends_inside_and_shorter(adapters("llama"))
+    engine, case, shorter_chunks = ends_inside_and_shorter(tiny_adapter("llama"))
     results = []
     for chunks in (case.chunks, shorter_chunks):
         result, stats = engine.prefill(case.token_ids, chunks, selector=selector, ratio=0.2, save_holes=False,
@@ -363,10 +351,10 @@ def test_a_prompt_ending_inside_a_loaded_chunk_equals_that_chunk_declared_one_to
 
 
 @pytest.mark.parametrize("selector", ["full_prefill", "cacheblend"])
-def test_kept_k_and_v_own_their_memory(adapters, selector):
+def test_kept_k_and_v_own_their_memory(tiny_adapter, selector):
     """Every layer's K/V the pass keeps to its end (no KV-writing backend) is a tensor of its own: a view
     would hold the full layer's projection output alive ([T, q + 2 kv]: 6x V's bytes on Llama-3-8B)."""
-    adapter = adapters("llama")
+    adapter = tiny_adapter("llama")
     engine = make_engine(adapter)
     case = make_case(adapter.shape.vocab_size, seed=8)
     precompute_case(engine, case)

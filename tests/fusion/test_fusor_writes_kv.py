@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cachefuse import ops
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.attention import causal_attention
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 
@@ -32,11 +31,6 @@ class RecordingCache:
     def rows(self, layer, q, q_positions, k, v):
         self.written[layer] = (k.clone(), v.clone())
         return ops.rows_attention(q, q_positions, k, v, self.scale, 64)
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 def _run(adapter, backend, selector="cacheblend"):

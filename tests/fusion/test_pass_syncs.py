@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusion import fusor as fusor_module
 from cachefuse.fusion.fusor import Fusor
@@ -47,9 +46,7 @@ class ReadBackRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama", num_layers=4)))
+pytestmark = pytest.mark.tiny_model("llama", num_layers=4)
 
 
 @pytest.fixture(scope="module")

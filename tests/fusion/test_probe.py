@@ -16,7 +16,6 @@ import math
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.attention import rows_attention, rows_attention_at
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
@@ -39,11 +38,6 @@ from cachefuse.select.registry import make_selector
 from tests.helpers.fusion import hole_request_parts, make_engine
 
 TOL = dict(atol=1e-4, rtol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
 
 
 @pytest.fixture(scope="module")

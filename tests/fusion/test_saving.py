@@ -52,11 +52,6 @@ class GatedStore(MemoryStore):
 
 
 @pytest.fixture(scope="module")
-def adapter(tiny_model_dir) -> HFAdapter:
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama")))
-
-
-@pytest.fixture(scope="module")
 def case(adapter):
     return make_case(adapter.shape.vocab_size, seed=SEED)
 

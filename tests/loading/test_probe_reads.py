@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
 from cachefuse.offline.anchors import anchor_annotator
 from cachefuse.select.qcfuse import anchors_from_meta
@@ -64,9 +63,7 @@ class MarkedSelector:
         return self.inner.initial_rows(ctx)
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_model_dir):
-    return HFAdapter.from_pretrained(str(tiny_model_dir("llama", num_layers=6)))
+pytestmark = pytest.mark.tiny_model("llama", num_layers=6)
 
 
 CONFIG = CacheFuseConfig(qcfuse_critical_layers=(2, 3))
