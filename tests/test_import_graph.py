@@ -2,7 +2,8 @@
 
 Each rule runs on the real tree and, as its negative control, on a small tree written here that breaks
 it: a rule that cannot fail would prove nothing. Imports inside functions count; imports under
-`if TYPE_CHECKING:` never run and count only where a rule says so.
+`if TYPE_CHECKING:` never run and count only where a rule says so (the cycle rule counts them: a reader
+still goes round).
 """
 
 from __future__ import annotations
@@ -91,12 +92,33 @@ def test_a_cycle_through_a_lazy_import_is_found(tmp_path):
     assert cycles(import_graph(root)) == [["cachefuse.cli", "cachefuse.command"]]
 
 
-def test_type_only_imports_close_no_cycle(tmp_path):
+def test_a_cycle_through_a_type_only_import_is_found(tmp_path):
     root = write_tree(tmp_path, {
         "cachefuse/fusor.py": "from cachefuse.loader import Loaded\n",
         "cachefuse/loader.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from cachefuse.fusor import R\n",
     })
-    assert cycles(import_graph(root)) == []
+    assert cycles(import_graph(root)) == [["cachefuse.fusor", "cachefuse.loader"]]
+
+
+def test_a_package_init_that_imports_its_own_modules_is_a_cycle(tmp_path):
+    root = write_tree(tmp_path, {
+        "cachefuse/metadata/__init__.py": "from cachefuse.metadata.base import MetaStore\n",
+        "cachefuse/metadata/base.py": "from cachefuse.metadata import scores\n",  # runs metadata/__init__ first
+        "cachefuse/metadata/scores.py": "",
+        "cachefuse/select/__init__.py": '"""A docstring only: no edges."""\n',
+        "cachefuse/select/base.py": "from cachefuse.select import registry\n",
+        "cachefuse/select/registry.py": "from cachefuse.select.base import Selector\n",
+    })
+    assert cycles(import_graph(root)) == [  # scores imports nothing, yet importing it runs metadata/__init__
+        ["cachefuse.metadata", "cachefuse.metadata.base", "cachefuse.metadata.scores"],
+        ["cachefuse.select.base", "cachefuse.select.registry"]]
+
+
+def test_every_package_init_imports_nothing_of_its_own(graph):
+    """The rule behind the cycle check's parent edges, said plainly: a package's `__init__` is its map."""
+    found = [str(e) for m, edges in graph.items() if m in {s.rsplit(".", 1)[0] for s in graph if "." in s}
+             for e in edges if e.target.startswith(m + ".")]
+    assert found == []
 
 
 # --------------------------------------------------------------------------- vllm only under cachefuse/vllm/
@@ -123,8 +145,35 @@ FORBIDDEN = {
     "store never imports metadata": ("cachefuse.store", "cachefuse.metadata"),
     # two processes: what both halves need lives below them (e.g. chunks.dtype_name)
     "worker_side never imports scheduler_side": ("cachefuse.vllm.worker_side", "cachefuse.vllm.scheduler_side"),
+    # offline/ holds the jobs that fill the store (cli/, eval/ and benchmarks run them); what serving reads
+    # of their output (layer profiles, anchors) lives in metadata/ and select/
+    "the blend core never imports offline": ("cachefuse.fusion", "cachefuse.offline"),
+    "the vllm package never imports offline": ("cachefuse.vllm", "cachefuse.offline"),
+    "loading never imports offline": ("cachefuse.loading", "cachefuse.offline"),
+    "select never imports offline": ("cachefuse.select", "cachefuse.offline"),
+    "metadata never imports offline": ("cachefuse.metadata", "cachefuse.offline"),
 }
 BREAKING_TREES = {
+    "the blend core never imports offline": {
+        "cachefuse/fusion/saving.py": "from cachefuse.offline.anchors import choose_anchors\n",
+        "cachefuse/offline/anchors.py": "def choose_anchors(): ...\n",
+    },
+    "the vllm package never imports offline": {
+        "cachefuse/vllm/scheduler_side/gate.py": "def f():\n    from cachefuse.offline import layer_profile\n",
+        "cachefuse/offline/layer_profile.py": "",
+    },
+    "loading never imports offline": {
+        "cachefuse/loading/controller.py": "from typing import TYPE_CHECKING\nimport cachefuse.offline.precompute\n",
+        "cachefuse/offline/precompute.py": "",
+    },
+    "select never imports offline": {
+        "cachefuse/select/qcfuse.py": "from cachefuse.offline.anchors import RANKINGS\n",
+        "cachefuse/offline/anchors.py": "RANKINGS = ()\n",
+    },
+    "metadata never imports offline": {
+        "cachefuse/metadata/layer_profiles.py": "from cachefuse.offline.layer_profile import profile_layers\n",
+        "cachefuse/offline/layer_profile.py": "def profile_layers(): ...\n",
+    },
     "store never imports metadata": {
         "cachefuse/store/redis.py": "def client():\n    from cachefuse.metadata.redis import redis_client\n",
         "cachefuse/metadata/redis.py": "def redis_client(): ...\n",
@@ -135,6 +184,12 @@ BREAKING_TREES = {
     },
 }
 FOUND_IN_BREAKING_TREES = {
+    "the blend core never imports offline": ["cachefuse.fusion.saving:1 imports cachefuse.offline.anchors"],
+    "the vllm package never imports offline": [
+        "cachefuse.vllm.scheduler_side.gate:2 imports cachefuse.offline.layer_profile (in a function)"],
+    "loading never imports offline": ["cachefuse.loading.controller:2 imports cachefuse.offline.precompute"],
+    "select never imports offline": ["cachefuse.select.qcfuse:1 imports cachefuse.offline.anchors"],
+    "metadata never imports offline": ["cachefuse.metadata.layer_profiles:1 imports cachefuse.offline.layer_profile"],
     "store never imports metadata": ["cachefuse.store.redis:2 imports cachefuse.metadata.redis (in a function)"],
     "worker_side never imports scheduler_side": [
         "cachefuse.vllm.worker_side:1 imports cachefuse.vllm.scheduler_side"],

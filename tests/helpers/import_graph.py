@@ -112,9 +112,24 @@ def _runtime_edges(graph: dict[str, list[Edge]]) -> dict[str, set[str]]:
             for m, edges in graph.items()}
 
 
+def _parents(module: str, graph: dict[str, list[Edge]]) -> set[str]:
+    """The packages whose `__init__` importing `module` runs first (`a.b.c` -> `a`, `a.b`), where they import
+    anything: such a package that imports its own modules is in a cycle with each of them."""
+    parts = module.split(".")
+    return {p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if graph.get(p)}
+
+
+def _all_edges(graph: dict[str, list[Edge]]) -> dict[str, set[str]]:
+    """Every edge a reader follows: runtime, lazy, type-only, and the implicit one to each parent package."""
+    return {m: ({e.target for e in edges if e.target in graph} | _parents(m, graph)) - {m}
+            for m, edges in graph.items()}
+
+
 def cycles(graph: dict[str, list[Edge]]) -> list[list[str]]:
-    """Every strongly connected group of two or more modules (Tarjan), each sorted; lazy imports count."""
-    adjacency = _runtime_edges(graph)
+    """Every strongly connected group of two or more modules (Tarjan), each sorted. Every kind of edge counts:
+    lazy imports, imports under TYPE_CHECKING (a reader still goes round), and a module's implicit import of
+    its parent packages' `__init__` (one that imports the package's own modules closes a cycle with them)."""
+    adjacency = _all_edges(graph)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
