@@ -24,11 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachefuse.chunks import chunks_from_texts, segment_prompt
+from cachefuse.chunks import PARAMS_KEY, chunks_from_texts, segment_prompt  # PARAMS_KEY: exported here too
 from cachefuse.config import SELECTORS, CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 
-PARAMS_KEY = "cachefuse"
 KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows", "sync_save",
                 "store_variant")
 

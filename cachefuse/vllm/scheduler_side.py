@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from cachefuse.chunks import (
+    PARAMS_KEY,
     KeyContext,
     chunk_key,
     dtype_name,
@@ -199,7 +200,7 @@ class SchedulerSide:
         except Exception as exc:  # noqa: BLE001 - a parser bug must not stop vLLM's scheduler step
             logger.exception("cachefuse: request %s: parsing its parameters failed unexpectedly", req_id)
             self._fall_back(req_id, "malformed_request", detail=f"unexpected {type(exc).__name__} while parsing",
-                            field="cachefuse")
+                            field=PARAMS_KEY)
             return 0, False
         if fusion is None or not fusion.chunks:
             return 0, False
@@ -460,12 +461,12 @@ class SchedulerSide:
             # vLLM frees a request finished in a step before it hands the connector that step's worker
             # output: the figures of the blend (or replay) that ran in it fill (and count) it in place
             self._awaiting[req_id] = outcome
-            return False, {"cachefuse": outcome}
+            return False, {PARAMS_KEY: outcome}
         if pending is not None and outcome.get("status") == "planned":
             # planned, never scheduled: aborted, or stopped while waiting (e.g. after a preemption)
             outcome.update(status="not_run", detail="the request finished before its blend ran")
         self._finish(req_id, outcome)  # a fallback decided here, or a blend whose figures came in an earlier step
-        return False, {"cachefuse": outcome}
+        return False, {PARAMS_KEY: outcome}
 
     def _finish(self, req_id: str, outcome: dict[str, Any]) -> None:
         """A finished request's final outcome, counted and logged once (`not_run` counts as neither)."""
