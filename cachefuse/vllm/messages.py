@@ -112,8 +112,9 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
         for req_id, stats in other.request_stats.items():
             if req_id not in merged or stats.get("fallback_reason"):
                 merged[req_id] = stats
-        return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)),
-                                   self.figures or other.figures, self.saved_variants + other.saved_variants,
-                                   sorted(set(self.evicted_variants) | set(other.evicted_variants)),
-                                   self.save_failures + other.save_failures,
-                                   sorted(set(self.written_keys) | set(other.written_keys)))
+        return CacheFuseWorkerMeta(
+            request_stats=merged, saved_keys=sorted(set(self.saved_keys) | set(other.saved_keys)),
+            figures=self.figures or other.figures, saved_variants=self.saved_variants + other.saved_variants,
+            evicted_variants=sorted(set(self.evicted_variants) | set(other.evicted_variants)),
+            save_failures=self.save_failures + other.save_failures,
+            written_keys=sorted(set(self.written_keys) | set(other.written_keys)))

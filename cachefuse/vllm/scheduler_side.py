@@ -258,7 +258,8 @@ class SchedulerSide:
                    "chunks": len(keys), "chunks_indexed": sum(indexed)}
         if controller is not None:
             outcome["controller"] = controller
-        self._pending[req_id] = _Pending(fusion, prompt, outcome, variants)  # idempotent: a re-call replaces it
+        # idempotent: a re-call replaces it
+        self._pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, variants=variants)
         self._fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
         return len(prompt) - 1, False
 
@@ -390,7 +391,7 @@ class SchedulerSide:
                 self._count_resumption(pending.outcome)
             plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
         self._budget = _StepBudget()
-        return CacheFuseMetadata(plans, _plain_prefill_tokens(scheduler_output, plans))
+        return CacheFuseMetadata(plans=plans, plain_prefill_tokens=_plain_prefill_tokens(scheduler_output, plans))
 
     def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
         depth = None
@@ -400,9 +401,12 @@ class SchedulerSide:
         slots = [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
         fusion = pending.request
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
-        return BlendPlan(req_id, pending.token_ids, list(fusion.chunks), fusion.selector, fusion.recompute_ratio,
-                         slots, block_ids[: (num_tokens + bs - 1) // bs], block_ids[:num_hit_blocks],
-                         fusion.selected_rows, depth, pending.variants, fusion.sync_save, pending.replay)
+        return BlendPlan(
+            req_id=req_id, token_ids=pending.token_ids, chunks=list(fusion.chunks), selector=fusion.selector,
+            recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
+            block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
+            selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
+            sync_save=fusion.sync_save, replay=pending.replay)
 
     # ------------------------------------------------------------------ outcomes
 

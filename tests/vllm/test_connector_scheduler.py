@@ -73,7 +73,7 @@ def schedule(side: SchedulerSide, req, **resumed) -> list:
 def worker_reports(side: SchedulerSide, req_id: str | None, **figures) -> None:
     """The step's worker metadata: the request's blend figures (None: nothing to report)."""
     stats = {} if req_id is None else {req_id: {"status": "fused", "fallback_reason": None, **figures}}
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(stats)))
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(request_stats=stats)))
 
 
 def assert_no_state(side: SchedulerSide) -> None:
@@ -97,7 +97,7 @@ def test_hook_is_idempotent_and_plans_once(make_side):
     done, params = side.request_finished(req, [])
     assert done is False and params["cachefuse"]["status"] == "planned"
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}}, ["k1"])))
+        request_stats={"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}}, saved_keys=["k1"])))
     assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["chunks_hit"] == 2  # in place
     assert "k1" in side.index and side.counters["requests_fused"] == 1
     assert_no_state(side)
@@ -644,7 +644,7 @@ def test_a_replay_recomputes_what_the_last_blend_did_not_load_and_one_that_fails
     worker_reports(side, "r2", chunks_hit=2, chunks_loaded=[True, True])
     schedule(side, failing, resumed_first_block=40)
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r2": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+        request_stats={"r2": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
     failing.num_output_tokens = 4
     assert side.get_num_new_matched_tokens(failing, 0) == (0, False)  # preempted again: plain from here on
     side.update_state_after_alloc(failing, blocks(100, first=60), 0)  # vLLM admits it, loading nothing
@@ -664,7 +664,7 @@ def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed
     side.figures = {}
     schedule(side, failed)
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r1": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+        request_stats={"r1": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
     assert side.get_num_new_matched_tokens(failed, 0) == (0, False)  # resumed: plain again
     side.update_state_after_alloc(failed, blocks(100, first=60), 0)  # vLLM admits it, loading nothing
     assert side.get_num_new_matched_tokens(request("next"), 0) == (99, False)  # it took no blend budget
