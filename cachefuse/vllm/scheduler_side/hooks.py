@@ -89,7 +89,7 @@ class SchedulerSide:
         if fallback is not None and getattr(request, "num_output_tokens", 0):
             # It ran as plain vLLM, was preempted and resumes: its tokens so far came from plain K/V, and a
             # blend now would decode the rest over other K/V (an answer neither plain nor fused).
-            if fallback.get("fused_before_preemption"):
+            if fallback.fused_before_preemption:
                 self.outcomes.resumed_plain.add(req_id)  # its resumption counts when vLLM admits it
             return 0, False
         try:

@@ -25,14 +25,14 @@ from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, pla
 from cachefuse.request import FusionRequest
 from cachefuse.vllm.messages import BlendPlan
 from cachefuse.vllm.scheduler_side.gate import Gate
-from cachefuse.vllm.scheduler_side.outcomes import Outcomes
+from cachefuse.vllm.scheduler_side.outcomes import Outcomes, RequestOutcome
 
 
 @dataclass
 class _Pending:
     request: FusionRequest
     token_ids: list[int]
-    outcome: dict[str, Any]
+    outcome: RequestOutcome
     variants: list[VariantChoice | None] = field(default_factory=list)
     block_ids: list[int] | None = None
     sent: bool = False
@@ -104,12 +104,12 @@ class Planner:
             return 0, False
         previous = self.pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
         replaying = previous is not None and (previous.sent or previous.replay)
-        if replaying and previous.outcome.get("status") == "fallback":
+        if replaying and previous.outcome.status == "fallback":
             # Its blend (or replay) failed and vLLM computed it plain: it stays plain, with that outcome (left
             # pending, vLLM's allocation hook would have taken it for a skipped load).
             self.pending.pop(req_id)
             self.outcomes.fallbacks[req_id] = previous.outcome
-            if previous.outcome.get("fused_before_preemption"):  # a replay failed: its resumption counts
+            if previous.outcome.fused_before_preemption:  # a replay failed: its resumption counts
                 self.outcomes.resumed_plain.add(req_id)  # when vLLM admits it (a failed first blend is plain all along)
             return 0, False
         if not self._within_budget(req_id, previous is None, len(prompt)):
@@ -125,9 +125,9 @@ class Planner:
             return True
         if self.budget.req_ids and self.budget.tokens + num_tokens > self.config.max_blend_tokens_per_step:
             if first_call:  # what it says if it ends (aborted) before a step has room for it
-                self.outcomes.fallbacks.setdefault(req_id, {
-                    "status": "not_run", "detail": "deferred by max_blend_tokens_per_step; the request "
-                                                   "finished before its blend ran"})
+                self.outcomes.fallbacks.setdefault(req_id, RequestOutcome(
+                    status="not_run", detail="deferred by max_blend_tokens_per_step; the request finished "
+                                             "before its blend ran"))
             return False
         self.budget.req_ids.add(req_id)
         self.budget.tokens += num_tokens
@@ -150,10 +150,8 @@ class Planner:
                 self.fall_back(req_id, "no_go", detail=controller["reason"])
                 return 0, False
             fusion = dataclasses.replace(fusion, recompute_ratio=controller["ratio"])
-        outcome = {"status": "planned", "selector": fusion.selector, "recompute_ratio": fusion.recompute_ratio,
-                   "chunks": len(keys), "chunks_indexed": sum(indexed)}
-        if controller is not None:
-            outcome["controller"] = controller
+        outcome = RequestOutcome(status="planned", selector=fusion.selector, recompute_ratio=fusion.recompute_ratio,
+                                 chunks=len(keys), chunks_indexed=sum(indexed), controller=controller)
         # idempotent: a re-call replaces it
         self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, variants=variants)
         self.outcomes.fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
@@ -180,7 +178,7 @@ class Planner:
             self.outcomes.resumed_plain.add(req_id)
             return 0, False
         if previous.sent:  # the first re-call after a blend ran: replay what that blend loaded
-            loaded = previous.outcome.get("chunks_loaded")
+            loaded = previous.outcome.figures.get("chunks_loaded")
             if isinstance(loaded, list) and len(loaded) == len(previous.variants):
                 previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
@@ -224,7 +222,7 @@ class Planner:
     def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
         depth = None
         if self.config.preload_depth is None:  # derived: the controller's L_p when it decided
-            depth = (pending.outcome.get("controller") or {}).get("preload_depth")
+            depth = (pending.outcome.controller or {}).get("preload_depth")
         num_tokens, bs = len(pending.token_ids), self.block_size
         slots = [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
         fusion = pending.request
