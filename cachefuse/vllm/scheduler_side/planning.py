@@ -33,6 +33,8 @@ class _Pending:
     request: FusionRequest
     token_ids: list[int]
     outcome: RequestOutcome
+    chunk_keys: tuple[str, ...]
+    """Rank 0's store key of each declared chunk, as planned (a replay sends them again)."""
     variants: list[VariantChoice | None] = field(default_factory=list)
     block_ids: list[int] | None = None
     sent: bool = False
@@ -153,7 +155,8 @@ class Planner:
         outcome = RequestOutcome(status="planned", selector=fusion.selector, recompute_ratio=fusion.recompute_ratio,
                                  chunks=len(keys), chunks_indexed=sum(indexed), controller=controller)
         # idempotent: a re-call replaces it
-        self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, variants=variants)
+        self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, chunk_keys=tuple(keys),
+                                        variants=variants)
         self.outcomes.fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
         return len(prompt) - 1, False
 
@@ -228,7 +231,8 @@ class Planner:
         fusion = pending.request
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(
-            req_id=req_id, token_ids=pending.token_ids, chunks=list(fusion.chunks), selector=fusion.selector,
+            req_id=req_id, token_ids=pending.token_ids, segments=fusion.segments, chunk_keys=pending.chunk_keys,
+            selector=fusion.selector,
             recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
             block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
