@@ -61,6 +61,18 @@ class SchedulerSide:
                     redact_url(config.redis_url) if config.redis_url else config.store_path)
 
     @property
+    def config(self) -> CacheFuseConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: CacheFuseConfig) -> None:
+        """One config for every part: replacing it (tests do, for one request) reaches the planner and gate."""
+        self._config = config
+        for part in (getattr(self, "planner", None), getattr(self, "gate", None)):
+            if part is not None:
+                part.config = config
+
+    @property
     def counters(self) -> Counter[str]:
         """Requests fused and fallbacks by reason since start-up, and events (misses, save failures)."""
         return self.outcomes.counters
