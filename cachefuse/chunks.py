@@ -27,6 +27,10 @@ from typing import Any
 
 from cachefuse.errors import ConfigError, RequestError
 
+PARAMS_KEY = "cachefuse"
+"""The key of a request's cachefuse parameters in vLLM's `kv_transfer_params`, and of its outcome in the
+response's: the only spelling of it (request.py re-exports it)."""
+
 _KEY_VERSION = b"cachefuse-chunk-key-v1"
 _FINGERPRINT_VERSION = b"cachefuse-model-fingerprint-v2"  # v2: every tensor sampled
 _SAMPLE_BYTES = 4096  # per sampled range of a tensor's bytes
@@ -218,11 +222,11 @@ def _check_chunks(num_tokens: int, chunks: Any) -> list[tuple[int, int]]:
     """Validates `kv_transfer_params["cachefuse"]["chunks"]`; raises RequestError naming the entry."""
     if not isinstance(chunks, (list, tuple)):
         raise RequestError(
-            "cachefuse.chunks", f"got {reprlib.repr(chunks)}; expected a list of [start, end] token offsets"
+            f"{PARAMS_KEY}.chunks", f"got {reprlib.repr(chunks)}; expected a list of [start, end] token offsets"
         )
     out: list[tuple[int, int]] = []
     for i, pair in enumerate(chunks):
-        field = f"cachefuse.chunks[{i}]"
+        field = f"{PARAMS_KEY}.chunks[{i}]"
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(_is_int(x) for x in pair)):
             raise RequestError(field, f"got {reprlib.repr(pair)}; expected a pair [start, end] of ints")
         start, end = pair
@@ -349,7 +353,7 @@ class RagPrompt:
 
     def kv_transfer_params(self) -> dict:
         """The request field that declares the chunks: `{"cachefuse": {"chunks": [[s, e], ...]}}`."""
-        return {"cachefuse": {"chunks": [[s, e] for s, e in self.chunks]}}
+        return {PARAMS_KEY: {"chunks": [[s, e] for s, e in self.chunks]}}
 
 
 def build_rag_prompt(tokenizer: Any, system: str, chunks: Sequence[str], question: str) -> RagPrompt:

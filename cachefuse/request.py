@@ -24,11 +24,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachefuse.chunks import chunks_from_texts, segment_prompt
+from cachefuse.chunks import (  # PARAMS_KEY: exported here too
+    PARAMS_KEY,
+    Segment,
+    chunks_from_texts,
+    segment_prompt,
+)
 from cachefuse.config import SELECTORS, CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 
-PARAMS_KEY = "cachefuse"
 KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows", "sync_save",
                 "store_variant")
 
@@ -39,9 +43,13 @@ _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
 
 @dataclass(frozen=True)
 class FusionRequest:
-    """A validated fusion request: declared chunks and the per-request choices."""
+    """A validated fusion request: declared chunks, the prompt's segments, and the per-request choices."""
 
     chunks: tuple[tuple[int, int], ...]
+    """The declared chunks' `[start, end)`, in order."""
+    segments: tuple[Segment, ...]
+    """The tiling of the prompt's [0, N) (`chunks.segment_prompt`): each declared chunk and the computed
+    ranges between them, computed once here so neither half segments the prompt again."""
     selector: str
     recompute_ratio: float
     selected_rows: tuple[int, ...] | None = None
@@ -120,8 +128,9 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
     if store_variant and spans[-1][0] == 0:
         raise RequestError(f"{PARAMS_KEY}.store_variant", "the last declared chunk starts the prompt (the system "
                                                           "chunk has no variants); declare the chunk to store last")
-    return FusionRequest(spans, selector, float(ratio), _selected_rows(raw, len(prompt_ids), config), sync_save,
-                         store_variant)
+    return FusionRequest(chunks=spans, segments=tuple(segments), selector=selector, recompute_ratio=float(ratio),
+                         selected_rows=_selected_rows(raw, len(prompt_ids), config), sync_save=sync_save,
+                         store_variant=store_variant)
 
 
 def excerpt(value: Any) -> str:
@@ -211,4 +220,7 @@ def _from_separators(prompt_ids: Sequence[int], config: CacheFuseConfig) -> Fusi
         raise RequestLimitError(PARAMS_KEY, f"{len(spans)} chunks between separators; above "
                                             f"max_chunks_per_request={config.max_chunks_per_request}")
     spans = tuple((a, b) for a, b in spans if b - a >= config.min_chunk_tokens)  # short pieces: computed
-    return FusionRequest(spans, config.selector, config.recompute_ratio) if spans else None
+    if not spans:
+        return None
+    return FusionRequest(chunks=spans, segments=tuple(segment_prompt(len(prompt_ids), spans)),
+                         selector=config.selector, recompute_ratio=config.recompute_ratio)

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.request import FusionRequest, parse_request, wants_fusion
@@ -25,6 +26,13 @@ TEXT = "Be brief. Paris is in France. Rome is in Italy. Paris is in France. Wher
 def char_ids(text: str) -> list[int]:
     """A trivial deterministic tokenizer: one id per character."""
     return [ord(c) for c in text]
+
+
+def _fusion(chunks, selector, ratio, num_tokens=None):
+    """The FusionRequest parse_request returns for `chunks` in a prompt of `num_tokens` (PROMPT's)."""
+    num_tokens = len(PROMPT) if num_tokens is None else num_tokens
+    return FusionRequest(chunks=tuple(chunks), segments=tuple(segment_prompt(num_tokens, chunks)), selector=selector,
+                         recompute_ratio=ratio)
 
 
 def _parse(fields, prompt=PROMPT, config=CFG, tokenize=None):
@@ -47,9 +55,9 @@ def test_separator_fallback_splits_the_prompt_between_separators():
     got = parse_request(None, [5, 6, 0, 7, 8, 9, 0, 0, 3, 0, 4, 4], config)
     # Separators and the question after the last one are computed; empty pieces are no chunks, and
     # neither are pieces shorter than min_chunk_tokens (2 by default): [3] is computed.
-    assert got == FusionRequest(((0, 2), (3, 6)), "epic", 0.3)
+    assert got == _fusion(((0, 2), (3, 6)), "epic", 0.3, num_tokens=12)
     one = parse_request(None, [5, 6, 0, 7, 8, 9, 0, 0, 3, 0, 4, 4], config.replace(min_chunk_tokens=1))
-    assert one == FusionRequest(((0, 2), (3, 6), (8, 9)), "epic", 0.3)
+    assert one == _fusion(((0, 2), (3, 6), (8, 9)), "epic", 0.3, num_tokens=12)
 
 
 def test_separator_fallback_without_a_separator_in_the_prompt_is_plain_vllm():
@@ -64,9 +72,9 @@ def test_declared_chunks_take_precedence_over_the_separator_fallback():
 
 def test_valid_chunks_parse_with_the_config_defaults():
     got = _parse({"chunks": [[0, 4], [4, 9], (12, 19)]})
-    assert got == FusionRequest(((0, 4), (4, 9), (12, 19)), "cacheblend", 0.15, None)
+    assert got == _fusion(((0, 4), (4, 9), (12, 19)), "cacheblend", 0.15)
     config = CacheFuseConfig(selector="random", recompute_ratio=0.4)
-    assert _parse({"chunks": [[2, 5]]}, config=config) == FusionRequest(((2, 5),), "random", 0.4)
+    assert _parse({"chunks": [[2, 5]]}, config=config) == _fusion(((2, 5),), "random", 0.4)
 
 
 @pytest.mark.parametrize("selector", ["full_prefill", "epic", "cachecraft"])
@@ -133,7 +141,7 @@ def test_chunk_texts_are_located_through_the_tokenizer_in_order():
     third = _span("Paris is in France. ", second[1])  # a repeated text matches its next occurrence
     texts = ["Be brief. ", "Paris is in France. ", "Paris is in France. "]
     got = _parse({"chunk_texts": texts, "recompute_ratio": 0.5}, prompt=char_ids(TEXT), tokenize=char_ids)
-    assert got == FusionRequest((first, second, third), "cacheblend", 0.5)
+    assert got == _fusion((first, second, third), "cacheblend", 0.5, num_tokens=len(char_ids(TEXT)))
 
 
 @pytest.mark.parametrize(("texts", "tokenize", "field"), [

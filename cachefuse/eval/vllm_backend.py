@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import build_rag_prompt
+from cachefuse.chunks import PARAMS_KEY, build_rag_prompt
 from cachefuse.eval.harness import EvalItem, EvalRuns, EvalSpec, ItemRun, decode_text, setting_name
 from cachefuse.eval.metrics import best_score
 
@@ -85,7 +85,7 @@ def _generate(llm: Any, prompt: Any, settings: list[tuple[str, float]], max_new_
 
 
 def _check_fused(name: str, output: Any, num_chunks: int) -> None:
-    status = (output.kv_transfer_params or {}).get("cachefuse", {})
+    status = (output.kv_transfer_params or {}).get(PARAMS_KEY, {})
     if status.get("status") != "fused":
         raise RuntimeError(f"{name}: the request ran as plain vLLM ({status.get('fallback_reason')}: "
                            f"{status.get('detail')})")
@@ -122,7 +122,7 @@ def _logprob_deviation(reference: Any, output: Any) -> float:
 def _recompute_fraction(output: Any, prompt: Any) -> float:
     """Selected rows / candidate rows, the candidates being the retrieved chunks' tokens (the system
     chunk sits at position 0 and is never a candidate), as the reference engine counts them."""
-    status = (output.kv_transfer_params or {}).get("cachefuse")
+    status = (output.kv_transfer_params or {}).get(PARAMS_KEY)
     if not status:
         return 1.0  # plain vLLM computes every row
     candidates = sum(end - start for start, end in prompt.chunks if start != 0)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import build_rag_prompt, chunk_key, tokenize_piece
+from cachefuse.chunks import PARAMS_KEY, build_rag_prompt, chunk_key, tokenize_piece
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.metadata.base import variant_store_key
@@ -209,7 +209,7 @@ def _sampling_params(spans: list[list[int]]) -> Any:
 def _outcome(output: Any, stored: bool) -> str | None:
     """None when the variant is stored; else why not."""
     params = getattr(output, "kv_transfer_params", None)
-    outcome = params.get("cachefuse") if isinstance(params, dict) else None
+    outcome = params.get(PARAMS_KEY) if isinstance(params, dict) else None
     if isinstance(outcome, dict) and outcome.get("fallback_reason"):
         return str(outcome["fallback_reason"])
     return None if stored else "not_saved"

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefuse.chunks import (
+    PARAMS_KEY,
     KeyContext,
     build_rag_prompt,
     chunk_key,
@@ -275,7 +276,7 @@ def _record(report: PrecomputeReport, item: _Item, output: Any, stored: set[str]
     if item.index is None:
         return  # the system prompt alone: judged by _record_system
     params = getattr(output, "kv_transfer_params", None)
-    outcome = params.get("cachefuse") if isinstance(params, dict) else None
+    outcome = params.get(PARAMS_KEY) if isinstance(params, dict) else None
     if not isinstance(outcome, dict):
         _fail(report, item.index, "no_stats", "the response carries no kv_transfer_params['cachefuse']")
     elif outcome.get("status") == "fallback" or outcome.get("fallback_reason"):

@@ -3,7 +3,7 @@
 Configured through `kv_connector_extra_config` (the same fields as CacheFuseConfig; a
 `config_file` key loads YAML first). One instance per role: the scheduler half plans in
 `get_num_new_matched_tokens` (reporting [0, N-1) as a synchronous hit), the worker half fuses and
-writes K/V in `start_load_kv`. See scheduler_side.py and worker_side.py.
+writes K/V in `start_load_kv`. See scheduler_side/ and worker_side.py.
 
     --kv-transfer-config '{"kv_connector": "CacheFuseConnector",
                            "kv_connector_module_path": "cachefuse.vllm.connector",
@@ -34,7 +34,7 @@ class CacheFuseConnector(KVConnectorBase_V1):
         check_engine(vllm_config)
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from cachefuse.vllm.scheduler_side import SchedulerSide
+            from cachefuse.vllm.scheduler_side.hooks import SchedulerSide
 
             self._scheduler = SchedulerSide(vllm_config, self.config)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cachefuse.chunks import PARAMS_KEY
 from cachefuse.config import CacheFuseConfig
 from cachefuse.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 
@@ -70,5 +71,5 @@ def sampling_params(*, cachefuse: dict[str, Any] | None = None, **kwargs: Any) -
     (a request without it is plain vLLM)."""
     from vllm import SamplingParams
 
-    extra_args = None if cachefuse is None else {"kv_transfer_params": {"cachefuse": cachefuse}}
+    extra_args = None if cachefuse is None else {"kv_transfer_params": {PARAMS_KEY: cachefuse}}
     return SamplingParams(extra_args=extra_args, **kwargs)

@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from cachefuse.chunks import Segment
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import VariantChoice
 
@@ -30,7 +31,11 @@ class BlendPlan:
 
     req_id: str
     token_ids: list[int]
-    chunks: list[tuple[int, int]]
+    segments: tuple[Segment, ...]
+    """The tiling of [0, N) the scheduler parsed (`FusionRequest.segments`): declared chunks and the ranges
+    computed in full between them."""
+    chunk_keys: tuple[str, ...]
+    """Rank 0's store key of each declared chunk, in order (the keys the scheduler planned with)."""
     selector: str
     recompute_ratio: float
     slot_mapping: list[int]
@@ -50,6 +55,14 @@ class BlendPlan:
     replay: bool = False
     """The request's first blend ran before vLLM preempted it: this one rebuilds the same K/V and neither
     saves its holes again nor counts its reuses again (f_r)."""
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """The declared chunks' `[start, end)`, in order, derived from `segments`.
+
+        TODO(worker_side): issue 27: the worker still reads these and hashes each chunk's key again; once
+        it reads `segments` and `chunk_keys`, this goes."""
+        return [(s.start, s.end) for s in self.segments if s.is_chunk]
 
 
 @dataclass
@@ -112,8 +125,9 @@ class CacheFuseWorkerMeta(KVConnectorWorkerMetadata):
         for req_id, stats in other.request_stats.items():
             if req_id not in merged or stats.get("fallback_reason"):
                 merged[req_id] = stats
-        return CacheFuseWorkerMeta(merged, sorted(set(self.saved_keys) | set(other.saved_keys)),
-                                   self.figures or other.figures, self.saved_variants + other.saved_variants,
-                                   sorted(set(self.evicted_variants) | set(other.evicted_variants)),
-                                   self.save_failures + other.save_failures,
-                                   sorted(set(self.written_keys) | set(other.written_keys)))
+        return CacheFuseWorkerMeta(
+            request_stats=merged, saved_keys=sorted(set(self.saved_keys) | set(other.saved_keys)),
+            figures=self.figures or other.figures, saved_variants=self.saved_variants + other.saved_variants,
+            evicted_variants=sorted(set(self.evicted_variants) | set(other.evicted_variants)),
+            save_failures=self.save_failures + other.save_failures,
+            written_keys=sorted(set(self.written_keys) | set(other.written_keys)))

@@ -204,4 +204,4 @@ def test_no_request_state_left_behind(fusing_llm):
     from tests.helpers.vllm_engines import scheduler_connector
 
     side = scheduler_connector(fusing_llm[0])._scheduler
-    assert not side._pending and not side._fallbacks and not side._awaiting
+    assert not side.planner.pending and not side.outcomes.fallbacks and not side.outcomes.awaiting

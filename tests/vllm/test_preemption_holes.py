@@ -2,7 +2,7 @@
 resumes it the scheduler's index holds them. Planned afresh, the resumed blend loaded them as hits and the
 selector's rows went elsewhere: vLLM decoded the rest of the answer over other K/V than its first tokens
 came from (2 of 6 answers changed), and every reuse was counted again in f_r. The resumed blend replays
-the first plan instead (scheduler_side._replay).
+the first plan instead (scheduler_side.planning.Planner._replay).
 
 Two engines, one after the other, each on a fresh store with the same base variants: the reference runs
 each request alone (no preemption, each hole computed in full and saved), the other runs the six at once

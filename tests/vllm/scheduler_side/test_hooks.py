@@ -15,9 +15,9 @@ from transformers import AutoConfig
 from cachefuse.chunks import chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.base import VariantRecord, record_to_dict
-from cachefuse.vllm import scheduler_side as scheduler_module
 from cachefuse.vllm.messages import CacheFuseWorkerMeta
-from cachefuse.vllm.scheduler_side import SchedulerSide
+from cachefuse.vllm.scheduler_side import planning as planning_module
+from cachefuse.vllm.scheduler_side.hooks import SchedulerSide
 from tests.helpers.hostile import kv_transfer_params
 
 
@@ -73,12 +73,12 @@ def schedule(side: SchedulerSide, req, **resumed) -> list:
 def worker_reports(side: SchedulerSide, req_id: str | None, **figures) -> None:
     """The step's worker metadata: the request's blend figures (None: nothing to report)."""
     stats = {} if req_id is None else {req_id: {"status": "fused", "fallback_reason": None, **figures}}
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(stats)))
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(request_stats=stats)))
 
 
 def assert_no_state(side: SchedulerSide) -> None:
-    assert not side._pending and not side._fallbacks and not side._awaiting and not side._resumed_plain
-    assert not side._remeasuring
+    assert not side.planner.pending and not side.outcomes.fallbacks and not side.outcomes.awaiting and not side.outcomes.resumed_plain
+    assert not side.gate.remeasuring
 
 
 def test_hook_is_idempotent_and_plans_once(make_side):
@@ -97,7 +97,7 @@ def test_hook_is_idempotent_and_plans_once(make_side):
     done, params = side.request_finished(req, [])
     assert done is False and params["cachefuse"]["status"] == "planned"
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}}, ["k1"])))
+        request_stats={"r1": {"status": "fused", "fallback_reason": None, "chunks_hit": 2}}, saved_keys=["k1"])))
     assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["chunks_hit"] == 2  # in place
     assert "k1" in side.index and side.counters["requests_fused"] == 1
     assert_no_state(side)
@@ -198,7 +198,7 @@ def test_separator_fallback_segments_the_prompt(make_side):
     side = make_side(separator_token_id=50)
     req = request("sep", params={})  # no declared chunks: ids 3..102 contain 50 once
     assert side.get_num_new_matched_tokens(req, 0) == (99, False)
-    assert side._pending["sep"].request.chunks == ((0, 47),)
+    assert side.planner.pending["sep"].request.chunks == ((0, 47),)
 
 
 def test_worker_reports_drive_the_variant_index_and_the_plans(make_side):
@@ -270,7 +270,7 @@ def test_the_controller_prices_each_chunk_at_the_tier_the_index_knows(make_side)
                 chunk_key(req.prompt_token_ids[10:60], side.key_context))
         index_variants(side, *(VariantRecord.without_stats(k, (), n, tier=home)
                                for k, n in zip(keys, (10, 50), strict=True)))
-        num_layers, bytes_per_token = side._kv_geometry()
+        num_layers, bytes_per_token = side.gate.kv_geometry()
         assert num_layers == 4  # 2 full layers (cacheblend), 2 selective: r_min 29.6 ms, every row 38 ms
         side.figures = measured(memory=1e12, disk=60 * bytes_per_token / 0.034)  # the disk: 34 ms
         plan, decisions[home] = planned_controller(side, req)
@@ -313,7 +313,7 @@ def test_the_controller_prices_a_query_aware_probe_and_loads_first(make_side):
                 chunk_key(req.prompt_token_ids[10:60], side.key_context))
         index_variants(side, *(VariantRecord.without_stats(k, (), n, tier="disk")
                                for k, n in zip(keys, (10, 50), strict=True)))
-        _, bytes_per_token = side._kv_geometry()
+        _, bytes_per_token = side.gate.kv_geometry()
         side.figures = measured(disk=60 * bytes_per_token / 0.034)
         _, decisions[selector] = planned_controller(side, req)
     probed, control = decisions["qcfuse"], decisions["cacheblend"]
@@ -563,7 +563,7 @@ def test_an_unexpected_planning_error_runs_the_request_as_plain_vllm(make_side, 
     def broken(*args, **kwargs):
         raise ValueError("cannot convert float NaN to integer")
 
-    monkeypatch.setattr(scheduler_module, "plan_variants", broken)
+    monkeypatch.setattr(planning_module, "plan_variants", broken)
     req = request("r1")
     with caplog.at_level(logging.ERROR, logger="cachefuse.vllm.scheduler_side"):
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -644,7 +644,7 @@ def test_a_replay_recomputes_what_the_last_blend_did_not_load_and_one_that_fails
     worker_reports(side, "r2", chunks_hit=2, chunks_loaded=[True, True])
     schedule(side, failing, resumed_first_block=40)
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r2": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+        request_stats={"r2": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
     failing.num_output_tokens = 4
     assert side.get_num_new_matched_tokens(failing, 0) == (0, False)  # preempted again: plain from here on
     side.update_state_after_alloc(failing, blocks(100, first=60), 0)  # vLLM admits it, loading nothing
@@ -664,7 +664,7 @@ def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed
     side.figures = {}
     schedule(side, failed)
     side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(
-        {"r1": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+        request_stats={"r1": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
     assert side.get_num_new_matched_tokens(failed, 0) == (0, False)  # resumed: plain again
     side.update_state_after_alloc(failed, blocks(100, first=60), 0)  # vLLM admits it, loading nothing
     assert side.get_num_new_matched_tokens(request("next"), 0) == (99, False)  # it took no blend budget
@@ -756,7 +756,7 @@ def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again
 
     side = make_side(ratio_mode="controller")
     now = [0.0]
-    side.clock = lambda: now[0]
+    side.gate.clock = lambda: now[0]
     prompt = request("x").prompt_token_ids
     keys = (chunk_key(prompt[0:10], side.key_context, at_prompt_start=True), chunk_key(prompt[10:60], side.key_context))
     index_variants(side, *(VariantRecord.without_stats(k, (), n, tier="disk") for k, n in zip(keys, (10, 50),
@@ -800,7 +800,7 @@ def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again
 def test_only_a_step_of_one_plain_prefill_times_vllms_prefill():
     """The prefill model is fitted per prompt (fixed + a n + b n^2): a batch of k prompts timed as one prompt
     of their summed tokens fitted b ~k times too small (long prompts' plain prefill underestimated)."""
-    from cachefuse.vllm.scheduler_side import _plain_prefill_tokens
+    from cachefuse.vllm.scheduler_side.planning import _plain_prefill_tokens
 
     def output(*new, cached=()):
         return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
@@ -819,7 +819,7 @@ def test_requests_fused_from_another_tier_do_not_hold_off_a_re_measure(make_side
 
     side = make_side(ratio_mode="controller")
     now = [0.0]
-    side.clock = lambda: now[0]
+    side.gate.clock = lambda: now[0]
     prompts = {"disk": list(range(3, 103)), "redis": list(range(300, 400))}  # redis: a fast shared tier
     for home, prompt in prompts.items():
         keys = (chunk_key(prompt[0:10], side.key_context, at_prompt_start=True),

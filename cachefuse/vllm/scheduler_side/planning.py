@@ -1,0 +1,239 @@
+"""Plans: which requests fuse, with which variants and ratio, within a step's blend budget, and the
+BlendPlans sent to the worker; replays after preemption.
+
+Imports cachefuse.chunks, cachefuse.metadata.index, cachefuse.request and the scheduler's gate and
+outcomes; cachefuse.vllm.messages for BlendPlan (which loads vllm, so this module is not torch-free).
+Each declared chunk's variant is chosen here by CFO from the scheduler's index and sent in the plan
+(advisory: the worker re-checks every entry when it loads).
+
+Preemption: vLLM frees a preempted request's blocks and, when it resumes it, asks again how many
+tokens the connector holds. The request is planned again (`preemptions` counts how often) and its
+plan is sent with the new block table, which vLLM lists under the cached requests
+(`resumed_req_ids`), not the new ones: the blend writes [0, N-1) again before vLLM recomputes the
+rest. Without that plan vLLM would decode over blocks nothing wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachefuse.chunks import KeyContext, chunk_key
+from cachefuse.config import CacheFuseConfig
+from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
+from cachefuse.request import FusionRequest
+from cachefuse.vllm.messages import BlendPlan
+from cachefuse.vllm.scheduler_side.gate import Gate
+from cachefuse.vllm.scheduler_side.outcomes import Outcomes, RequestOutcome
+
+
+@dataclass
+class _Pending:
+    request: FusionRequest
+    token_ids: list[int]
+    outcome: RequestOutcome
+    chunk_keys: tuple[str, ...]
+    """Rank 0's store key of each declared chunk, as planned (a replay sends them again)."""
+    variants: list[VariantChoice | None] = field(default_factory=list)
+    block_ids: list[int] | None = None
+    sent: bool = False
+    replay: bool = False
+    """Preempted after its blend ran: the next blend replays this plan (Planner._replay)."""
+    figures_due: bool = False
+    """Its plan was sent and the worker's figures for it have not arrived yet."""
+
+
+@dataclass
+class _StepBudget:
+    tokens: int = 0
+    req_ids: set[str] = field(default_factory=set)
+
+
+def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
+    """Tokens of a step made of one new, unfused prefill and nothing else (0 otherwise): a clean timing
+    sample of a prompt of that length. A batch of k prompts costs k n^2 in attention, not (k n)^2: timed
+    as one prompt of their summed tokens, it had fitted the quadratic term ~k times too small."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+    if plans or len(scheduled) != 1 or set(scheduled) != new_ids:
+        return 0
+    return int(sum(scheduled.values()))
+
+
+def _scheduled_block_ids(scheduler_output: Any) -> dict[str, list[int]]:
+    """req_id -> its whole block table, for the requests whose prompt this step computes from scratch:
+    new ones, and preempted ones resumed this step. vLLM lists a resumed request among the cached
+    requests (`resumed_req_ids`), its `new_block_ids` replacing the blocks it held before."""
+    block_ids_of = {r.req_id: list(r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or ()
+    for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        if req_id in resumed and new_block_ids is not None:
+            block_ids_of[req_id] = list(new_block_ids[0])
+    return block_ids_of
+
+
+class Planner:
+    """The plans of the requests vLLM has asked about and not yet finished, and this step's blend budget."""
+
+    def __init__(self, config: CacheFuseConfig, *, block_size: int, key_context: KeyContext, index: VariantIndex,
+                 gate: Gate, outcomes: Outcomes) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.key_context = key_context
+        self.index = index
+        self.gate = gate
+        self.outcomes = outcomes
+        self.pending: dict[str, _Pending] = {}
+        self.budget = _StepBudget()
+
+    def fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
+        """The request runs as plain vLLM, saying why: its plan, if any, is dropped."""
+        self.outcomes.fall_back(req_id, reason, detail=detail, field=field)
+        self.pending.pop(req_id, None)
+
+    def plan(self, req_id: str, fusion: FusionRequest, prompt: list[int],
+             num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The plan of one parsed request (or its fallback): variants, budget, the controller's ratio.
+
+        Returns:
+            vLLM's `get_num_new_matched_tokens` answer: tokens held ([0, N-1) when fused, 0 when plain,
+            None when over this step's blend budget: asked again next step), and False (loads are synchronous).
+        """
+        if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
+            self.fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
+            return 0, False
+        previous = self.pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
+        replaying = previous is not None and (previous.sent or previous.replay)
+        if replaying and previous.outcome.status == "fallback":
+            # Its blend (or replay) failed and vLLM computed it plain: it stays plain, with that outcome (left
+            # pending, vLLM's allocation hook would have taken it for a skipped load).
+            self.pending.pop(req_id)
+            self.outcomes.fallbacks[req_id] = previous.outcome
+            if previous.outcome.fused_before_preemption:  # a replay failed: its resumption counts
+                self.outcomes.resumed_plain.add(req_id)  # when vLLM admits it (a failed first blend is plain all along)
+            return 0, False
+        if not self._within_budget(req_id, previous is None, len(prompt)):
+            return None, False  # over this step's blend budget: retried next step
+        if replaying:
+            return self._replay(req_id, previous, prompt)
+        return self._plan_new(req_id, fusion, prompt)
+
+    def _within_budget(self, req_id: str, first_call: bool, num_tokens: int) -> bool:
+        """Counts the request against this step's `max_blend_tokens_per_step`, or says it must wait: a step
+        always admits one request, however long."""
+        if req_id in self.budget.req_ids:
+            return True
+        if self.budget.req_ids and self.budget.tokens + num_tokens > self.config.max_blend_tokens_per_step:
+            if first_call:  # what it says if it ends (aborted) before a step has room for it
+                self.outcomes.fallbacks.setdefault(req_id, RequestOutcome(
+                    status="not_run", detail="deferred by max_blend_tokens_per_step; the request finished "
+                                             "before its blend ran"))
+            return False
+        self.budget.req_ids.add(req_id)
+        self.budget.tokens += num_tokens
+        return True
+
+    def _plan_new(self, req_id: str, fusion: FusionRequest, prompt: list[int]) -> tuple[int, bool]:
+        """A first plan: each chunk's variant from the index, and the controller's go/no-go and ratio."""
+        keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
+        admission = None if fusion.store_variant else Admission.from_config(self.config)
+        variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
+                                 [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
+                                 admission, self.config.max_variant_prefix_chunks)
+        if fusion.store_variant:  # the chunk is a hole whatever is stored: saved as its prefix's variant
+            variants[-1] = None
+        indexed = [choice is not None for choice in variants]
+        controller = None
+        if self.config.ratio_mode == "controller":
+            controller = self.gate.decide(req_id, fusion, len(prompt), variants)
+            if not controller["fuse"]:
+                self.fall_back(req_id, "no_go", detail=controller["reason"])
+                return 0, False
+            fusion = dataclasses.replace(fusion, recompute_ratio=controller["ratio"])
+        outcome = RequestOutcome(status="planned", selector=fusion.selector, recompute_ratio=fusion.recompute_ratio,
+                                 chunks=len(keys), chunks_indexed=sum(indexed), controller=controller)
+        # idempotent: a re-call replaces it
+        self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, chunk_keys=tuple(keys),
+                                        variants=variants)
+        self.outcomes.fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
+        return len(prompt) - 1, False
+
+    def _replay(self, req_id: str, previous: _Pending, prompt: list[int]) -> tuple[int, bool]:
+        """A request whose blend ran and that vLLM preempted and now resumes: its first blend's plan again,
+        the same variants (its own saved holes stay holes), selector and ratio, with no controller (no
+        no-go), so the K/V vLLM decodes the rest over are the ones its first tokens came from. Planned
+        afresh from today's index, the holes it saved became hits and the rows went elsewhere: another
+        answer than the same request unpreempted. Chunks the last blend did not load (a miss, a load timeout,
+        another rank's miss) are computed in full again, whatever the store holds now. The worker neither
+        saves nor counts the replay, and says whether it loaded every chunk it was sent to (`replay_exact`).
+        The preemption is counted when the replay is sent (a request asked again and then aborted never
+        resumed). Only the first blend's prompt is replayed: a streaming-input session grows its prompt in
+        place between turns, and vLLM recomputes the later turns over the replayed K/V."""
+        planned = len(previous.token_ids)
+        if prompt[:planned] != previous.token_ids:  # not the prompt it blended: no K/V to rebuild
+            self.pending.pop(req_id)
+            previous.outcome.update(status="fallback", fallback_reason="replay_prompt_changed",
+                                    detail="resumed with another prompt than the one blended",
+                                    fused_before_preemption=True)
+            self.outcomes.fallbacks[req_id] = previous.outcome
+            self.outcomes.resumed_plain.add(req_id)
+            return 0, False
+        if previous.sent:  # the first re-call after a blend ran: replay what that blend loaded
+            loaded = previous.outcome.figures.get("chunks_loaded")
+            if isinstance(loaded, list) and len(loaded) == len(previous.variants):
+                previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
+            previous.sent, previous.replay, previous.block_ids = False, True, None
+        self.outcomes.fallbacks.pop(req_id, None)
+        return planned - 1, False
+
+    def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (`blocks`: its KVCacheBlocks), loading `num_external_tokens`."""
+        self.outcomes.admitted(req_id)
+        pending = self.pending.get(req_id)
+        if pending is None:
+            return
+        if num_external_tokens == 0:  # vLLM skipped the load (e.g. prompt_logprobs): plain output
+            self.pending.pop(req_id)
+            detail = "vLLM did not load external tokens (prompt_logprobs or skip_reading_prefix_cache)"
+            if pending.replay:  # resumed, and the rest decoded plain: the earlier tokens were fused
+                pending.outcome.update(status="fallback", fallback_reason="load_skipped_by_vllm", detail=detail,
+                                       fused_before_preemption=True)
+                self.outcomes.count_resumption(pending.outcome)
+                self.outcomes.fallbacks[req_id] = pending.outcome
+                return
+            self.fall_back(req_id, "load_skipped_by_vllm", detail=detail)
+            return
+        pending.block_ids = list(blocks.get_block_ids()[0])
+
+    def step_plans(self, scheduler_output: Any) -> tuple[list[BlendPlan], int]:
+        """This step's BlendPlans (requests whose prompt it computes from scratch and whose plan has not
+        gone out), and its plain prefill tokens; the step's budget starts over."""
+        plans = []
+        block_ids_of = _scheduled_block_ids(scheduler_output)
+        for req_id, pending in self.pending.items():
+            if pending.sent or req_id not in block_ids_of:
+                continue
+            pending.sent = pending.figures_due = True
+            if pending.replay:  # resumed after a preemption: counted when its replay goes out
+                self.outcomes.count_resumption(pending.outcome)
+            plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
+        self.budget = _StepBudget()
+        return plans, _plain_prefill_tokens(scheduler_output, plans)
+
+    def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
+        depth = None
+        if self.config.preload_depth is None:  # derived: the controller's L_p when it decided
+            depth = (pending.outcome.controller or {}).get("preload_depth")
+        num_tokens, bs = len(pending.token_ids), self.block_size
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
+        fusion = pending.request
+        num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
+        return BlendPlan(
+            req_id=req_id, token_ids=pending.token_ids, segments=fusion.segments, chunk_keys=pending.chunk_keys,
+            selector=fusion.selector,
+            recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
+            block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
+            selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
+            sync_save=fusion.sync_save, replay=pending.replay)
