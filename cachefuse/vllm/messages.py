@@ -56,14 +56,6 @@ class BlendPlan:
     """The request's first blend ran before vLLM preempted it: this one rebuilds the same K/V and neither
     saves its holes again nor counts its reuses again (f_r)."""
 
-    @property
-    def chunks(self) -> list[tuple[int, int]]:
-        """The declared chunks' `[start, end)`, in order, derived from `segments`.
-
-        TODO(worker_side): issue 27: the worker still reads these and hashes each chunk's key again; once
-        it reads `segments` and `chunk_keys`, this goes."""
-        return [(s.start, s.end) for s in self.segments if s.is_chunk]
-
 
 @dataclass
 class CacheFuseMetadata(KVConnectorMetadata):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir, segment_prompt
+from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusion.engine import FusionEngine, RankGroup
@@ -143,7 +143,7 @@ class WorkerSide:
         # A replay (the request's first blend ran before a preemption) saved its holes and counted its
         # reuses the first time.
         _, stats = self.engine.fuse(FusePlan(
-            token_ids=plan.token_ids, segments=segment_prompt(len(plan.token_ids), plan.chunks), selector=selector,
+            token_ids=plan.token_ids, segments=plan.segments, meta_keys=plan.chunk_keys, selector=selector,
             ratio=plan.recompute_ratio, variants=plan.variants, preload_depth=plan.preload_depth,
             save_holes=self.config.save_holes and not plan.replay, save_inline=plan.sync_save,
             record_uses=not plan.replay, attention_backend=backend))

@@ -14,15 +14,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from cachefuse import ops
-from cachefuse.chunks import KeyContext, chunk_key
+from cachefuse.chunks import KeyContext, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusion.engine import FusionEngine, RankGroup
+from cachefuse.fusion.plan import FusePlan
 from cachefuse.loading.entries import RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity
@@ -379,3 +381,20 @@ def test_compute_time_never_counts_against_the_load_timeout(adapter, case, depth
     _, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
     assert stats.chunks_hit == len(case.chunks) and not stats.miss_reasons, stats.miss_reasons
     assert stats.blend_time_s >= 100.0
+
+
+def test_a_plan_with_its_callers_chunk_keys_is_not_hashed_again(adapter, case):
+    """The vLLM scheduler hashes each chunk's key once and sends it in the plan: the engine loads under those
+    keys (the control: keys of other chunks find nothing, so every chunk is a hole)."""
+    engine = _full(adapter, case)
+    segments = segment_prompt(len(case.token_ids), case.chunks)
+    keys = [engine.meta_key(case.token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments if s.is_chunk]
+    plan = FusePlan(token_ids=case.token_ids, segments=segments, selector="cacheblend", ratio=0.15, meta_keys=keys,
+                    save_holes=False)
+    expected, expected_stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=0.15,
+                                              save_holes=False)
+    result, stats = engine.fuse(plan)
+    assert stats.chunks_hit == expected_stats.chunks_hit == len(keys)
+    torch.testing.assert_close(result.logits, expected.logits, rtol=0, atol=0)
+    _, foreign = engine.fuse(dataclasses.replace(plan, meta_keys=[key[::-1] for key in keys]))
+    assert foreign.chunks_hit == 0 and foreign.miss_reasons == {"not_stored": len(keys)}
