@@ -342,14 +342,21 @@ class FusionEngine:
             logger.warning("chunk %s missed at layer %d mid-pass (%s): re-running the pass with it as a hole",
                            exc.key, exc.layer, exc.reason)
             missed = exc
-            if exc.reason == "length_mismatch":
-                self.store.remove(exc.key)  # as in EntryReader.read: the hole computed now replaces it
+        return self._fuse_without(missed, ids, segments, keys, plan, selector, figures, reuse)
+
+    def _fuse_without(self, missed: LayerUnavailable, ids: torch.Tensor, segments: list[Segment],
+                      keys: dict[int, str], plan: FusePlan, selector: Selector, figures: LoadFigures,
+                      reuse: dict[int, ChunkReuse]) -> tuple[FuseResult, dict[int, ChunkKV], Counter, int]:
+        """The pass again, serially, with the key that missed mid-pass as a hole (see `_fuse`)."""
+        if missed.reason == "length_mismatch":
+            self.store.remove(missed.key)  # as in EntryReader.read: the hole computed now replaces it
         figures.clear()
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
         loaded, more = self._reader().read(segments, rest, figures)
-        result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse,
-                                             collect_attention_stats=stats, attention_backend=backend), selector)
+        result = self.fusor.fuse(FuseRequest(
+            ids, segments, loaded, plan.ratio, reuse=reuse, collect_attention_stats=self.config.gathers_attention_stats,
+            attention_backend=plan.attention_backend), selector)
         return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
     def _reader(self) -> EntryReader:

@@ -164,7 +164,12 @@ class Fusor:
               loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...],
               initial: torch.Tensor | None) -> FuseResult:
         """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`; `initial`: the
-        selection of a selector with no full layer, made before the loop."""
+        selection of a selector with no full layer, made before the loop.
+
+        NOTE: longer than a screen on purpose: each step hands the next the rows, q, residual and merged
+        K/V, and the order merge -> select -> attend is what the invariants rest on (a selected row's K/V
+        are merged before any row attends to them). Cut into methods, those values would travel through
+        ~10 parameters each and the order would be spread across them."""
         adapter, num_layers = self.adapter, self.adapter.shape.num_layers
         positions = torch.arange(layout.num_tokens, dtype=torch.int64, device=layout.device)
         rows: torch.Tensor | None = None  # rows whose K/V this layer computes; None: every row
