@@ -1,8 +1,8 @@
 """CacheFuseConfig: the only configuration object.
 
 Loaded from YAML (`from_yaml`) or a dict (`from_dict`, e.g. vLLM's `kv_connector_extra_config`),
-validated in `__post_init__` with messages that name the field, the bad value and what is accepted.
-Imports only the standard library, yaml and cachefuse.errors.
+validated in `__post_init__` by cachefuse.config_checks, with messages that name the field, the bad value
+and what is accepted. Imports only the standard library, yaml, cachefuse.config_checks and cachefuse.errors.
 """
 
 from __future__ import annotations
@@ -10,27 +10,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cachefuse import config_checks as checks
 from cachefuse.errors import ConfigError
 
-SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random", "cachecraft", "fusionrag", "qcfuse")
-QCFUSE_LAYERS = ("critical", "last", "all")
-QCFUSE_VIEWS = ("anchors", "full")
-RATIO_MODES = ("fixed", "controller")
-PLACEMENTS = ("lru", "frequency")
-DEVIATIONS = ("k", "v", "kv")
-EVICTION_POLICIES = ("f_r", "lru")
 # Bumped whenever the on-disk entry format changes; joins every chunk key through compute_hash().
 CACHE_FORMAT_VERSION = 1
-
-
-def _fail(name: str, value: Any, expected: str) -> None:
-    raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")
 
 
 _LIST_FIELDS = ("cacheblend_check_layers", "cacheblend_ratio_schedule", "qcfuse_critical_layers")
@@ -197,141 +186,16 @@ class CacheFuseConfig:
         for name in _LIST_FIELDS:  # a list where a tuple is stored (the config stays hashable, immutable)
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.selector not in SELECTORS:
-            _fail("selector", self.selector, f"one of {', '.join(SELECTORS)}")
-        if isinstance(self.recompute_ratio, bool) or not isinstance(self.recompute_ratio, int | float):
-            _fail("recompute_ratio", self.recompute_ratio, "a number in 0.0..1.0")
-        if not 0.0 <= float(self.recompute_ratio) <= 1.0:
-            _fail("recompute_ratio", self.recompute_ratio, "a number in 0.0..1.0")
-        if self.ratio_mode not in RATIO_MODES:
-            _fail("ratio_mode", self.ratio_mode, f"one of {', '.join(RATIO_MODES)}")
-        if (isinstance(self.max_recompute_ratio, bool) or not isinstance(self.max_recompute_ratio, int | float)
-                or not self.recompute_ratio <= self.max_recompute_ratio <= 1.0):
-            _fail("max_recompute_ratio", self.max_recompute_ratio, "a number in recompute_ratio..1.0")
-        if (isinstance(self.controller_margin, bool) or not isinstance(self.controller_margin, int | float)
-                or not 0.0 <= self.controller_margin < 1.0):
-            _fail("controller_margin", self.controller_margin, "a number in 0.0..1.0 (exclusive)")
-        if not isinstance(self.force_fuse, bool):
-            _fail("force_fuse", self.force_fuse, "true or false")
-        self._validate_cacheblend()
-        if self.cacheblend_deviation not in DEVIATIONS:
-            _fail("cacheblend_deviation", self.cacheblend_deviation, f"one of {', '.join(DEVIATIONS)}")
-        if self.epic_k is not None and (not _is_int(self.epic_k) or self.epic_k < 0):
-            _fail("epic_k", self.epic_k, "null or an integer >= 0")
-        if not _is_int(self.random_seed) or not -(2**63) <= self.random_seed < 2**63:
-            _fail("random_seed", self.random_seed, "an integer in -2**63..2**63-1 (a torch generator's seed)")
-        self._validate_query_aware()
-        if not _is_int(self.attention_block_rows) or not 1 <= self.attention_block_rows <= 4096:
-            _fail("attention_block_rows", self.attention_block_rows, "an integer in 1..4096")
-        if self.preload_depth is not None and (not _is_int(self.preload_depth) or self.preload_depth < 0):
-            _fail("preload_depth", self.preload_depth, "null or an integer >= 0")
-        if self.load_timeout_s is not None and (not _is_number(self.load_timeout_s)
-                                                or not 0.0 < self.load_timeout_s <= 3600.0):
-            _fail("load_timeout_s", self.load_timeout_s, "null (no bound) or a positive number of seconds (at most 3600)")
-        if not isinstance(self.store_dir, str) or not self.store_dir.strip():
-            _fail("store_dir", self.store_dir, "a non-empty directory path")
-        for name in ("device_capacity_bytes", "memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                _fail(name, value, "an integer number of bytes >= 0")
-        if self.placement not in PLACEMENTS:
-            _fail("placement", self.placement, f"one of {', '.join(PLACEMENTS)}")
-        for name in ("placement_hot", "placement_cold", "placement_half_life_s"):
-            value = getattr(self, name)
-            if not _is_number(value) or not 0 < value < math.inf:
-                _fail(name, value, "a positive finite number")
-        if not self.placement_cold < self.placement_hot:
-            _fail("placement_cold", self.placement_cold, f"a number below placement_hot={self.placement_hot!r}")
-        if self.collect_attention_stats is not None and not isinstance(self.collect_attention_stats, bool):
-            _fail("collect_attention_stats", self.collect_attention_stats, "null, true or false")
-        self._validate_variants()
-        if not isinstance(self.save_holes, bool):
-            _fail("save_holes", self.save_holes, "true or false")
-        if not _is_int(self.save_queue_bytes) or self.save_queue_bytes < 0:
-            _fail("save_queue_bytes", self.save_queue_bytes, "an integer >= 0 (0 saves on the request's path)")
-        if not _is_number(self.save_flush_timeout_s) or not 0.0 <= self.save_flush_timeout_s <= 3600.0:
-            _fail("save_flush_timeout_s", self.save_flush_timeout_s, "a number of seconds in 0..3600")
-        if not _is_int(self.max_blend_tokens_per_step) or self.max_blend_tokens_per_step < 1:
-            _fail("max_blend_tokens_per_step", self.max_blend_tokens_per_step, "an integer >= 1")
-        if self.separator_token_id is not None and (not _is_int(self.separator_token_id)
-                                                    or self.separator_token_id < 0):
-            _fail("separator_token_id", self.separator_token_id, "null or a token id >= 0")
-        for name in ("allow_debug_overrides", "allow_sync_save"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "true or false")
-        self._validate_request_limits()
-        if self.eviction_policy not in EVICTION_POLICIES:
-            _fail("eviction_policy", self.eviction_policy, f"one of {', '.join(EVICTION_POLICIES)}")
-
-    def _validate_variants(self) -> None:
-        if not _is_number(self.cachecraft_alpha) or not 0.0 <= self.cachecraft_alpha <= 100.0:
-            _fail("cachecraft_alpha", self.cachecraft_alpha, "a number in 0..100 (1.0 is the paper's scale)")
-        if not _is_int(self.cachecraft_window) or self.cachecraft_window < 1:
-            _fail("cachecraft_window", self.cachecraft_window, "an integer >= 1")
-        if not isinstance(self.cachecraft_early_termination, bool):
-            _fail("cachecraft_early_termination", self.cachecraft_early_termination, "true or false")
-        for name in ("force_cfo", "variant_admission_cfo"):
-            value = getattr(self, name)
-            if value is not None and (not _is_number(value) or not 0.0 <= value <= 1.0):
-                _fail(name, value, "null or a number in 0.0..1.0")
-        if not _is_int(self.variant_admission_max_chunks) or self.variant_admission_max_chunks < 0:
-            _fail("variant_admission_max_chunks", self.variant_admission_max_chunks,
-                  "an integer >= 0 (chunks admitted per request; 0 turns admission off)")
-        if not _is_int(self.max_variants) or self.max_variants < 1:
-            _fail("max_variants", self.max_variants, "an integer >= 1 (N x M variants over all chunks)")
-        if self.redis_url is not None and (not isinstance(self.redis_url, str)
-                                           or not self.redis_url.startswith(("redis://", "rediss://"))
-                                           or not _redis_db_ok(self.redis_url)):
-            from cachefuse.redis_client import redact_url  # the rejected value may carry a password
-
-            shown = redact_url(self.redis_url) if isinstance(self.redis_url, str) else self.redis_url
-            _fail("redis_url", shown, 'null or a URL "redis://host:port/db" or "rediss://..." (TLS)')
-        if self.redis_url is not None:
-            from cachefuse.redis_client import require_redis_package
-
-            require_redis_package("redis_url")
-        self._resolve_redis_password()
-        for name, low in (("redis_timeout_s", 0.0), ("index_refresh_interval_s", 0.01)):
-            value = getattr(self, name)
-            if not _is_number(value) or not low < value <= 3600.0:
-                # a refresh interval near 0 would re-read the index in a busy loop
-                _fail(name, value, f"a number of seconds above {low:g}, at most 3600")
-
-    def _validate_request_limits(self) -> None:
-        for name, low in (("max_chunks_per_request", 1), ("min_chunk_tokens", 1), ("max_chunk_text_bytes", 1),
-                          ("max_variant_prefix_chunks", 0)):
-            value = getattr(self, name)
-            if not _is_int(value) or value < low:
-                _fail(name, value, f"an integer >= {low}")
-        from cachefuse.metadata.base import MAX_PREFIX_CHUNKS
-
-        if self.max_variant_prefix_chunks > MAX_PREFIX_CHUNKS:  # rows past it are refused as foreign
-            _fail("max_variant_prefix_chunks", self.max_variant_prefix_chunks,
-                  f"an integer in 0..{MAX_PREFIX_CHUNKS}")
-
-    def _resolve_redis_password(self) -> None:
-        """Reads the password named by redis_password_env / _file (the config is where the environment is
-        read); kept out of the fields, so no repr, dict or log of the config shows it."""
-        env, file = self.redis_password_env, self.redis_password_file
-        if env is not None and file is not None:
-            _fail("redis_password_file", file, "null when redis_password_env is set (one source of the password)")
-        password = None
-        if env is not None:
-            if not isinstance(env, str) or not env:
-                _fail("redis_password_env", env, "null or the name of an environment variable")
-            password = os.environ.get(env)
-            if password is None:
-                _fail("redis_password_env", env, "the name of an environment variable that is set; export it")
-        if file is not None:
-            if not isinstance(file, str) or not file:
-                _fail("redis_password_file", file, "null or a path to a file holding the password")
-            try:
-                password = Path(file).expanduser().read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                _fail("redis_password_file", file, f"a readable UTF-8 file ({type(exc).__name__})")
-        if password is not None and self.redis_url is None:
-            _fail("redis_url", None, "a redis:// URL when redis_password_env or redis_password_file is set")
-        object.__setattr__(self, "_redis_password", password)
+        checks.check_ratio(self)
+        checks.check_cacheblend(self)
+        checks.check_selector_options(self)
+        checks.check_loading(self)
+        checks.check_variants(self)
+        # kept out of the fields, so no repr, dict or log of the config shows it
+        object.__setattr__(self, "_redis_password", checks.resolve_redis_password(self))
+        checks.check_redis_timeouts(self)
+        checks.check_saving(self)
+        checks.check_request_limits(self)
 
     @property
     def redis_connection_url(self) -> str | None:
@@ -369,52 +233,13 @@ class CacheFuseConfig:
         cacheblend's must be below it; QCFuse's critical layers must exist (negative: from the end).
         """
         if max(self.cacheblend_check_layers) > num_layers - 2:
-            _fail("cacheblend_check_layers", self.cacheblend_check_layers,
+            checks.fail("cacheblend_check_layers", self.cacheblend_check_layers,
                   f"layers in 1..{num_layers - 2}: the model has {num_layers} layers and the last computes only "
                   "the last row, so a check layer there selects nothing")
         layers = self.qcfuse_critical_layers or ()
         if any(not -num_layers <= layer < num_layers for layer in layers):
-            _fail("qcfuse_critical_layers", layers,
+            checks.fail("qcfuse_critical_layers", layers,
                   f"layers in 0..{num_layers - 1} (or -1..-{num_layers} from the end): the model has {num_layers}")
-
-    def _validate_query_aware(self) -> None:
-        if not _is_int(self.fusionrag_score_layers) or self.fusionrag_score_layers < 1:
-            _fail("fusionrag_score_layers", self.fusionrag_score_layers, "an integer >= 1 (1: the final layer)")
-        ratio = self.qcfuse_anchor_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
-            _fail("qcfuse_anchor_ratio", ratio, "a number in 0.0..1.0, above 0 (the paper's default: 0.1)")
-        if not _is_int(self.qcfuse_sink_tokens) or self.qcfuse_sink_tokens < 0:
-            _fail("qcfuse_sink_tokens", self.qcfuse_sink_tokens, "an integer >= 0")
-        if self.qcfuse_layers not in QCFUSE_LAYERS:
-            _fail("qcfuse_layers", self.qcfuse_layers, f"one of {', '.join(QCFUSE_LAYERS)}")
-        layers = self.qcfuse_critical_layers
-        if layers is not None and (not isinstance(layers, tuple) or not layers
-                                   or not all(_is_int(x) for x in layers)):
-            _fail("qcfuse_critical_layers", layers, "null or a non-empty list of layer indices (negative: from the end)")
-        if self.qcfuse_view not in QCFUSE_VIEWS:
-            _fail("qcfuse_view", self.qcfuse_view, f"one of {', '.join(QCFUSE_VIEWS)}")
-
-    def _validate_cacheblend(self) -> None:
-        layers, schedule = self.cacheblend_check_layers, self.cacheblend_ratio_schedule
-        if not isinstance(layers, tuple) or not layers or not all(_is_int(x) for x in layers):
-            _fail("cacheblend_check_layers", layers, "a non-empty list of layer indices")
-        if layers[0] < 1:
-            _fail("cacheblend_check_layers", layers,
-                  "a first check layer >= 1 (layer 0's K/V do not depend on context, so cannot deviate)")
-        if any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
-            _fail("cacheblend_check_layers", layers, "strictly increasing layer indices")
-        if not isinstance(schedule, tuple) or len(schedule) != len(layers):
-            _fail("cacheblend_ratio_schedule", schedule,
-                  f"one multiplier per check layer ({len(layers)} values)")
-        if any(not _is_number(m) or not math.isfinite(m) or m <= 0 for m in schedule):
-            _fail("cacheblend_ratio_schedule", schedule, "positive finite multipliers")
-        if any(b > a for a, b in zip(schedule, schedule[1:], strict=False)) or schedule[-1] != 1.0:
-            _fail("cacheblend_ratio_schedule", schedule,
-                  "non-increasing multipliers ending in 1.0 (gradual filtering nests the sets)")
-        if not _is_int(self.cacheblend_sink_tokens) or self.cacheblend_sink_tokens < 0:
-            _fail("cacheblend_sink_tokens", self.cacheblend_sink_tokens, "an integer >= 0 (0: none forced)")
-        if not _is_number(self.cacheblend_chunk_floor) or not 0.0 <= self.cacheblend_chunk_floor <= 1.0:
-            _fail("cacheblend_chunk_floor", self.cacheblend_chunk_floor, "a number in 0.0..1.0 (0.0: global ranking)")
 
     # ------------------------------------------------------------------ loading
 
@@ -427,7 +252,7 @@ class CacheFuseConfig:
             path = data.pop("config_file")
             if not isinstance(path, str | os.PathLike) or not str(path):
                 # an int would be opened as a file descriptor, None raised a bare TypeError
-                _fail("config_file", path, "the path of a YAML file")
+                checks.fail("config_file", path, "the path of a YAML file")
             base = _read_yaml(path)
         merged = {**base, **data}
         known = {f.name for f in dataclasses.fields(cls)}
@@ -468,27 +293,6 @@ class CacheFuseConfig:
         """
         payload = json.dumps({"cache_format_version": CACHE_FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def _redis_db_ok(url: str) -> bool:
-    """The URL's database (its path) is empty or a number: redis-py read "/0x" or "/abc" as database 0,
-    silently, and a number the server lacks fails every call (a config error, not an outage; that one
-    only the server can tell)."""
-    from urllib.parse import urlsplit
-
-    try:
-        path = urlsplit(url).path.strip("/")
-    except ValueError:
-        return False
-    return path == "" or (path.isascii() and path.isdigit() and int(path) < 2**31)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
 def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:

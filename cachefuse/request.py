@@ -30,7 +30,8 @@ from cachefuse.chunks import (  # PARAMS_KEY: exported here too
     chunks_from_texts,
     segment_prompt,
 )
-from cachefuse.config import SELECTORS, CacheFuseConfig
+from cachefuse.config import CacheFuseConfig
+from cachefuse.config_checks import SELECTORS
 from cachefuse.errors import RequestError, RequestLimitError
 
 KNOWN_FIELDS = ("chunks", "chunk_texts", "selector", "recompute_ratio", "selected_rows", "sync_save",

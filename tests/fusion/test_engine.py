@@ -28,7 +28,8 @@ from cachefuse.fusion.plan import FusePlan
 from cachefuse.loading.entries import RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity
-from cachefuse.store.disk import DiskStore, encode_entry
+from cachefuse.store.disk import DiskStore
+from cachefuse.store.entry_format import encode_entry
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 from tests.store.test_disk import _flip_data_byte, _truncate
 

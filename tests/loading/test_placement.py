@@ -2,7 +2,7 @@
 it (disk keeps them); with the policy on, a disk hit alone no longer promotes."""
 
 from cachefuse.loading.placement import FrequencyPlacement
-from cachefuse.store.disk import encode_entry
+from cachefuse.store.entry_format import encode_entry
 from cachefuse.store.tiered import TieredStore, open_store
 from tests.helpers.store import IDENTITY, make_entry
 

@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from cachefuse.errors import StoreError
-from cachefuse.store import disk
+from cachefuse.store import disk, entry_format
 from cachefuse.store.base import MAX_ENTRY_HEADER_BYTES, ChunkKV, KVStore, StoreIdentity
-from cachefuse.store.disk import DiskStore, encode_entry
+from cachefuse.store.disk import DiskStore
+from cachefuse.store.entry_format import encode_entry
 from cachefuse.store.memory import MemoryStore
 from cachefuse.store.tiered import TieredStore
 from tests.helpers.store import IDENTITY, IDENTITY_BF16, OPS, assert_same_entry, make_entry, run_ops
@@ -70,7 +71,7 @@ def test_round_trip_and_file_format(tmp_path, dtype, num_tokens):
     assert header["format"] == "cachefuse-kv" and header["format_version"] == "1"
     assert header["model_fingerprint"] == "fp-test" and header["num_layers"] == "3"
     assert header["dtype"] == str(dtype).removeprefix("torch.") and header["num_tokens"] == str(num_tokens)
-    assert header["checksum.v.1"] == disk.checksum(entry.v[1]) and header["meta.variant"] == "base"
+    assert header["checksum.v.1"] == entry_format.checksum(entry.v[1]) and header["meta.variant"] == "base"
     assert store.nbytes == path.stat().st_size and store.stats.bytes_written == store.nbytes
     assert temp_files(tmp_path) == []
 
@@ -297,7 +298,7 @@ def test_io_error_is_a_miss_that_keeps_the_entry(tmp_path, monkeypatch):
     def broken_open(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(disk, "_open_entry", broken_open)
+    monkeypatch.setattr(entry_format, "_open_entry", broken_open)
     assert store.get(KEY) is None and store.stats.misses == {"io_error": 1}
     assert store.contains(KEY)
     monkeypatch.undo()
@@ -391,7 +392,7 @@ def test_a_header_claiming_gigabytes_in_a_sparse_file_is_refused_before_any_tens
         fh.write(struct.pack("<Q", len(blob)) + blob)
         fh.truncate(8 + len(blob) + offset)  # sparse: the apparent size, almost no blocks
     read = []
-    monkeypatch.setattr(disk, "_read_tensor", lambda *args: read.append(args) or None)
+    monkeypatch.setattr(entry_format, "read_tensor", lambda *args: read.append(args) or None)
     assert store.get(KEY) is None and read == []
     assert store.stats.misses == {"corrupt": 1} and not path.exists()
 
@@ -485,14 +486,14 @@ def test_a_file_cut_during_a_read_is_a_truncated_miss(tmp_path, monkeypatch):
     store = DiskStore(tmp_path, IDENTITY, BIG)
     store.put(KEY, make_entry(64))
     path = store._path(KEY)
-    real_read_header = disk._read_header
+    real_read_header = entry_format._read_header
 
     def read_header_then_cut(fh, size):
         found = real_read_header(fh, size)
         os.truncate(path, data_start(path) + 10)  # another process cuts the file under this read
         return found
 
-    monkeypatch.setattr(disk, "_read_header", read_header_then_cut)
+    monkeypatch.setattr(entry_format, "_read_header", read_header_then_cut)
     assert store.get(KEY) is None and store.stats.misses == {"truncated": 1} and not path.exists()
 
 
@@ -641,7 +642,7 @@ def test_a_full_filesystem_evicts_to_make_room_instead_of_refusing_every_put(tmp
     """The filesystem fills before the byte budget does: a put evicts least recently used unpinned
     entries (never the key's own old file, still served until the rename) and writes again; before, every
     put failed from then on while evictable entries sat on the disk."""
-    size = len(disk.encode_entry(make_entry(5), IDENTITY))
+    size = len(entry_format.encode_entry(make_entry(5), IDENTITY))
     store = DiskStore(tmp_path, IDENTITY, BIG)
     _SmallFilesystem(store, 4 * size)
     keys = [f"ab{i:04d}" for i in range(10)]
@@ -653,7 +654,7 @@ def test_a_full_filesystem_evicts_to_make_room_instead_of_refusing_every_put(tmp
 
 
 def test_a_full_filesystem_of_pinned_entries_fails_the_put(tmp_path):
-    size = len(disk.encode_entry(make_entry(5), IDENTITY))
+    size = len(entry_format.encode_entry(make_entry(5), IDENTITY))
     store = DiskStore(tmp_path, IDENTITY, BIG)
     _SmallFilesystem(store, 2 * size)
     with store.pinned(["ab0000", "ab0001"]):

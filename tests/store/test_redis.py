@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachefuse.errors import ConfigError, StoreError
-from cachefuse.store import disk
+from cachefuse.store import entry_format
 from cachefuse.store.base import ChunkKV, KVStore, StoreIdentity
 from cachefuse.store.memory import MemoryStore
 from cachefuse.store.redis import RedisKVStore, encode_fields
@@ -71,7 +71,7 @@ def test_round_trip_and_layout(make_store, raw, redis_namespace, dtype, num_toke
     assert header["format"] == "cachefuse-kv" and header["format_version"] == "1"
     assert header["model_fingerprint"] == "fp-test" and header["num_layers"] == "3"
     assert header["dtype"] == str(dtype).removeprefix("torch.") and header["num_tokens"] == str(num_tokens)
-    assert header["checksum.v.1"] == disk.checksum(entry.v[1]) and header["meta.variant"] == "base"
+    assert header["checksum.v.1"] == entry_format.checksum(entry.v[1]) and header["meta.variant"] == "base"
     assert header["shape.k.0"] == f"{num_tokens},2,8" and header["shape.v.0"] == f"{num_tokens},2,6"
     assert fields[b"v.1"] == entry.v[1].contiguous().view(torch.uint8).numpy().tobytes()
     assert all(key.decode().startswith(f"{redis_namespace}:kv:") for key in raw.keys(f"{redis_namespace}:*"))

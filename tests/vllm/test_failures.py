@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cachefuse.store.base import StoreIdentity
-from cachefuse.store.disk import encode_entry
+from cachefuse.store.entry_format import encode_entry
 from tests.helpers.vllm_engines import (
     first_logprobs,
     generate,
