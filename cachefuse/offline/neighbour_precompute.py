@@ -102,6 +102,10 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
                           clock: Callable[[], float] = time.perf_counter) -> NeighbourPrecomputeReport:
     """Stores the base variants, then each chunk computed after its `num_neighbours` nearest chunks.
 
+    NOTE: over a screen: the planning of each chunk's prompt (skipped, stored already, too long) reads the
+    keys, the stored keys, the tokenizer's prompt and the report together; the generation is its own
+    function (`_generate_variants`).
+
     Args:
         llm: a `vllm.LLM` running CacheFuseConnector over `store_dir` (see `precompute_chunks`).
         tokenizer: the model's tokenizer.
@@ -114,7 +118,6 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
     Raises:
         ConfigError: as `precompute_chunks`, or an empty system prompt, or N < 0.
     """
-    from tqdm.auto import tqdm
 
     if num_neighbours < 0:
         raise ConfigError(f"num_neighbours={num_neighbours!r} is invalid: expected an integer >= 0")
@@ -163,6 +166,21 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
             report.failed[index] = "too_long"
             continue
         todo.append((index, target, token_ids, [[s, e] for s, e in prompt.chunks]))
+    seconds = _generate_variants(llm, todo, kv_dir, report, batch_size=batch_size, progress=progress, clock=clock)
+    if report.stored:
+        report.seconds_per_chunk = seconds / len(todo)
+    logger.info("neighbour variants: %d stored, %d skipped, %d failed of %d chunks (N=%d, store %s)",
+                len(report.stored), len(report.skipped), len(report.failed), len(texts), count, store)
+    return report
+
+
+def _generate_variants(llm: Any, todo: list[tuple[int, str, list[int], list[list[int]]]], kv_dir: Path,
+                       report: NeighbourPrecomputeReport, *, batch_size: int, progress: bool,
+                       clock: Callable[[], float]) -> float:
+    """Runs the planned prompts (index, target key, token ids, chunk spans) through the engine in batches,
+    recording each chunk stored or failed in `report`; returns the seconds spent generating."""
+    from tqdm.auto import tqdm
+
     seconds = 0.0
     bar = tqdm(total=len(todo), unit="chunk", desc="neighbour variants", disable=not progress)
     for at in range(0, len(todo), batch_size):
@@ -181,11 +199,7 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
                 logger.warning("neighbour variants: chunk %d not stored (%s)", index, reason)
         bar.update(len(batch))
     bar.close()
-    if report.stored:
-        report.seconds_per_chunk = seconds / len(todo)
-    logger.info("neighbour variants: %d stored, %d skipped, %d failed of %d chunks (N=%d, store %s)",
-                len(report.stored), len(report.skipped), len(report.failed), len(texts), count, store)
-    return report
+    return seconds
 
 
 def _variant_rows(config: CacheFuseConfig) -> set[str]:

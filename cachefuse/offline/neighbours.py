@@ -162,27 +162,34 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
         if not neighbours or _has_variant(engine, engine.meta_key(chunks[index]), prefix):
             report.skipped.append(index)
             continue
-        token_ids, offsets = list(system_ids), [(0, len(system_ids))]
-        for j in [*neighbours, index]:
-            offsets.append((len(token_ids), len(token_ids) + len(chunks[j])))
-            token_ids += chunks[j]
-        token_ids.append(chunks[index][0])  # the last prompt token is always computed: not part of a chunk
         start = clock()
-        previous, engine.config = engine.config, fusion_config
-        try:
-            choices = list(engine.plan_variants(token_ids, offsets))
-            choices[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
-            _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, variants=choices,
-                                      save_holes=True, save_inline=True)
-        finally:
-            engine.config = previous
-        meta_key = engine.meta_key(chunks[index])
-        if any(r.chunk_key == meta_key and r.prefix == prefix for r in stats.saved_variants):
+        if _store_neighbour_variant(engine, system_ids, chunks, index, neighbours, fusion_config, prefix):
             report.stored.append(index)
             report.seconds.append(clock() - start)
         else:
             report.failed.append(index)
     return report
+
+
+def _store_neighbour_variant(engine: Any, system_ids: Sequence[int], chunks: list[list[int]], index: int,
+                             neighbours: Sequence[int], fusion_config: Any, prefix: tuple[str, ...]) -> bool:
+    """Chunk `index` computed in full after the system prompt and its neighbours (reused as stored) and saved
+    as the neighbours' variant, under `fusion_config` (statistics on, admission off); whether it was stored."""
+    token_ids, offsets = list(system_ids), [(0, len(system_ids))]
+    for j in [*neighbours, index]:
+        offsets.append((len(token_ids), len(token_ids) + len(chunks[j])))
+        token_ids += chunks[j]
+    token_ids.append(chunks[index][0])  # the last prompt token is always computed: not part of a chunk
+    previous, engine.config = engine.config, fusion_config
+    try:
+        variants = list(engine.plan_variants(token_ids, offsets))
+        variants[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
+        _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, variants=variants,
+                                  save_holes=True, save_inline=True)
+    finally:
+        engine.config = previous
+    meta_key = engine.meta_key(chunks[index])
+    return any(r.chunk_key == meta_key and r.prefix == prefix for r in stats.saved_variants)
 
 
 def _has_variant(engine: Any, meta_key: str, prefix: tuple[str, ...]) -> bool:
