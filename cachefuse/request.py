@@ -96,26 +96,7 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
                            f"unknown field; expected some of {', '.join(KNOWN_FIELDS)}")
     if ("chunks" in raw) == ("chunk_texts" in raw):
         raise RequestError(PARAMS_KEY, "expected exactly one of 'chunks' (token offsets) or 'chunk_texts'")
-    source = "chunks" if "chunks" in raw else "chunk_texts"
-    if source == "chunks":
-        chunks = raw["chunks"]
-        _check_count(chunks, source, config)
-    else:
-        chunks = _chunks_from_texts(raw["chunk_texts"], prompt_ids, tokenize, config)
-    # segment_prompt validates the offsets strictly and names "cachefuse.chunks[i]".
-    segments = segment_prompt(len(prompt_ids), chunks)
-    spans = tuple((s.start, s.end) for s in segments if s.is_chunk)
-    if not spans:
-        raise RequestError(f"{PARAMS_KEY}.{source}", "empty: declare at least one chunk, or leave out "
-                                                     f"'{PARAMS_KEY}' to run as plain vLLM")
-    if spans[-1][1] >= len(prompt_ids):
-        # The hit must stop one token short of the prompt end: vLLM computes the last token.
-        raise RequestError(f"{PARAMS_KEY}.{source}[{len(spans) - 1}]",
-                           f"ends at the prompt end ({len(prompt_ids)}); leave at least the last token outside")
-    for i, (start, end) in enumerate(spans):
-        if end - start < config.min_chunk_tokens:
-            raise RequestLimitError(f"{PARAMS_KEY}.{source}[{i}]",
-                                    f"{end - start} token(s); below min_chunk_tokens={config.min_chunk_tokens}")
+    segments, spans = _declared_segments(raw, prompt_ids, tokenize, config)
     selector = raw.get("selector", config.selector)
     if not isinstance(selector, str) or selector not in SELECTORS:
         raise RequestError(f"{PARAMS_KEY}.selector", f"{excerpt(selector)}; expected one of {', '.join(SELECTORS)}")
@@ -142,6 +123,33 @@ def excerpt(value: Any) -> str:
 
 def _key_name(key: Any) -> str:
     return key if isinstance(key, str) and len(key) <= 40 and key.isprintable() else excerpt(key)
+
+
+def _declared_segments(raw: dict[str, Any], prompt_ids: Sequence[int], tokenize: Callable[[str], list[int]] | None,
+                       config: CacheFuseConfig) -> tuple[list[Segment], tuple[tuple[int, int], ...]]:
+    """The prompt's segments (computed here, once) and the declared chunks' spans, from `chunks` or
+    `chunk_texts`; raises RequestError / RequestLimitError naming the entry."""
+    source = "chunks" if "chunks" in raw else "chunk_texts"
+    if source == "chunks":
+        chunks = raw["chunks"]
+        _check_count(chunks, source, config)
+    else:
+        chunks = _chunks_from_texts(raw["chunk_texts"], prompt_ids, tokenize, config)
+    # segment_prompt validates the offsets strictly and names "cachefuse.chunks[i]".
+    segments = segment_prompt(len(prompt_ids), chunks)
+    spans = tuple((s.start, s.end) for s in segments if s.is_chunk)
+    if not spans:
+        raise RequestError(f"{PARAMS_KEY}.{source}", "empty: declare at least one chunk, or leave out "
+                                                     f"'{PARAMS_KEY}' to run as plain vLLM")
+    if spans[-1][1] >= len(prompt_ids):
+        # The hit must stop one token short of the prompt end: vLLM computes the last token.
+        raise RequestError(f"{PARAMS_KEY}.{source}[{len(spans) - 1}]",
+                           f"ends at the prompt end ({len(prompt_ids)}); leave at least the last token outside")
+    for i, (start, end) in enumerate(spans):
+        if end - start < config.min_chunk_tokens:
+            raise RequestLimitError(f"{PARAMS_KEY}.{source}[{i}]",
+                                    f"{end - start} token(s); below min_chunk_tokens={config.min_chunk_tokens}")
+    return segments, spans
 
 
 def _check_count(chunks: Any, source: str, config: CacheFuseConfig) -> None:
