@@ -58,8 +58,9 @@ def test_preempted_and_waiting_requests_are_counted_once(setup, monkeypatch):
     params.append({"cachefuse": {"chunks": [[0, 10], [5, 20]]}})  # malformed: runs as plain vLLM
     connector = engines.scheduler_connector(llm)
     fallbacks = []
-    fall_back = connector._scheduler._fall_back
-    monkeypatch.setattr(connector._scheduler, "_fall_back", lambda *a, **k: fallbacks.append(a) or fall_back(*a, **k))
+    outcomes = connector._scheduler.outcomes  # every fallback the scheduler decides is said there
+    fall_back = outcomes.fall_back
+    monkeypatch.setattr(outcomes, "fall_back", lambda *a, **k: fallbacks.append(a) or fall_back(*a, **k))
     scheduler_stats = collect_stats(monkeypatch, connector._scheduler)
     worker_stats = collect_stats(monkeypatch, engines.worker_side())
     before = Counter(connector.counters)
