@@ -1,6 +1,6 @@
 """FusionEngine: one fused prefill end to end over a ModelAdapter (keys -> store -> fusor -> save).
 
-Imports cachefuse.{chunks, config, fusion_stats, fusor, loading, metadata, saving, select, store}; never vllm. The
+Imports cachefuse.{adapters.base, chunks, config, fusion.*, loading, metadata, select, store}; never vllm. The
 reference engine (demo, benchmarks, eval, tests) is this class over adapters.hf; the vLLM connector's worker side runs the
 same steps over its own adapter. Each declared chunk reuses the variant the metadata store scores
 best for its prefix (cachefuse.metadata.index); holes are saved as the variant for their prefix.
@@ -238,17 +238,17 @@ class FusionEngine:
         own keys are hashed here only where its key context differs (tensor-parallel ranks other than 0)."""
         token_ids, segments = plan.token_ids, plan.segments
 
-        def hashed(context: KeyContext) -> dict[int, str]:
-            return {i: chunk_key(token_ids[segments[i].start:segments[i].end], context,
-                                 at_prompt_start=segments[i].is_system) for i in chunk_indices}
+        def hashed(key_of: Callable[..., str]) -> dict[int, str]:
+            return {i: key_of(token_ids[segments[i].start:segments[i].end], at_prompt_start=segments[i].is_system)
+                    for i in chunk_indices}
 
         if plan.meta_keys is None:
-            meta_keys = hashed(self.meta_key_context)
+            meta_keys = hashed(self.meta_key)
         elif len(plan.meta_keys) != len(chunk_indices):
             raise ValueError(f"{len(plan.meta_keys)} chunk keys for {len(chunk_indices)} declared chunks")
         else:
             meta_keys = dict(zip(chunk_indices, plan.meta_keys, strict=True))
-        keys = meta_keys if self.key_context == self.meta_key_context else hashed(self.key_context)
+        keys = meta_keys if self.key_context == self.meta_key_context else hashed(self.key)
         return keys, meta_keys
 
     @contextlib.contextmanager
@@ -302,8 +302,6 @@ class FusionEngine:
         Returns:
             the result, the loaded segments (index -> entry or key), misses by reason, bytes loaded.
         """
-        ratio, backend = plan.ratio, plan.attention_backend
-        stats = self.config.gathers_attention_stats  # read per pass: callers may swap `config`
         depth = self.config.preload_depth if plan.preload_depth is None else plan.preload_depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
         if self.rank_agreement is not None:
@@ -317,9 +315,8 @@ class FusionEngine:
                 loaded, miss_reasons = reader.read(segments, keys, figures)
             else:
                 loaded, miss_reasons = reader.read_agreed(segments, keys, figures, self.rank_agreement)
-            result = self.fusor.fuse(FuseRequest(ids, segments, loaded, ratio, reuse=reuse,
-                                                 collect_attention_stats=stats, attention_backend=backend), selector)
-            return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
+            return (self._fuse_whole(ids, segments, loaded, plan, selector, reuse), loaded, miss_reasons,
+                    sum(entry.nbytes for entry in loaded.values()))
         miss_reasons = Counter()
         fetched = {}
         reader = self._reader()
@@ -331,9 +328,10 @@ class FusionEngine:
         # A query-aware selector's probe reads its view and score-layer keys first, straight from the
         # store (counted in bytes_loaded); the pass then fetches every layer.
         probe_reads = StoreProbeReads(self.store, fetched, self.adapter.shape.num_layers, reader) if probes else None
-        request = FuseRequest(ids, segments, {}, ratio, fetch_layer=fetch, fetched=fetched,
-                              preload_depth=depth, reuse=reuse, collect_attention_stats=stats,
-                              probe_source=probe_reads, attention_backend=backend)
+        request = FuseRequest(ids, segments, {}, plan.ratio, fetch_layer=fetch, fetched=fetched,
+                              preload_depth=depth, reuse=reuse,
+                              collect_attention_stats=self.config.gathers_attention_stats,  # callers may swap config
+                              probe_source=probe_reads, attention_backend=plan.attention_backend)
         try:
             result = self.fusor.fuse(request, selector)
             probe_bytes = 0 if probe_reads is None else probe_reads.bytes_read
@@ -354,10 +352,15 @@ class FusionEngine:
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
         loaded, more = self._reader().read(segments, rest, figures)
-        result = self.fusor.fuse(FuseRequest(
-            ids, segments, loaded, plan.ratio, reuse=reuse, collect_attention_stats=self.config.gathers_attention_stats,
-            attention_backend=plan.attention_backend), selector)
-        return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
+        return (self._fuse_whole(ids, segments, loaded, plan, selector, reuse), loaded, reasons + more,
+                sum(entry.nbytes for entry in loaded.values()))
+
+    def _fuse_whole(self, ids: torch.Tensor, segments: list[Segment], loaded: dict[int, ChunkKV], plan: FusePlan,
+                    selector: Selector, reuse: dict[int, ChunkReuse]) -> FuseResult:
+        """The blend pass over entries read whole (`loaded`), in the pass's own thread."""
+        return self.fusor.fuse(FuseRequest(ids, segments, loaded, plan.ratio, reuse=reuse,
+                                           collect_attention_stats=self.config.gathers_attention_stats,
+                                           attention_backend=plan.attention_backend), selector)
 
     def _reader(self) -> EntryReader:
         """Reads from the engine's current store (`save_in_background` wraps it) on its clock, within the
