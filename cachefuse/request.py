@@ -46,8 +46,6 @@ _EXCERPT.maxlist = _EXCERPT.maxtuple = _EXCERPT.maxdict = _EXCERPT.maxset = 4
 class FusionRequest:
     """A validated fusion request: declared chunks, the prompt's segments, and the per-request choices."""
 
-    chunks: tuple[tuple[int, int], ...]
-    """The declared chunks' `[start, end)`, in order."""
     segments: tuple[Segment, ...]
     """The tiling of the prompt's [0, N) (`chunks.segment_prompt`): each declared chunk and the computed
     ranges between them, computed once here so neither half segments the prompt again."""
@@ -62,6 +60,11 @@ class FusionRequest:
     """Compute the last declared chunk in full, whatever is stored, so it is saved as the variant for the
     non-system chunks before it (FusionRAG's neighbour fusion through vLLM); no other chunk is admitted.
     It stores no more than a new chunk's hole would: one chunk per request, within the store's caps."""
+
+    @property
+    def chunks(self) -> tuple[tuple[int, int], ...]:
+        """The declared chunks' `[start, end)`, in order (read from `segments`, the one record of them)."""
+        return tuple((s.start, s.end) for s in self.segments if s.is_chunk)
 
 
 def wants_fusion(params: dict[str, Any] | None, config: CacheFuseConfig) -> bool:
@@ -110,7 +113,7 @@ def parse_request(params: dict[str, Any] | None, prompt_ids: Sequence[int], conf
     if store_variant and spans[-1][0] == 0:
         raise RequestError(f"{PARAMS_KEY}.store_variant", "the last declared chunk starts the prompt (the system "
                                                           "chunk has no variants); declare the chunk to store last")
-    return FusionRequest(chunks=spans, segments=tuple(segments), selector=selector, recompute_ratio=float(ratio),
+    return FusionRequest(segments=tuple(segments), selector=selector, recompute_ratio=float(ratio),
                          selected_rows=_selected_rows(raw, len(prompt_ids), config), sync_save=sync_save,
                          store_variant=store_variant)
 
@@ -231,5 +234,5 @@ def _from_separators(prompt_ids: Sequence[int], config: CacheFuseConfig) -> Fusi
     spans = tuple((a, b) for a, b in spans if b - a >= config.min_chunk_tokens)  # short pieces: computed
     if not spans:
         return None
-    return FusionRequest(chunks=spans, segments=tuple(segment_prompt(len(prompt_ids), spans)),
+    return FusionRequest(segments=tuple(segment_prompt(len(prompt_ids), spans)),
                          selector=config.selector, recompute_ratio=config.recompute_ratio)

@@ -31,8 +31,7 @@ def char_ids(text: str) -> list[int]:
 def _fusion(chunks, selector, ratio, num_tokens=None):
     """The FusionRequest parse_request returns for `chunks` in a prompt of `num_tokens` (PROMPT's)."""
     num_tokens = len(PROMPT) if num_tokens is None else num_tokens
-    return FusionRequest(chunks=tuple(chunks), segments=tuple(segment_prompt(num_tokens, chunks)), selector=selector,
-                         recompute_ratio=ratio)
+    return FusionRequest(segments=tuple(segment_prompt(num_tokens, chunks)), selector=selector, recompute_ratio=ratio)
 
 
 def _parse(fields, prompt=PROMPT, config=CFG, tokenize=None):
