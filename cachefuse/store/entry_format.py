@@ -1,7 +1,7 @@
 """The K/V entry format the disk and Redis tiers share: encoding, header and tensor checks, and the
 reading of one entry file, each tensor read into memory it owns and verified there.
 
-Imports torch, safetensors and `cachefuse.store.base`; never `cachefuse.metadata` (the K/V bytes know
+Imports torch, safetensors, `cachefuse.chunks` (dtype_name) and `cachefuse.store.base`; never `cachefuse.metadata` (the K/V bytes know
 nothing of variants), never the tiers that use it (disk.py, redis.py). An entry file is a safetensors
 file; its layout, and which failure is which miss reason, are in disk.py's docstring. `EntryMiss`
 carries a miss reason out of these checks; each tier turns it into a counted miss.
@@ -22,6 +22,7 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
+from cachefuse.chunks import dtype_name
 from cachefuse.store import base
 from cachefuse.store.base import ChunkKV, StoreIdentity
 
@@ -44,10 +45,6 @@ def checksum(t: torch.Tensor) -> str:
     """zlib.crc32 of the tensor's raw bytes (row-major), as 8 hex digits."""
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # [numel * element_size]
     return f"{zlib.crc32(raw.numpy()):08x}"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def encode_entry(entry: ChunkKV, identity: StoreIdentity) -> bytes:

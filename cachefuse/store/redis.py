@@ -50,6 +50,7 @@ from collections.abc import Callable
 import redis
 import torch
 
+from cachefuse.chunks import dtype_name
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.redis_client import OUTAGE_BACKOFF_S, OutageBackoff, redact_url, redis_client
 from cachefuse.store import base, entry_format, redis_scripts
@@ -69,7 +70,7 @@ def encode_fields(entry: ChunkKV, identity: StoreIdentity) -> dict[str, bytes]:
     header = {
         "format": entry_format.FORMAT, "format_version": entry_format.FORMAT_VERSION,
         "model_fingerprint": identity.model_fingerprint, "num_layers": str(identity.num_layers),
-        "dtype": entry_format.dtype_name(identity.dtype), "num_tokens": str(entry.num_tokens),
+        "dtype": dtype_name(identity.dtype), "num_tokens": str(entry.num_tokens),
     }
     fields: dict[str, bytes] = {}
     for layer, (k_nope, v) in enumerate(zip(entry.k_nope, entry.v, strict=True)):

@@ -32,13 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-SCHEDULER_FIELDS = ("status", "fallback_reason", "detail", "field", "selector", "recompute_ratio", "chunks",
-                    "chunks_indexed", "controller", "preemptions", "fused_before_preemption", "replay_exact")
-"""The response keys the scheduler writes (RequestOutcome's fields); the worker's figures may write some of
-them too (`status`, `selector`, ...), and the later write of a key wins, as it did when the outcome was a
-dict updated in place."""
-
-
 @dataclass
 class RequestOutcome:
     """What a response's `kv_transfer_params["cachefuse"]` says about one request (docs/deploy.md).
@@ -109,6 +102,12 @@ class RequestOutcome:
         if self._response is not None:
             self._response.clear()
             self._response.update(self.to_dict())
+
+
+SCHEDULER_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutcome) if f.name not in ("figures", "_response"))
+"""The response keys the scheduler writes (RequestOutcome's fields, in order); the worker's figures may write
+some of them too (`status`, `selector`, ...), and the later write of a key wins, as it did when the outcome
+was a dict updated in place."""
 
 
 class Outcomes:
