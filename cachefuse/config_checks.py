@@ -209,6 +209,9 @@ def check_saving(cfg: Any) -> None:
         fail("save_flush_timeout_s", cfg.save_flush_timeout_s, "a number of seconds in 0..3600")
     if not is_int(cfg.max_blend_tokens_per_step) or cfg.max_blend_tokens_per_step < 1:
         fail("max_blend_tokens_per_step", cfg.max_blend_tokens_per_step, "an integer >= 1")
+    if cfg.blend_step_tokens is not None and (not is_int(cfg.blend_step_tokens) or cfg.blend_step_tokens < 0):
+        fail("blend_step_tokens", cfg.blend_step_tokens, "null (vLLM's max_num_batched_tokens), 0 (each blend "
+             "whole in its step) or an integer >= 1")
     if cfg.separator_token_id is not None and (not is_int(cfg.separator_token_id)
                                                 or cfg.separator_token_id < 0):
         fail("separator_token_id", cfg.separator_token_id, "null or a token id >= 0")

@@ -30,6 +30,7 @@ from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore
+from cachefuse.fusion.batch import PassSteps, run_alone
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FusePlan, FuseRequest, FuseResult
 from cachefuse.fusion.saving import (
@@ -104,7 +105,6 @@ class FusionEngine:
         self.fusor = Fusor(adapter, block_rows=config.attention_block_rows, reduce_scores=ranks.reduce_scores,
                            clock=clock)
         self.clock = clock
-        self._load_budget = LoadBudget(None)  # the running prefill's store time (config load_timeout_s)
 
     def fusor_full_layers(self, selector: str) -> int:
         """How many leading layers `selector` computes in full on this model."""
@@ -201,6 +201,12 @@ class FusionEngine:
 
     def fuse(self, plan: FusePlan) -> tuple[FuseResult, FusionStats]:
         """Runs one fused prefill: variants (the plan's, or chosen here), load, blend pass, hole saves."""
+        return run_alone(self.fuse_steps(plan), self.fusor.execute_ops)
+
+    def fuse_steps(self, plan: FusePlan) -> PassSteps:
+        """`fuse` as a generator of its pass's ops (cachefuse.fusion.batch), returning (result, stats): the
+        vLLM worker batches several requests' passes and splits them across engine steps. Closed early (an
+        abort), it unpins what it pinned and stops its loader thread; nothing is saved or recorded."""
         selector = make_selector(plan.selector, self.config) if isinstance(plan.selector, str) else plan.selector
         token_ids, segments = plan.token_ids, list(plan.segments)
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.adapter.device)
@@ -215,12 +221,12 @@ class FusionEngine:
         load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
         reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
         start = self.clock()
-        self._load_budget = LoadBudget(self.config.load_timeout_s)
+        budget = LoadBudget(self.config.load_timeout_s)  # this prefill's store time, whoever shares the step
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
         with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()) as metadata_ok:
-            result, loaded, more_misses, bytes_loaded = self._fuse(
-                ids, segments, load_keys, plan, selector, figures, reuse)
+            result, loaded, more_misses, bytes_loaded = yield from self._fuse(
+                ids, segments, load_keys, plan, selector, figures, reuse, budget)
         miss_reasons += more_misses
         blend_time = self.clock() - start
         if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
@@ -291,9 +297,9 @@ class FusionEngine:
             logger.warning("cachefuse: reuse of %d variants not recorded (%s)", len(uses), exc)
 
     def _fuse(self, ids: torch.Tensor, segments: list[Segment], keys: dict[int, str], plan: FusePlan,
-              selector: Selector, figures: LoadFigures, reuse: dict[int, ChunkReuse]
-              ) -> tuple[FuseResult, dict[int, ChunkKV] | dict[int, str], Counter, int]:
-        """One blend pass: entries read whole first (preload_depth 0) or fetched layer by layer.
+              selector: Selector, figures: LoadFigures, reuse: dict[int, ChunkReuse], budget: LoadBudget
+              ) -> PassSteps:
+        """One blend pass (a generator of its ops): entries read whole first (preload_depth 0) or fetched layer by layer.
 
         A pipelined pass whose fetch misses mid-pass (LayerUnavailable) cannot turn the layers already
         computed into a hole, so it is dropped: the miss is counted under its reason and the pass re-runs
@@ -310,16 +316,16 @@ class FusionEngine:
         if probes and not supports_probe_reads(self.store):
             depth = 0  # the question probe reads whole entries before the pass starts
         if depth == 0:
-            reader = self._reader()
+            reader = self._reader(budget)
             if self.rank_agreement is None:
                 loaded, miss_reasons = reader.read(segments, keys, figures)
             else:
                 loaded, miss_reasons = reader.read_agreed(segments, keys, figures, self.rank_agreement)
-            return (self._fuse_whole(ids, segments, loaded, plan, selector, reuse), loaded, miss_reasons,
-                    sum(entry.nbytes for entry in loaded.values()))
+            result = yield from self._fuse_whole(ids, segments, loaded, plan, selector, reuse)
+            return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         miss_reasons = Counter()
         fetched = {}
-        reader = self._reader()
+        reader = self._reader(budget)
         for index, key in keys.items():
             if reader.present(key, miss_reasons):
                 fetched[index] = key
@@ -333,39 +339,39 @@ class FusionEngine:
                               collect_attention_stats=self.config.gathers_attention_stats,  # callers may swap config
                               probe_source=probe_reads, attention_backend=plan.attention_backend)
         try:
-            result = self.fusor.fuse(request, selector)
+            result = yield from self.fusor.fuse_steps(request, selector)
             probe_bytes = 0 if probe_reads is None else probe_reads.bytes_read
             return result, fetched, miss_reasons, sum(figures.bytes.values()) + probe_bytes
         except LayerUnavailable as exc:
             logger.warning("chunk %s missed at layer %d mid-pass (%s): re-running the pass with it as a hole",
                            exc.key, exc.layer, exc.reason)
             missed = exc
-        return self._fuse_without(missed, ids, segments, keys, plan, selector, figures, reuse)
+        return (yield from self._fuse_without(missed, ids, segments, keys, plan, selector, figures, reuse, budget))
 
     def _fuse_without(self, missed: LayerUnavailable, ids: torch.Tensor, segments: list[Segment],
                       keys: dict[int, str], plan: FusePlan, selector: Selector, figures: LoadFigures,
-                      reuse: dict[int, ChunkReuse]) -> tuple[FuseResult, dict[int, ChunkKV], Counter, int]:
+                      reuse: dict[int, ChunkReuse], budget: LoadBudget) -> PassSteps:
         """The pass again, serially, with the key that missed mid-pass as a hole (see `_fuse`)."""
         if missed.reason == "length_mismatch":
             self.store.remove(missed.key)  # as in EntryReader.read: the hole computed now replaces it
         figures.clear()
         reasons = Counter({missed.reason: sum(1 for key in keys.values() if key == missed.key)})
         rest = {index: key for index, key in keys.items() if key != missed.key}
-        loaded, more = self._reader().read(segments, rest, figures)
-        return (self._fuse_whole(ids, segments, loaded, plan, selector, reuse), loaded, reasons + more,
-                sum(entry.nbytes for entry in loaded.values()))
+        loaded, more = self._reader(budget).read(segments, rest, figures)
+        result = yield from self._fuse_whole(ids, segments, loaded, plan, selector, reuse)
+        return result, loaded, reasons + more, sum(entry.nbytes for entry in loaded.values())
 
     def _fuse_whole(self, ids: torch.Tensor, segments: list[Segment], loaded: dict[int, ChunkKV], plan: FusePlan,
-                    selector: Selector, reuse: dict[int, ChunkReuse]) -> FuseResult:
+                    selector: Selector, reuse: dict[int, ChunkReuse]) -> PassSteps:
         """The blend pass over entries read whole (`loaded`), in the pass's own thread."""
-        return self.fusor.fuse(FuseRequest(ids, segments, loaded, plan.ratio, reuse=reuse,
+        return self.fusor.fuse_steps(FuseRequest(ids, segments, loaded, plan.ratio, reuse=reuse,
                                            collect_attention_stats=self.config.gathers_attention_stats,
                                            attention_backend=plan.attention_backend), selector)
 
-    def _reader(self) -> EntryReader:
-        """Reads from the engine's current store (`save_in_background` wraps it) on its clock, within the
-        running prefill's load budget."""
-        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, self._load_budget)
+    def _reader(self, budget: LoadBudget) -> EntryReader:
+        """Reads from the engine's current store (`save_in_background` wraps it) on its clock, within
+        `budget`, its prefill's load budget."""
+        return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, budget)
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
                     meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:

@@ -21,6 +21,7 @@ layers 0..f-1: every row        layers f..L-1: selected + forced rows over merge
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,17 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
+from cachefuse.fusion.batch import (
+    Attend,
+    Embed,
+    LayerDone,
+    Logits,
+    Output,
+    PassSteps,
+    Project,
+    run_alone,
+    split_rows,
+)
 from cachefuse.fusion.layers import LoadedLayers
 from cachefuse.fusion.plan import FuseRequest, FuseResult
 from cachefuse.fusion.probe import EntrySource, ProbeResult, ProbeSource, run_probe
@@ -38,6 +50,28 @@ from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
 RowsAttention = Callable[..., torch.Tensor]
+
+
+def _rows_of(op: Any) -> int:
+    """Rows an op carries (the count to cut the batched result back by)."""
+    if isinstance(op, Embed):
+        return int(op.token_ids.shape[0])
+    if isinstance(op, Output):
+        return int(op.attn.shape[0])
+    return int(op.hidden.shape[0])  # Project, Logits
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One request's tensor as it is (no copy); several concatenated by rows."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Layer 0's residual is None for every pass of a batch (they start together), a tensor after."""
+    if any(t is None for t in tensors):
+        assert all(t is None for t in tensors), "passes batched at different depths"
+        return None
+    return _cat(tensors)
 
 
 class _RequestLayout:
@@ -104,6 +138,8 @@ class Fusor:
             selects the same rows from scores over all heads; None on one rank.
         clock: time source of the layer and probe timings on a CPU (injectable: tests never read wall
             time); on a GPU the default clock gives way to CUDA events.
+        varlen_attention_fn: rows attention of several requests in one call (q, q_positions, cu_rows, k,
+            v, cu_keys, scale, block_rows; ops.varlen_rows_attention): batched passes (cachefuse.fusion.batch).
 
     The attention backend is the request's (`FuseRequest.attention_backend`): it is bound to where that
     request's K/V go (vLLM's slots), so it travels with the request rather than living on the fusor.
@@ -112,15 +148,23 @@ class Fusor:
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
                  attention_fn: RowsAttention = ops.rows_attention,
                  reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 varlen_attention_fn: RowsAttention = ops.varlen_rows_attention) -> None:
         self.adapter = adapter
         self.block_rows = block_rows
         self.attention_fn = attention_fn
+        self.varlen_attention_fn = varlen_attention_fn
         self.reduce_scores = reduce_scores
         self.clock = clock
 
-    @torch.inference_mode()
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
+        """One pass on its own: `fuse_steps` with each op run as it is asked for."""
+        return run_alone(self.fuse_steps(request, selector), self.execute_ops)
+
+    @torch.inference_mode()
+    def fuse_steps(self, request: FuseRequest, selector: Selector) -> PassSteps:
+        """The pass as a generator of the row-wise ops it needs (cachefuse.fusion.batch): run alone
+        (`fuse`) or batched with other requests' passes and split across engine steps (PassBatch)."""
         shape = self.adapter.shape
         layout = _RequestLayout(request, shape.num_layers, self.adapter.device, self.reduce_scores)
         num_full = selector.num_full_layers(shape.num_layers)
@@ -131,10 +175,68 @@ class Fusor:
         initial = selector.initial_rows(layout.ctx) if num_full == 0 else None
         with LoadedLayers(request, layout.num_tokens, shape, self.adapter.rope_spec, num_full,
                            set(check_layers), layout.device) as loaded_kv:
-            result = self._fuse(request, selector, layout, loaded_kv, num_full, check_layers, initial)
+            result = yield from self._fuse(request, selector, layout, loaded_kv, num_full, check_layers, initial)
         if probe is not None:
             result.probe_seconds, result.probe_layers, result.probe_rows = probe
         return result
+
+    @torch.inference_mode()
+    def execute_ops(self, ops: list[Any]) -> list[Any]:
+        """Runs one op of several passes (same stage, same layer) as one: rows concatenated, one call of
+        each model op for all of them; attention per request over its own keys (varlen)."""
+        adapter, first = self.adapter, ops[0]
+        if isinstance(first, Attend):
+            return self._attend_many(ops)
+        counts = [_rows_of(op) for op in ops]
+        if isinstance(first, Embed):
+            return split_rows(adapter.embed(_cat([op.token_ids for op in ops])), counts)
+        if isinstance(first, Project):
+            x, residual = adapter.attention_input(first.layer, _cat([op.hidden for op in ops]),
+                                                  _cat_or_none([op.residual for op in ops]))
+            q_nope, k_nope, v = adapter.project_qkv(first.layer, x)
+            q, k = adapter.rotate(first.layer, _cat([op.positions for op in ops]), q_nope, k_nope)
+            return list(zip(*(split_rows(t, counts) for t in (q, k, k_nope, v, residual)), strict=True))
+        if isinstance(first, Output):
+            hidden, residual = adapter.attention_output(first.layer, _cat([op.attn for op in ops]),
+                                                        _cat([op.residual for op in ops]))
+            return list(zip(split_rows(hidden, counts), split_rows(residual, counts), strict=True))
+        if isinstance(first, Logits):
+            logits = adapter.final_logits(_cat([op.hidden for op in ops]), _cat([op.residual for op in ops]))
+            return split_rows(logits, counts)
+        raise TypeError(f"no such pass op: {type(first).__name__}")
+
+    def _attend_many(self, ops: list[Attend]) -> list[torch.Tensor]:
+        """Each request's rows over its own merged K/V. Requests on the fusor's own attention whose rows
+        are selected go in one varlen call; a backend with `attend_many` (vLLM's paged kernel) takes its
+        requests in one call; anything else attends request by request."""
+        out: list[torch.Tensor | None] = [None] * len(ops)
+        varlen = [i for i, op in enumerate(ops) if op.backend is None and op.query_rows is not None]
+        if len(varlen) > 1:
+            for i, attn in zip(varlen, self._varlen_rows([ops[i] for i in varlen]), strict=True):
+                out[i] = attn
+        by_backend: dict[type, list[int]] = {}
+        for i, op in enumerate(ops):
+            if out[i] is None and op.backend is not None and hasattr(op.backend, "attend_many"):
+                by_backend.setdefault(type(op.backend), []).append(i)
+        for backend_type, indices in by_backend.items():
+            if len(indices) > 1:
+                for i, attn in zip(indices, backend_type.attend_many([ops[i] for i in indices]), strict=True):
+                    out[i] = attn
+        for i, op in enumerate(ops):
+            if out[i] is None:
+                out[i] = self._attend(op.backend, op.layer, op.q, op.query_rows, op.k, op.v)
+        return out
+
+    def _varlen_rows(self, ops: list[Attend]) -> list[torch.Tensor]:
+        """Selected rows of several requests in one varlen call: request b's rows see only its own keys."""
+        device = ops[0].q.device
+        cu_rows = torch.tensor([0, *itertools.accumulate(op.q.shape[0] for op in ops)], device=device)
+        cu_keys = torch.tensor([0, *itertools.accumulate(op.k.shape[0] for op in ops)], device=device)
+        attn = self.varlen_attention_fn(
+            _cat([op.q for op in ops]), _cat([op.query_rows for op in ops]), cu_rows,
+            _cat([op.k for op in ops]), _cat([op.v for op in ops]), cu_keys, self.adapter.shape.scaling,
+            self.block_rows)
+        return split_rows(attn, [op.q.shape[0] for op in ops])
 
     def _probe(self, request: FuseRequest, selector: Selector, layout: _RequestLayout
                ) -> tuple[float, int, int] | None:
@@ -162,8 +264,8 @@ class Fusor:
 
     def _fuse(self, request: FuseRequest, selector: Selector, layout: _RequestLayout,
               loaded_kv: LoadedLayers, num_full: int, check_layers: tuple[int, ...],
-              initial: torch.Tensor | None) -> FuseResult:
-        """The layer loop; `loaded_kv` serves each layer's chunk K/V after `advance(layer)`; `initial`: the
+              initial: torch.Tensor | None) -> PassSteps:
+        """The layer loop (a generator of the pass's ops, returning its FuseResult); `loaded_kv` serves each layer's chunk K/V after `advance(layer)`; `initial`: the
         selection of a selector with no full layer, made before the loop.
 
         NOTE: longer than a screen on purpose: each step hands the next the rows, q, residual and merged
@@ -177,7 +279,7 @@ class Fusor:
         if num_full == 0:
             assert initial is not None, f"{selector.name}: no full layers needs initial_rows"
             rows, num_selected = layout.with_forced(initial), initial.numel()
-        hidden = adapter.embed(layout.token_ids if rows is None else layout.token_ids[rows])
+        hidden = yield Embed(layout.token_ids if rows is None else layout.token_ids[rows])
         residual = None
         out_k, out_v, rows_per_layer = [], [], []
         keep_all_kv = not getattr(request.attention_backend, "writes_kv", False)
@@ -191,9 +293,7 @@ class Fusor:
             timer.start()
             loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
             row_positions = positions if rows is None else rows
-            x, residual = adapter.attention_input(layer, hidden, residual)
-            q_nope, k_nope, v = adapter.project_qkv(layer, x)
-            q, k = adapter.rotate(layer, row_positions, q_nope, k_nope)
+            q, k, k_nope, v, residual = yield Project(layer, hidden, residual, row_positions)
             if rows is None:
                 # Kept to the pass's end (keep_all_kv): their own memory, not views into the projection's
                 # [T, q + 2 kv] output and the rotation's [T, q + kv] (6x and 5x the bytes on Llama-3-8B)
@@ -233,12 +333,13 @@ class Fusor:
             if next_rows is not None and next_rows is not rows:
                 keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
                 q, residual = q[keep], residual[keep]
-            attn = self._attend(request.attention_backend, layer, q, next_rows, k_merged, v_merged)
-            hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
-            rows = next_rows
+            attn = yield Attend(layer, request.attention_backend, q, next_rows, k_merged, v_merged)
+            hidden, residual = yield Output(layer, attn.flatten(1), residual)
             timer.stop()
+            yield LayerDone(layer, layout.num_tokens if rows is None else int(rows.numel()))
+            rows = next_rows
 
-        logits = adapter.final_logits(hidden, residual)[0]  # the last row, position N-1
+        logits = (yield Logits(hidden, residual))[0]  # the last row, position N-1
         if num_full >= num_layers:
             num_selected = layout.ctx.candidate_rows.numel()
         return FuseResult(

@@ -16,7 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 
 from cachefuse.config import CacheFuseConfig
 from cachefuse.vllm.checks import check_engine
@@ -85,11 +89,18 @@ class CacheFuseConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        if isinstance(metadata, CacheFuseMetadata) and metadata.plans:
+        if isinstance(metadata, CacheFuseMetadata):  # every step: blends split across steps resume here
             self._worker.start_load_kv(metadata, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # start_load_kv finishes every write before the forward begins
+        pass  # a synchronous load's blend finishes every write before the forward begins
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Blends of asynchronous loads that ended this step (done or failed: vLLM recomputes the failed)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         pass  # holes are saved by the blend pass itself, RoPE-stripped

@@ -55,6 +55,10 @@ class BlendPlan:
     replay: bool = False
     """The request's first blend ran before vLLM preempted it: this one rebuilds the same K/V and neither
     saves its holes again nor counts its reuses again (f_r)."""
+    load_async: bool = False
+    """vLLM holds the request in WAITING_FOR_REMOTE_KVS until the worker reports the blend done (or failed)
+    in `get_finished`; the blend may run batched and across several steps (config blend_step_tokens). Its
+    blocks may stop short of position N-1, which vLLM computes itself."""
 
 
 @dataclass
@@ -63,6 +67,9 @@ class CacheFuseMetadata(KVConnectorMetadata):
     plain_prefill_tokens: int = 0
     """When this step is nothing but plain (unfused) prefills: their tokens, so the worker can time
     vLLM's own prefill speed (the loading controller's go/no-go baseline). Else 0."""
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests vLLM finished since the last step (aborts among them): a blend still running for one is
+    stopped before it does more work."""
 
 
 @dataclass

@@ -26,6 +26,12 @@ COUNTERS = {
     "holes_saved": ("vllm:cachefuse_holes_saved", "Holes stored as variants (queued, when saved in the background)."),
     "saves_skipped": ("vllm:cachefuse_saves_skipped", "Holes not saved: the background writer's queue was full."),
     "save_failures": ("vllm:cachefuse_save_failures", "Holes the store or metadata store refused."),
+    "blend_steps": ("vllm:cachefuse_blend_steps", "Engine steps the blends ran in, summed over blends "
+                    "(divided by requests_fused: steps per blend; above 1, blends split by blend_step_tokens)."),
+    "blend_batch_size": ("vllm:cachefuse_blend_batch_size", "Blends each blend ran batched with (itself "
+                         "included), summed over blends (divided by requests_fused: the mean batch)."),
+    "blends_split": ("vllm:cachefuse_blends_split", "Blends that ran across more than one engine step."),
+    "blends_batched": ("vllm:cachefuse_blends_batched", "Blends that ran batched with at least one other."),
 }
 FALLBACK_PREFIX = "fallback_"
 

@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from cachefuse import ops
 from cachefuse.attention import causal_attention
+from cachefuse.fusion.batch import Attend
 from cachefuse.vllm.cache_views import paged_kv_views
 
 
@@ -49,8 +51,11 @@ def supports_paged_attention(layer: Any) -> bool:
 
 
 def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions 0..T-1, in the cache's dtype."""
+    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions 0..T-1, in the cache's dtype;
+    positions past the slots (an asynchronous load's last token, which vLLM computes) are not written."""
     dtype = layer.kv_cache.dtype
+    num_rows = min(k.shape[0], slot_mapping.shape[0])
+    k, v = k[:num_rows], v[:num_rows]
     # reads T*kv_heads*head_dim*2, writes the same into the paged cache
     layer.impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), layer.kv_cache,
                                   slot_mapping[: k.shape[0]])
@@ -87,7 +92,8 @@ class SlotWritingAttention:
         layer = self.layers[name]
         write_layer_kv(layer, k, v, self.slot_mapping)
         views = paged_kv_views(layer)
-        in_place = views is not None and views[0].dtype == q.dtype
+        # keys past the slots (an asynchronous load's last token) live only in memory
+        in_place = views is not None and views[0].dtype == q.dtype and k.shape[0] <= self.slot_mapping.shape[0]
         self.read_in_place[name] = in_place
         if not in_place:
             return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows)
@@ -112,36 +118,79 @@ class PagedAttention:
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the whole prompt; q [T, heads, head_dim], k/v [T, kv_heads, head_dim]."""
-        num_tokens = q.shape[0]
-        return self._attend(layer_index, q, k, v, torch.tensor([0, num_tokens], dtype=torch.int32),
-                            torch.tensor([num_tokens], dtype=torch.int32), self.block_table)
+        return self.attend_many([Attend(layer_index, self, q, None, k, v)])[0]
 
     def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
         """Rows at `q_positions` [R] over the merged K/V [T, kv_heads, head_dim], each seeing keys <= its position."""
-        num_rows = q.shape[0]
-        return self._attend(layer_index, q, k, v, torch.arange(num_rows + 1, dtype=torch.int32),
-                            (q_positions + 1).to(torch.int32), self.block_table.expand(num_rows, -1).contiguous())
+        return self.attend_many([Attend(layer_index, self, q, q_positions, k, v)])[0]
 
-    def _attend(self, layer_index, q, k, v, query_start_loc, seq_lens, block_table) -> torch.Tensor:
-        from vllm import envs
-        from vllm._custom_ops import cpu_attn_get_scheduler_metadata
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+    @staticmethod
+    def attend_many(attends: list[Attend]) -> list[torch.Tensor]:
+        """One layer's attention of several requests (each op's backend a PagedAttention over the same
+        layers) in one call of the paged kernel: each request's merged K/V written into its own slots,
+        then its rows as sequences over its own blocks only (a causal layer one sequence of T rows,
+        selected rows one single-token sequence each), so no row sees another request's keys."""
+        first = attends[0].backend
+        layer = first.layers[first.layer_names[attends[0].layer]]
+        width = max(op.backend.block_table.shape[1] for op in attends)
+        query_lens, seq_lens, tables, paged_q, in_memory = [], [], [], [], []
+        for index, op in enumerate(attends):
+            backend = op.backend
+            write_layer_kv(layer, op.k, op.v, backend.slot_mapping)
+            table = F.pad(backend.block_table, (0, width - backend.block_table.shape[1]))  # pad: never read
+            num_slots = backend.slot_mapping.shape[0]
+            positions = op.query_rows
+            if positions is None and op.q.shape[0] <= num_slots:  # one causal sequence of every row
+                query_lens.append(torch.tensor([op.q.shape[0]], dtype=torch.int32))
+                seq_lens.append(torch.tensor([op.q.shape[0]], dtype=torch.int32))
+                tables.append(table)
+                paged_q.append(op.q)
+                continue
+            if positions is None:
+                positions = torch.arange(op.q.shape[0], device=op.q.device)
+            # An asynchronous load's blocks stop at position N-2 (vLLM computes N-1 itself): a row past
+            # the slots attends over the layer's merged K/V in memory, its key never written.
+            num_paged = int((positions < num_slots).sum())  # positions are sorted
+            query_lens.append(torch.ones(num_paged, dtype=torch.int32))
+            seq_lens.append((positions[:num_paged] + 1).to(torch.int32).cpu())
+            tables.append(table.expand(num_paged, -1))
+            paged_q.append(op.q[:num_paged])
+            if num_paged < op.q.shape[0]:
+                in_memory.append((index, num_paged, ops.rows_attention(
+                    op.q[num_paged:], positions[num_paged:], op.k, op.v, layer.impl.scale)))
+        query_start_loc = F.pad(torch.cat(query_lens).cumsum(0, dtype=torch.int32), (1, 0))
+        q = paged_q[0] if len(paged_q) == 1 else torch.cat(paged_q)
+        out = q.new_empty(q.shape)
+        if q.shape[0]:
+            out = paged_forward(layer, q, attends[0].k, attends[0].v, query_start_loc, torch.cat(seq_lens),
+                                 torch.cat(tables).contiguous())
+        outs = list(torch.split(out, [part.shape[0] for part in paged_q]))
+        for index, num_paged, rows in in_memory:
+            outs[index] = torch.cat([outs[index][:num_paged], rows])
+        return outs
 
-        layer = self.layers[self.layer_names[layer_index]]
-        impl = layer.impl
-        slots = self.slot_mapping[: k.shape[0]]
-        write_layer_kv(layer, k, v, self.slot_mapping)
-        num_seqs = seq_lens.numel()
-        scheduler_metadata = cpu_attn_get_scheduler_metadata(
-            num_reqs=num_seqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
-            head_dim=impl.head_size, seq_lens=seq_lens, dtype=q.dtype, query_start_loc=query_start_loc,
-            causal=True, sliding_window_size=impl.sliding_window, isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=impl.kv_cache_dtype)
-        metadata = CPUAttentionMetadata(
-            num_actual_tokens=q.shape[0], max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
-            query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
-            block_table=block_table, slot_mapping=slots, scheduler_metadata=scheduler_metadata, causal=True)
-        out = torch.empty_like(q)
-        impl.forward(layer, q.contiguous(), k, v, layer.kv_cache, metadata, output=out)
-        return out
+
+def paged_forward(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
+                   seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU attention over the paged cache for sequences already written (decoder attention reads
+    the cache only: `k`/`v` are not read, nor the slot mapping)."""
+    from vllm import envs
+    from vllm._custom_ops import cpu_attn_get_scheduler_metadata
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    impl = layer.impl
+    num_seqs = seq_lens.numel()
+    scheduler_metadata = cpu_attn_get_scheduler_metadata(
+        num_reqs=num_seqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_lens, dtype=q.dtype, query_start_loc=query_start_loc,
+        causal=True, sliding_window_size=impl.sliding_window, isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=impl.kv_cache_dtype)
+    metadata = CPUAttentionMetadata(
+        num_actual_tokens=q.shape[0], max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
+        query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+        block_table=block_table, slot_mapping=torch.empty(0, dtype=torch.int64),
+        scheduler_metadata=scheduler_metadata, causal=True)
+    out = torch.empty_like(q)
+    impl.forward(layer, q.contiguous(), k, v, layer.kv_cache, metadata, output=out)
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
+from cachefuse.fusion.batch import PassBatch
 from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.plan import FusePlan
 from cachefuse.loading.figures import FigureRecorder
@@ -92,28 +94,75 @@ class WorkerSide:
         self.paged_attention: bool | None = None
         self.figures = FigureRecorder()
         self._prefill_step: tuple[int, float] | None = None  # (plain prefill tokens, start) of this step
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # blocks of synchronous loads whose blend failed
+        self.passes = PassBatch(self.engine.fusor.execute_ops)  # the blends waiting or running, oldest first
+        self._running: dict[str, _Running] = {}
+        self._finished_loads: set[str] = set()  # asynchronous loads done (or failed) since the last step
+        self._failed_loads: set[str] = set()
+        step_tokens = config.blend_step_tokens
+        if step_tokens is None:
+            step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.budget_rows = step_tokens * shape.num_layers
         self._meta = CacheFuseWorkerMeta()
         self._stats = CacheFuseConnectorStats()
 
     def start_load_kv(self, metadata: CacheFuseMetadata, forward_context: Any) -> None:
+        """Starts this step's plans and advances the waiting blends: all of them to their end when the
+        step's plans are synchronous loads (vLLM's forward reads their K/V next), else batched, oldest
+        first, within the step's budget (`blend_step_tokens`), the rest resuming next step."""
+        for req_id in metadata.finished_req_ids:
+            self._cancel(req_id)
         for plan in metadata.plans:
-            try:
-                figures = self._blend(plan, forward_context.no_compile_layers)
-            except Exception as exc:  # one request never stops the engine: vLLM recomputes it
-                self._load_errors.update(plan.error_block_ids)
-                detail = f"{type(exc).__name__}: {exc}"
-                logger.warning("cachefuse: blend of request %s failed (%s); vLLM recomputes it", plan.req_id,
-                               detail)
-                figures = {"status": "fallback", "fallback_reason": "blend_error", "detail": detail}
-            else:
-                self._record_stats(figures)
-            self._meta.request_stats[plan.req_id] = figures
+            self._start(plan, forward_context.no_compile_layers)
+        if not len(self.passes):
+            return
+        synchronous = any(not running.plan.load_async for running in self._running.values())
+        advanced = self.passes.advance(None if synchronous else self.budget_rows)
+        for req_id, (_, stats) in advanced.finished.items():
+            steps, batch_size = advanced.split[req_id]
+            self._finish(self._running.pop(req_id), stats, steps, batch_size)
+        for req_id, exc in advanced.failed.items():
+            self._fail(self._running.pop(req_id), f"{type(exc).__name__}: {exc}")
+
+    def _start(self, plan: BlendPlan, layers: dict[str, Any]) -> None:
+        """Adds the plan's pass to the waiting blends; a plan that cannot start falls back at once."""
+        try:
+            steps = self._fuse_steps(plan, layers)
+        except Exception as exc:  # noqa: BLE001 - one request never stops the engine: vLLM recomputes it
+            self._fail(_Running(plan, time.perf_counter()), f"{type(exc).__name__}: {exc}")
+            return
+        self._running[plan.req_id] = _Running(plan, time.perf_counter())
+        self.passes.add(plan.req_id, steps, _estimated_rows(plan, self.adapter.shape.num_layers,
+                                                            self._num_full(plan.selector)))
+
+    def _cancel(self, req_id: str) -> None:
+        """vLLM finished the request (an abort) while its blend waits or runs: stopped where it stands
+        (pins and loader released) and reported done, so vLLM frees the blocks it held for it."""
+        running = self._running.pop(req_id, None)
+        if running is None:
+            return
+        self.passes.cancel(req_id)
+        if running.plan.load_async:
+            self._finished_loads.add(req_id)
+
+    def _fail(self, running: _Running, detail: str) -> None:
+        plan = running.plan
+        logger.warning("cachefuse: blend of request %s failed (%s); vLLM recomputes it", plan.req_id, detail)
+        if plan.load_async:
+            self._failed_loads.add(plan.req_id)
+            self._finished_loads.add(plan.req_id)
+        else:
+            self._load_errors.update(plan.error_block_ids)
+        self._meta.request_stats[plan.req_id] = {"status": "fallback", "fallback_reason": "blend_error",
+                                                 "detail": detail}
+
+    def _num_full(self, selector: str) -> int:
+        return make_selector(selector, self.config).num_full_layers(self.adapter.shape.num_layers)
 
     def _record_stats(self, figures: dict[str, Any]) -> None:
         """A blend's counters for Prometheus. vLLM sums the ranks' stats: a request's figures (chunks,
-        tokens, time, holes saved, skipped or failed) are counted by rank 0 alone, the ones its response
-        carries; the bytes each rank read (its own heads) by each."""
+        tokens, time, holes saved, skipped or failed, steps and batch) are counted by rank 0 alone, the
+        ones its response carries; the bytes each rank read (its own heads) by each."""
         if self.tp_rank != 0:
             self._stats.record(bytes_loaded=figures["bytes_loaded"])
             return
@@ -121,14 +170,15 @@ class WorkerSide:
                            bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
                            chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],
                            holes_saved=figures["holes_saved"], saves_skipped=figures["saves_skipped"],
-                           save_failures=figures["save_failures"])
+                           save_failures=figures["save_failures"], blend_steps=figures["blend_steps"],
+                           blend_batch_size=figures["blend_batch_size"], blends_split=int(figures["blend_steps"] > 1),
+                           blends_batched=int(figures["blend_batch_size"] > 1))
 
-    def _blend(self, plan: BlendPlan, layers: dict[str, Any]) -> dict[str, Any]:
-        start = time.perf_counter()
+    def _fuse_steps(self, plan: BlendPlan, layers: dict[str, Any]) -> Any:
+        """The plan's pass (FusionEngine.fuse_steps) over vLLM's own attention layers and the request's slots."""
         selector: Any = plan.selector
         if plan.selected_rows is not None:
-            num_full = make_selector(plan.selector, self.config).num_full_layers(self.adapter.shape.num_layers)
-            selector = FixedSelector(plan.selected_rows, num_full)
+            selector = FixedSelector(plan.selected_rows, self._num_full(plan.selector))
         first_cache = layers[self.layer_names[0]].kv_cache
         slot_mapping = torch.tensor(plan.slot_mapping, dtype=torch.int64, device=first_cache.device)
         if self.paged_attention is None:
@@ -142,27 +192,36 @@ class WorkerSide:
                                            fusor.block_rows, fusor.attention_fn)
         # A replay (the request's first blend ran before a preemption) saved its holes and counted its
         # reuses the first time.
-        _, stats = self.engine.fuse(FusePlan(
+        return self.engine.fuse_steps(FusePlan(
             token_ids=plan.token_ids, segments=plan.segments, meta_keys=plan.chunk_keys, selector=selector,
             ratio=plan.recompute_ratio, variants=plan.variants, preload_depth=plan.preload_depth,
             save_holes=self.config.save_holes and not plan.replay, save_inline=plan.sync_save,
             record_uses=not plan.replay, attention_backend=backend))
+
+    def _finish(self, running: _Running, stats: Any, steps: int, batch_size: int) -> None:
+        """A pass that ended: what it saved and evicted, its figures, placement, and the response's stats."""
+        plan = running.plan
         self._meta.evict(stats.evicted_variants)
         # The scheduler plans in rank 0's keys: another rank's store keys would sit in its index for good,
         # matching no row.
         self._meta.announce(list(stats.saved_keys) if self.tp_rank == 0 else [],
                             [record_to_dict(r) for r in stats.saved_variants])
-        self.figures.observe_blend(stats, len(plan.token_ids))
+        if batch_size == 1:  # batched, a layer's time is the batch's: no sample of one request's speed
+            self.figures.observe_blend(stats, len(plan.token_ids))
         # The entries read (a variant's key, not its chunk's plain key), once per request: not again on a replay.
         if self.placement is not None and not plan.replay:
             self.placement.record(stats.loaded_keys)
             for key, source, target in self.placement.apply():
                 logger.debug("cachefuse placement: %s %s -> %s", key, source, target)
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
-        figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - start)
+        figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - running.start,
+                       blend_steps=steps, blend_batch_size=batch_size)
         if plan.replay and plan.variants is not None:  # loaded exactly what the last blend loaded
             figures["replay_exact"] = stats.chunks_loaded == [v is not None for v in plan.variants]
-        return figures
+        self._record_stats(figures)
+        self._meta.request_stats[plan.req_id] = figures
+        if plan.load_async:
+            self._finished_loads.add(plan.req_id)
 
     def on_step_start(self, metadata: CacheFuseMetadata) -> None:
         """Before vLLM's forward: a step of plain prefills only is timed (vLLM's own prefill speed)."""
@@ -178,6 +237,15 @@ class WorkerSide:
                 torch.cuda.synchronize(self.adapter.device)
             self.figures.observe_prefill(tokens, time.perf_counter() - start)
             self._prefill_step = None
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(blends done, blends failed) since the last step, for vLLM's `get_finished`: each request once.
+        A request vLLM finished while its blend waits is stopped and reported here."""
+        for req_id in finished_req_ids:
+            self._cancel(req_id)
+        done, failed = self._finished_loads, self._failed_loads
+        self._finished_loads, self._failed_loads = set(), set()
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -202,8 +270,9 @@ class WorkerSide:
         return meta
 
     def close(self) -> None:
-        """Writes the queued hole saves (within `save_flush_timeout_s`), then closes the metadata store's
-        connection (idempotent)."""
+        """Stops the blends still waiting, writes the queued hole saves (within `save_flush_timeout_s`), then
+        closes the metadata store's connection (idempotent)."""
+        self.passes.close()
         self.engine.close()
         self.engine.metastore.close()
 
@@ -212,6 +281,27 @@ class WorkerSide:
             return None
         stats, self._stats = self._stats, CacheFuseConnectorStats()
         return stats
+
+
+@dataclass
+class _Running:
+    """A blend the worker has started and not finished."""
+
+    plan: BlendPlan
+    start: float
+
+
+def _estimated_rows(plan: BlendPlan, num_layers: int, num_full: int) -> float:
+    """Rows the plan's pass computes, summed over layers (the budget's unit), before it runs: every row in
+    the full layers; after them the rows not loaded (holes, question, glue) and the ratio's share of the
+    loaded non-system chunks. Variants not planned (None) count as loaded."""
+    num_tokens = len(plan.token_ids)
+    chunks = [s for s in plan.segments if s.is_chunk]
+    variants = plan.variants if plan.variants is not None else [True] * len(chunks)
+    loaded = [s for s, v in zip(chunks, variants, strict=False) if v is not None]
+    candidates = sum(s.length for s in loaded if not s.is_system)
+    selective = num_tokens - sum(s.length for s in loaded) + plan.recompute_ratio * candidates
+    return num_full * num_tokens + (num_layers - num_full) * min(selective, num_tokens)
 
 
 def _open_metastore(config: CacheFuseConfig) -> Any:

@@ -372,13 +372,13 @@ def test_compute_time_never_counts_against_the_load_timeout(adapter, case, depth
     now = [0.0]
     engine = _full(adapter, case, CacheFuseConfig(preload_depth=depth, load_timeout_s=5.0))
     engine.clock = lambda: now[0]
-    real_fuse = engine.fusor.fuse
+    real_steps = engine.fusor.fuse_steps
 
-    def slow_fuse(request, selector):
+    def slow_steps(request, selector):
         now[0] += 100.0  # the pass's compute, on a slow machine
-        return real_fuse(request, selector)
+        return (yield from real_steps(request, selector))
 
-    engine.fusor.fuse = slow_fuse
+    engine.fusor.fuse_steps = slow_steps
     _, stats = engine.prefill(case.token_ids, case.chunks, save_holes=False)
     assert stats.chunks_hit == len(case.chunks) and not stats.miss_reasons, stats.miss_reasons
     assert stats.blend_time_s >= 100.0

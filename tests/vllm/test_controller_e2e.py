@@ -99,13 +99,13 @@ def test_derived_preload_depth_pipelines_with_the_same_output(setup, monkeypatch
     llm, ids, params = setup
     side = scheduler_connector(llm)._scheduler
     depths = []
-    original = worker_side().engine.fuse
+    original = worker_side().engine.fuse_steps
 
     def spy(plan):
         depths.append(plan.preload_depth)
         return original(plan)
 
-    monkeypatch.setattr(worker_side().engine, "fuse", spy)
+    monkeypatch.setattr(worker_side().engine, "fuse_steps", spy)
     inject(llm, bytes_per_s=6e6, prefill_per_token_s=1.0, per_row_s=1e-4)
     (serial,) = generate(llm, [ids], [params])  # config preload_depth 0: serial
     config = side.config

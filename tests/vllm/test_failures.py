@@ -164,7 +164,7 @@ def test_exception_in_blend_pass_falls_back_to_plain(setup, references, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(worker_side().engine.fusor, "fuse", broken)
+    monkeypatch.setattr(worker_side().engine.fusor, "fuse_steps", broken)
     logprobs, stats = run(llm, ids, params)
     assert stats["status"] == "fallback" and stats["fallback_reason"] == "blend_error", stats
     assert "injected failure" in stats["detail"]

@@ -48,7 +48,8 @@ def test_tensor_parallel_ranks_count_a_request_once_when_vllm_sums_them():
     from cachefuse.vllm.worker_side import WorkerSide
 
     figures = {"tokens_reused": 2500, "tokens_recomputed": 300, "bytes_loaded": 1000, "blend_time_s": 0.04,
-               "chunks_hit": 3, "chunks_missed": 1, "holes_saved": 1, "saves_skipped": 2, "save_failures": 1}
+               "chunks_hit": 3, "chunks_missed": 1, "holes_saved": 1, "saves_skipped": 2, "save_failures": 1,
+               "blend_steps": 3, "blend_batch_size": 2}
     ranks = []
     for rank in (0, 1):
         side = WorkerSide.__new__(WorkerSide)  # only what _record_stats reads
@@ -56,4 +57,5 @@ def test_tensor_parallel_ranks_count_a_request_once_when_vllm_sums_them():
         side._record_stats(figures)
         ranks.append(side._stats)
     total = ranks[0].aggregate(ranks[1]).reduce()
-    assert total == {**figures, "bytes_loaded": 2000}  # the response's figures once; each rank's own bytes
+    # the response's figures once (a split, batched blend counted once); each rank's own bytes
+    assert total == {**figures, "bytes_loaded": 2000, "blends_split": 1, "blends_batched": 1}

@@ -12,7 +12,13 @@ import torch
 
 from cachefuse.attention import causal_attention, rows_attention
 from cachefuse.vllm.cache_views import paged_kv_views
-from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
+from cachefuse.vllm.paged import (
+    PagedAttention,
+    SlotWritingAttention,
+    paged_forward,
+    supports_paged_attention,
+    write_layer_kv,
+)
 from tests.helpers.vllm_engines import start_engine, stop_engine, worker_side
 
 
@@ -68,8 +74,9 @@ def test_one_multi_row_sequence_would_leak_future_keys(paged):
     with torch.inference_mode():
         exact = rows_attention(q[positions], positions, k, v, scale)
         num_rows = positions.numel()
-        leaky = backend._attend(1, q[positions], k, v, torch.tensor([0, num_rows], dtype=torch.int32),
-                                torch.tensor([301], dtype=torch.int32), backend.block_table)
+        write_layer_kv(layer, k, v, backend.slot_mapping)
+        leaky = paged_forward(layer, q[positions], k, v, torch.tensor([0, num_rows], dtype=torch.int32),
+                               torch.tensor([301], dtype=torch.int32), backend.block_table)
     assert not torch.allclose(leaky, exact, atol=1e-3)  # end-aligned: row 3 would see keys up to 297
 
 

@@ -131,7 +131,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheFuseMetadata:
         plans, plain_prefill_tokens = self.planner.step_plans(scheduler_output)
-        return CacheFuseMetadata(plans=plans, plain_prefill_tokens=plain_prefill_tokens)
+        return CacheFuseMetadata(plans=plans, plain_prefill_tokens=plain_prefill_tokens,
+                                 finished_req_ids=sorted(getattr(scheduler_output, "finished_req_ids", ())))
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

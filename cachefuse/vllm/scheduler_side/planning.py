@@ -50,14 +50,14 @@ class _StepBudget:
     req_ids: set[str] = field(default_factory=set)
 
 
-def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan]) -> int:
+def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan], blended: set[str]) -> int:
     """Tokens of a step made of one new, unfused prefill and nothing else (0 otherwise): a clean timing
     sample of a prompt of that length. A batch of k prompts costs k n^2 in attention, not (k n)^2: timed
     as one prompt of their summed tokens, it had fitted the quadratic term ~k times too small."""
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-    if plans or len(scheduled) != 1 or set(scheduled) != new_ids:
-        return 0
+    if plans or len(scheduled) != 1 or set(scheduled) != new_ids or new_ids & blended:
+        return 0  # (blended: an asynchronous load's last token, scheduled once its blend is done)
     return int(sum(scheduled.values()))
 
 
@@ -88,6 +88,12 @@ class Planner:
         self.pending: dict[str, _Pending] = {}
         self.budget = _StepBudget()
 
+    @property
+    def load_async(self) -> bool:
+        """Blends run as vLLM's asynchronous loads (batched, split across steps by blend_step_tokens); 0:
+        each runs whole before the forward of the step that schedules its request."""
+        return self.config.blend_step_tokens != 0
+
     def fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
         """The request runs as plain vLLM, saying why: its plan, if any, is dropped."""
         self.outcomes.fall_back(req_id, reason, detail=detail, field=field)
@@ -99,7 +105,8 @@ class Planner:
 
         Returns:
             vLLM's `get_num_new_matched_tokens` answer: tokens held ([0, N-1) when fused, 0 when plain,
-            None when over this step's blend budget: asked again next step), and False (loads are synchronous).
+            None when over this step's blend budget: asked again next step), and whether the load is
+            asynchronous (`load_async`: vLLM waits for the worker to report the blend done).
         """
         if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
             self.fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
@@ -158,7 +165,7 @@ class Planner:
         self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, chunk_keys=tuple(keys),
                                         variants=variants)
         self.outcomes.fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
-        return len(prompt) - 1, False
+        return len(prompt) - 1, self.load_async
 
     def _replay(self, req_id: str, previous: _Pending, prompt: list[int]) -> tuple[int, bool]:
         """A request whose blend ran and that vLLM preempted and now resumes: its first blend's plan again,
@@ -186,13 +193,14 @@ class Planner:
                 previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
         self.outcomes.fallbacks.pop(req_id, None)
-        return planned - 1, False
+        return planned - 1, self.load_async
 
     def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (`blocks`: its KVCacheBlocks), loading `num_external_tokens`."""
         self.outcomes.admitted(req_id)
         pending = self.pending.get(req_id)
-        if pending is None:
+        if pending is None or pending.sent:
+            # sent: an asynchronous load vLLM now schedules (it allocates again, loading nothing more)
             return
         if num_external_tokens == 0:  # vLLM skipped the load (e.g. prompt_logprobs): plain output
             self.pending.pop(req_id)
@@ -211,23 +219,28 @@ class Planner:
         """This step's BlendPlans (requests whose prompt it computes from scratch and whose plan has not
         gone out), and its plain prefill tokens; the step's budget starts over."""
         plans = []
-        block_ids_of = _scheduled_block_ids(scheduler_output)
+        # A synchronous load's blocks are the step's (vLLM schedules its prompt now); an asynchronous one's
+        # were allocated for it this step, and it waits in WAITING_FOR_REMOTE_KVS, not scheduled.
+        block_ids_of = {} if self.load_async else _scheduled_block_ids(scheduler_output)
         for req_id, pending in self.pending.items():
-            if pending.sent or req_id not in block_ids_of:
+            block_ids = pending.block_ids if self.load_async else block_ids_of.get(req_id)
+            if pending.sent or block_ids is None:
                 continue
             pending.sent = pending.figures_due = True
             if pending.replay:  # resumed after a preemption: counted when its replay goes out
                 self.outcomes.count_resumption(pending.outcome)
-            plans.append(self._blend_plan(req_id, pending, block_ids_of[req_id]))
+            plans.append(self._blend_plan(req_id, pending, block_ids))
         self.budget = _StepBudget()
-        return plans, _plain_prefill_tokens(scheduler_output, plans)
+        blended = {req_id for req_id, pending in self.pending.items() if pending.sent}
+        return plans, _plain_prefill_tokens(scheduler_output, plans, blended)
 
     def _blend_plan(self, req_id: str, pending: _Pending, block_ids: list[int]) -> BlendPlan:
         depth = None
         if self.config.preload_depth is None:  # derived: the controller's L_p when it decided
             depth = (pending.outcome.controller or {}).get("preload_depth")
         num_tokens, bs = len(pending.token_ids), self.block_size
-        slots = [block_ids[p // bs] * bs + p % bs for p in range(num_tokens)]
+        # an asynchronous load's blocks may stop at N-2: vLLM allocates N-1's slot when it computes it
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(min(num_tokens, len(block_ids) * bs))]
         fusion = pending.request
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
         return BlendPlan(
@@ -236,4 +249,4 @@ class Planner:
             recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
             block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
-            sync_save=fusion.sync_save, replay=pending.replay)
+            sync_save=fusion.sync_save, replay=pending.replay, load_async=self.load_async)

@@ -27,6 +27,9 @@ def make_side(tiny_model_dir, tmp_path):
     hf_config = AutoConfig.from_pretrained(path)  # vLLM's model_config.hf_text_config: the KV geometry
 
     def make(**config) -> SchedulerSide:
+        """Synchronous loads unless `blend_step_tokens` is given: these tests drive the hooks as vLLM does
+        for them (plans go out when the request's prompt is scheduled); test_async_* drive the other path."""
+        config = {"blend_step_tokens": 0, **config}
         vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(model=str(path), dtype=torch.float32, tokenizer=str(path), revision=None,
                                          hf_text_config=hf_config),
@@ -806,10 +809,11 @@ def test_only_a_step_of_one_plain_prefill_times_vllms_prefill():
         return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
                                num_scheduled_tokens={r: 100 for r in (*new, *cached)})
 
-    assert _plain_prefill_tokens(output("a"), []) == 100
-    assert _plain_prefill_tokens(output("a", "b"), []) == 0  # a batch: no sample
-    assert _plain_prefill_tokens(output("a", cached=("c",)), []) == 0  # with a decode
-    assert _plain_prefill_tokens(output("a"), ["a plan"]) == 0  # with a blend
+    assert _plain_prefill_tokens(output("a"), [], set()) == 100
+    assert _plain_prefill_tokens(output("a", "b"), [], set()) == 0  # a batch: no sample
+    assert _plain_prefill_tokens(output("a", cached=("c",)), [], set()) == 0  # with a decode
+    assert _plain_prefill_tokens(output("a"), ["a plan"], set()) == 0  # with a blend
+    assert _plain_prefill_tokens(output("a"), [], {"a"}) == 0  # a blended request's last token
 
 
 def test_requests_fused_from_another_tier_do_not_hold_off_a_re_measure(make_side):
@@ -839,4 +843,49 @@ def test_requests_fused_from_another_tier_do_not_hold_off_a_re_measure(make_side
             fused.append((home, bool(plans)))
     assert all(ok for home, ok in fused if home == "redis")
     assert [i for i, (home, ok) in enumerate(fused) if home == "disk" and ok] == [6, 12]  # at 60 s, 120 s
+    assert_no_state(side)
+
+
+def test_async_loads_are_planned_at_allocation_and_the_post_load_allocation_changes_nothing(make_side):
+    side = make_side(blend_step_tokens=512)
+    req = request("a")
+    assert side.get_num_new_matched_tokens(req, 0) == (99, True)
+    # vLLM allocates blocks for the 99 loaded tokens only: position 99 gets its slot when vLLM computes it
+    side.update_state_after_alloc(req, blocks(99), 99)
+    meta = side.build_connector_meta(SimpleNamespace(  # the request waits: not among the scheduled
+        scheduled_new_reqs=[], scheduled_cached_reqs=step_output().scheduled_cached_reqs,
+        num_scheduled_tokens={}, finished_req_ids={"gone"}))
+    [plan] = meta.plans
+    assert plan.load_async and plan.req_id == "a" and meta.finished_req_ids == ["gone"]
+    assert plan.slot_mapping[:2] == [7 * 16, 7 * 16 + 1] and len(plan.slot_mapping) == 100  # 7 blocks hold 112
+    worker_reports(side, "a", chunks_hit=2)
+    # the blend is done: vLLM schedules the last token, allocating again with no external tokens
+    side.update_state_after_alloc(req, blocks(100), 0)
+    assert side.planner.pending["a"].sent and side.planner.pending["a"].outcome.status != "fallback"
+    params = side.request_finished(req, [])[1]
+    assert params["cachefuse"]["status"] == "fused"
+    assert_no_state(side)
+
+
+def test_async_blocks_that_stop_before_the_last_token_give_it_no_slot(make_side):
+    side = make_side(blend_step_tokens=512)
+    req = request("a", num_tokens=97)  # 96 loaded tokens fill 6 blocks exactly
+    assert side.get_num_new_matched_tokens(req, 0) == (96, True)
+    side.update_state_after_alloc(req, blocks(96), 96)
+    [plan] = side.build_connector_meta(step_output()).plans
+    assert len(plan.slot_mapping) == 96 and plan.slot_mapping[-1] == 12 * 16 + 15  # position 96 has none yet
+
+
+def test_a_failed_async_blend_runs_plain_when_vllm_asks_again(make_side):
+    side = make_side(blend_step_tokens=512)
+    req = request("a")
+    assert side.get_num_new_matched_tokens(req, 0) == (99, True)
+    side.update_state_after_alloc(req, blocks(99), 99)
+    assert side.build_connector_meta(step_output()).plans
+    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=CacheFuseWorkerMeta(request_stats={
+        "a": {"status": "fallback", "fallback_reason": "blend_error", "detail": "boom"}})))
+    # vLLM (failed_recving, recompute policy) resets the request to 0 computed tokens and asks again
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    params = side.request_finished(req, [])[1]
+    assert params["cachefuse"]["fallback_reason"] == "blend_error"
     assert_no_state(side)

@@ -1,0 +1,271 @@
+r"""Blend passes run together: the ops a pass asks for, and the driver that batches them and bounds them.
+
+Imports only torch. A pass (`Fusor.fuse_steps`, `FusionEngine.fuse_steps`) is a generator that keeps
+its own per-request logic (selection, merging, holes, statistics) and yields every op whose work is
+row-wise over the model's weights: the embedding, the layer's projections, attention, the layer's output
+and MLP, the logits. `PassBatch` runs the passes of several requests in lockstep and executes each op
+once for all of them, their rows concatenated as vLLM batches prefills:
+
+```
+request a:  [rows a]  \                       / [rows a] -> a's pass (merge, select, attend over a's K/V)
+request b:  [rows b]   > one matmul per op   <  [rows b] -> b's pass
+request c:  [rows c]  /                       \ [rows c] -> c's pass
+```
+
+A row's result depends only on its own row (norms, projections, RoPE, MLP) or, for attention, on its
+own request's keys (the varlen op), so every request gets the rows it would get alone. Each pass also
+yields `LayerDone` after every layer: the points where `advance` may stop within a budget of rows and
+resume in a later engine step (a split blend), with no timer running while it waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# The stages of one layer, in the order a pass yields them (`PassOp.key` orders a batch by them).
+EMBED, PROJECT, ATTEND, OUTPUT, LAYER_DONE, LOGITS = range(6)
+
+
+@dataclass
+class Embed:
+    """The embedding of `token_ids` [T] -> hidden [T, hidden_size]."""
+
+    token_ids: torch.Tensor
+    stage = EMBED
+    layer = -1
+
+
+@dataclass
+class Project:
+    """Residual add, input norm, q/k/v projections and RoPE at `positions` of `layer`'s rows ->
+    (q, k, k_nope, v, residual)."""
+
+    layer: int
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+    positions: torch.Tensor
+    stage = PROJECT
+
+
+@dataclass
+class Attend:
+    """Attention of `q` (rows `query_rows`, None: every row causally) over the merged `k`/`v` of its
+    own request, through its `backend` (None: the fusor's own attention) -> [R, heads, head_dim]."""
+
+    layer: int
+    backend: Any
+    q: torch.Tensor
+    query_rows: torch.Tensor | None
+    k: torch.Tensor
+    v: torch.Tensor
+    stage = ATTEND
+
+
+@dataclass
+class Output:
+    """o_proj, residual add, post-attention norm and MLP of `attn` [R, heads * head_dim] -> (hidden, residual)."""
+
+    layer: int
+    attn: torch.Tensor
+    residual: torch.Tensor
+    stage = OUTPUT
+
+
+@dataclass
+class LayerDone:
+    """The pass finished `layer`, having computed `rows` rows in it (the budget's unit)."""
+
+    layer: int
+    rows: int
+    stage = LAYER_DONE
+
+
+@dataclass
+class Logits:
+    """Final norm and LM head of the last row -> [1, vocab] fp32."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+    stage = LOGITS
+    layer = 1 << 30
+
+
+PassOp = Embed | Project | Attend | Output | LayerDone | Logits
+PassSteps = Generator[PassOp, Any, Any]
+"""A blend pass: yields ops, is sent each op's result, returns its result."""
+ExecuteOps = Callable[[list[Any]], list[Any]]
+"""Runs one group of ops of the same stage and layer (one per request) -> their results, in order."""
+
+
+def op_key(op: Any) -> tuple[int, int]:
+    return op.layer, op.stage
+
+
+def run_alone(steps: PassSteps, execute: ExecuteOps) -> Any:
+    """Runs one pass to its end, each op on its own; returns what the pass returns."""
+    result = None
+    while True:
+        try:
+            op = steps.send(result)
+        except StopIteration as done:
+            return done.value
+        result = None if isinstance(op, LayerDone) else execute([op])[0]
+
+
+@dataclass
+class _Job:
+    job_id: Hashable
+    steps: PassSteps
+    estimated_rows: float
+    """The pass's rows summed over its layers, as estimated when it joined (forms cohorts within a budget)."""
+    op: Any = None
+    """The op the pass waits on; None until it is started."""
+    steps_run: int = 0
+    """`advance` calls in which the pass did work (1: the blend ran within one engine step)."""
+    last_advance: int = -1
+    batch_size: int = 1
+    """The most passes its ops ran with."""
+
+
+@dataclass
+class Advanced:
+    """What one `advance` did: results and failures by job id, and the rows it computed."""
+
+    finished: dict[Hashable, Any] = field(default_factory=dict)
+    failed: dict[Hashable, BaseException] = field(default_factory=dict)
+    rows: int = 0
+    split: dict[Hashable, tuple[int, int]] = field(default_factory=dict)
+    """Per finished or failed job: (engine steps it ran in, the most passes it was batched with)."""
+
+
+class PassBatch:
+    """Passes of several requests advanced together, oldest first, within a budget of rows per call.
+
+    Order: the oldest pass's next op is run for every pass waiting at the same op (same stage, same
+    layer), so passes that start together stay in lockstep as one cohort, and passes that join later run
+    after the cohort ahead of them, batched with each other. A cohort starts with the oldest waiting pass
+    and those behind it whose estimated rows fit what is left of the budget, so a burst of arrivals is
+    cut into cohorts that each finish sooner than all of them would together. A pass is started (its
+    entries read, its probe run) only when its cohort starts.
+    """
+
+    def __init__(self, execute: ExecuteOps) -> None:
+        self.execute = execute
+        self.jobs: list[_Job] = []
+        self._advances = 0
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __contains__(self, job_id: Hashable) -> bool:
+        return any(job.job_id == job_id for job in self.jobs)
+
+    def add(self, job_id: Hashable, steps: PassSteps, estimated_rows: float = 0.0) -> None:
+        self.jobs.append(_Job(job_id, steps, estimated_rows))
+
+    def cancel(self, job_id: Hashable) -> bool:
+        """Stops a pass where it stands (its `finally` blocks and context managers run: pins and loader
+        threads are released); False when no such pass is here."""
+        for job in self.jobs:
+            if job.job_id == job_id:
+                self.jobs.remove(job)
+                job.steps.close()
+                return True
+        return False
+
+    def close(self) -> None:
+        for job in list(self.jobs):
+            self.cancel(job.job_id)
+
+    def advance(self, budget_rows: float | None = None) -> Advanced:
+        """Runs the passes until they end, or until `budget_rows` rows are computed (checked between
+        layers: a layer is never cut). None: no budget, every pass ends in this call."""
+        self._advances += 1
+        done = Advanced()
+        while self.jobs:
+            over = budget_rows is not None and done.rows >= budget_rows
+            oldest = self.jobs[0]
+            if oldest.op is None or isinstance(oldest.op, Embed):
+                if over:
+                    break
+                group = self._cohort(None if budget_rows is None else budget_rows - done.rows, done)
+                if not group:
+                    continue  # every pass of it failed or ended on starting
+            else:
+                if over and isinstance(oldest.op, LayerDone):
+                    break
+                key = op_key(oldest.op)
+                group = [job for job in self.jobs if job.op is not None and op_key(job.op) == key]
+            self._run(group, done)
+        return done
+
+    def _cohort(self, budget_left: float | None, done: Advanced) -> list[_Job]:
+        """Starts the oldest waiting pass and those behind it that fit `budget_left`; those at their
+        embedding are the cohort."""
+        cohort: list[_Job] = []
+        rows = 0.0
+        for job in list(self.jobs):
+            if job.op is not None and not isinstance(job.op, Embed):
+                continue  # mid-pass, in a cohort ahead
+            if cohort and budget_left is not None and rows + job.estimated_rows > budget_left:
+                break
+            if job.op is None:
+                self._mark_worked(job)
+                self._send(job, None, done)
+            if job in self.jobs and isinstance(job.op, Embed):
+                cohort.append(job)
+                rows += job.estimated_rows
+        return cohort
+
+    def _run(self, group: list[_Job], done: Advanced) -> None:
+        ops = [job.op for job in group]
+        for job in group:
+            self._mark_worked(job)
+        if isinstance(ops[0], LayerDone):  # charged when it was yielded: resume into the next layer
+            results: list[Any] = [None] * len(group)
+        else:
+            for job in group:
+                job.batch_size = max(job.batch_size, len(group))
+            try:
+                results = self.execute(ops)
+            except Exception as exc:  # noqa: BLE001 - one failed batch fails its passes, not the engine
+                for job in group:
+                    self._fail(job, exc, done)
+                return
+        for job, result in zip(group, results, strict=True):
+            self._send(job, result, done)
+
+    def _mark_worked(self, job: _Job) -> None:
+        if job.last_advance != self._advances:
+            job.last_advance = self._advances
+            job.steps_run += 1
+
+    def _send(self, job: _Job, value: Any, done: Advanced) -> None:
+        try:
+            job.op = job.steps.send(value)
+            if isinstance(job.op, LayerDone):  # the layer is charged to the call that computed it
+                done.rows += job.op.rows
+        except StopIteration as finished:
+            self._retire(job, done)
+            done.finished[job.job_id] = finished.value
+        except Exception as exc:  # noqa: BLE001 - the pass's own failure is its request's, not the batch's
+            self._fail(job, exc, done)
+
+    def _fail(self, job: _Job, exc: BaseException, done: Advanced) -> None:
+        if job in self.jobs:
+            self._retire(job, done)
+            job.steps.close()
+            done.failed[job.job_id] = exc
+
+    def _retire(self, job: _Job, done: Advanced) -> None:
+        self.jobs.remove(job)
+        done.split[job.job_id] = (job.steps_run, job.batch_size)
+
+
+def split_rows(tensor: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """`tensor`'s rows cut back into the requests' rows (views)."""
+    return list(torch.split(tensor, list(counts)))

@@ -1,0 +1,200 @@
+"""Blend passes batched across requests and split across steps (cachefuse.fusion.batch).
+
+- every request of a batch gets the logits, K/V and rows it gets alone (float tolerance), under
+  selectors with and without full layers, holes and prompts of different lengths;
+- negative control: a varlen attention whose masks let a row see the keys of the request packed before
+  it changes the later requests' outputs;
+- a budget of rows splits passes across `advance` calls (engine steps) with the same results, each call
+  computing at most the budget plus one layer; a burst is cut into cohorts that fit the budget;
+- a pass cancelled mid-way releases its store pins and its loader thread; a failing pass fails alone,
+  a failing batched op fails its whole group.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cachefuse import attention
+from cachefuse.chunks import segment_prompt
+from cachefuse.config import CacheFuseConfig
+from cachefuse.fusion.batch import Embed, PassBatch, Project
+from cachefuse.fusion.fusor import Fusor
+from cachefuse.fusion.plan import FusePlan
+from tests.helpers.fusion import make_case, make_engine, precompute_case
+
+pytestmark = pytest.mark.tiny_model("llama", num_layers=4)
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def engine(adapter):
+    """Three RAG prompts of different lengths; chunk B of each is a hole (computed, never stored)."""
+    engine = make_engine(adapter, CacheFuseConfig(preload_depth=0))
+    engine.cases = [make_case(adapter.shape.vocab_size, seed=seed, lengths=lengths)
+                    for seed, lengths in ((1, (12, 23, 19, 31, 9)), (2, (12, 40, 11, 17, 6)),
+                                          (3, (12, 15, 28, 22, 13)))]
+    for case in engine.cases:
+        case.system = engine.cases[0].system  # one system prompt, as a deployment has
+        case.token_ids = case.system + case.pieces[0] + case.pieces[1] + case.pieces[2] + case.question
+        precompute_case(engine, case)
+    return engine
+
+
+def plan(case, selector="cacheblend", ratio=0.3, **fields) -> FusePlan:
+    return FusePlan(token_ids=case.token_ids, segments=segment_prompt(len(case.token_ids), case.chunks),
+                    selector=selector, ratio=ratio, save_holes=False, **fields)
+
+
+def alone(engine, plans):
+    return [engine.fuse(p) for p in plans]
+
+
+def batched(engine, plans, budget=None, estimates=None):
+    batch = PassBatch(engine.fusor.execute_ops)
+    for i, p in enumerate(plans):
+        batch.add(i, engine.fuse_steps(p), 0.0 if estimates is None else estimates[i])
+    results, calls = {}, []
+    while len(batch):
+        advanced = batch.advance(budget)
+        assert not advanced.failed, advanced.failed
+        results.update(advanced.finished)
+        calls.append(advanced)
+        assert len(calls) < 100
+    return [results[i] for i in range(len(plans))], calls
+
+
+def assert_same(result, expected) -> None:
+    torch.testing.assert_close(result.logits, expected.logits, **TOL)
+    assert len(result.k) == len(expected.k)
+    for ours, theirs in zip(result.k + result.v, expected.k + expected.v, strict=True):
+        torch.testing.assert_close(ours, theirs, **TOL)
+    for ours, theirs in zip(result.rows_per_layer, expected.rows_per_layer, strict=True):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("selector,ratio", [("cacheblend", 0.3), ("epic", 0.2), ("full_prefill", 1.0),
+                                            ("full_reuse", 0.0), ("cacheblend", 1.0)])
+def test_every_request_of_a_batch_gets_what_it_gets_alone(engine, selector, ratio):
+    plans = [plan(case, selector, ratio) for case in engine.cases]
+    results, calls = batched(engine, plans)
+    assert len(calls) == 1  # no budget: every pass ends in one call
+    for (result, _), (expected, _) in zip(results, alone(engine, plans), strict=True):
+        assert_same(result, expected)
+    assert set(calls[0].split.values()) == {(1, 3)}  # one step, three passes batched
+
+
+def test_ratio_one_in_a_batch_equals_the_models_own_forward(engine, adapter):
+    results, _ = batched(engine, [plan(case, "full_prefill", 1.0) for case in engine.cases])
+    for (result, _), case in zip(results, engine.cases, strict=True):
+        with torch.inference_mode():
+            expected = adapter.model(torch.tensor([case.token_ids])).logits[0, -1].float()
+        torch.testing.assert_close(result.logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def leaky_varlen(q, q_positions, cu_rows, k, v, cu_keys, scale, block_rows=64):
+    """A varlen attention with the per-request boundary dropped: request b's row at position p sees every
+    packed key up to cu_keys[b] + p, the earlier requests' keys included."""
+    out = q.new_empty(q.shape)
+    rows, keys = cu_rows.tolist(), cu_keys.tolist()
+    for b in range(len(rows) - 1):
+        out[rows[b]:rows[b + 1]] = attention.rows_attention(
+            q[rows[b]:rows[b + 1]], q_positions[rows[b]:rows[b + 1]] + keys[b], k, v, scale, block_rows)
+    return out
+
+
+def test_negative_control_masks_that_see_another_requests_keys_change_its_output(engine):
+    plans = [plan(case) for case in engine.cases]
+    expected = alone(engine, plans)
+    real = engine.fusor.varlen_attention_fn
+    engine.fusor.varlen_attention_fn = leaky_varlen
+    try:
+        results, _ = batched(engine, plans)
+    finally:
+        engine.fusor.varlen_attention_fn = real
+    assert_same(results[0][0], expected[0][0])  # the first request has nothing packed before it
+    for (result, _), (want, _) in zip(results[1:], expected[1:], strict=True):
+        assert (result.logits - want.logits).abs().max() > 1e-3
+
+
+def test_a_budget_splits_passes_across_calls_with_the_same_results(engine, adapter):
+    plans = [plan(case) for case in engine.cases]
+    expected = alone(engine, plans)
+    max_rows = max(len(case.token_ids) for case in engine.cases)
+    budget = max_rows  # about one full layer of one request per call
+    results, calls = batched(engine, plans, budget=budget)
+    assert len(calls) > 2
+    for (result, _), (want, _) in zip(results, expected, strict=True):
+        assert_same(result, want)
+    one_layer = sum(len(case.token_ids) for case in engine.cases)  # a layer of the whole batch, at most
+    assert all(call.rows <= budget + one_layer for call in calls)
+    assert sum(call.rows for call in calls) == sum(
+        sum(len(case.token_ids) if rows is None else rows.numel() for rows in result.rows_per_layer)
+        for (result, _), case in zip(results, engine.cases, strict=True))
+    assert max(steps for steps, _ in calls[-1].split.values()) > 1
+
+
+def test_a_burst_is_cut_into_cohorts_that_fit_the_budget(engine):
+    plans = [plan(case) for case in engine.cases]
+    results, calls = batched(engine, plans, budget=100.0, estimates=[60.0, 30.0, 50.0])
+    split = {}
+    for call in calls:
+        split.update(call.split)
+    assert split[0][1] == split[1][1] == 2 and split[2][1] == 1  # 60 + 30 fit 100; 50 more would not
+    for (result, _), (want, _) in zip(results, alone(engine, plans), strict=True):
+        assert_same(result, want)
+
+
+def test_a_cancelled_pass_releases_its_pins_and_loader_thread(adapter):
+    engine = make_engine(adapter, CacheFuseConfig(preload_depth=2))
+    case = make_case(adapter.shape.vocab_size, seed=5)
+    precompute_case(engine, case)
+    threads_before = threading.active_count()
+    batch = PassBatch(engine.fusor.execute_ops)
+    batch.add("a", engine.fuse_steps(plan(case)))
+    batch.advance(budget_rows=1)  # one layer
+    assert "a" in batch
+    pinned = [key for key in engine.store.keys() if key in engine.store._pins]
+    assert pinned  # mid-pass: its entries are pinned
+    assert batch.cancel("a") and "a" not in batch
+    assert not [key for key in engine.store.keys() if key in engine.store._pins]
+    for thread in threading.enumerate():
+        if thread.name.startswith("cachefuse"):
+            thread.join(timeout=5)
+    assert threading.active_count() <= threads_before
+
+
+def test_a_failing_pass_fails_alone_and_a_failing_op_fails_its_group(engine):
+    plans = [plan(case) for case in engine.cases]
+    expected = alone(engine, plans)
+
+    def broken_steps():
+        yield Embed(torch.tensor([1, 2, 3]))
+        raise RuntimeError("this request's own failure")
+
+    batch = PassBatch(engine.fusor.execute_ops)
+    batch.add(0, engine.fuse_steps(plans[0]))
+    batch.add("broken", broken_steps())
+    batch.add(2, engine.fuse_steps(plans[2]))
+    advanced = batch.advance()
+    assert set(advanced.failed) == {"broken"} and set(advanced.finished) == {0, 2}
+    assert_same(advanced.finished[0][0], expected[0][0])
+    assert_same(advanced.finished[2][0], expected[2][0])
+
+    calls = []
+
+    def failing_execute(ops):
+        calls.append(type(ops[0]))
+        if isinstance(ops[0], Project):
+            raise RuntimeError("the batched matmul failed")
+        return Fusor.execute_ops(engine.fusor, ops)
+
+    batch = PassBatch(failing_execute)
+    batch.add(0, engine.fuse_steps(plans[0]))
+    batch.add(1, engine.fuse_steps(plans[1]))
+    advanced = batch.advance()
+    assert set(advanced.failed) == {0, 1} and not advanced.finished and not len(batch)
