@@ -36,6 +36,7 @@ SERVED_MODEL_NAME = "tiny"
 ALLOCATORS = {"glibc": None, "tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
 CPU_BIND = "0-1"
 START_TIMEOUT_S = 180
+IDLE_WAIT_S = 60
 
 
 def allocator_library(name: str) -> str | None:
@@ -146,3 +147,40 @@ def scrape(port: int) -> dict:
         elif name == "vllm:num_preemptions_total":
             preemptions += value
     return {"fallbacks_by_reason": fallbacks, "preemptions": preemptions}
+
+
+def server_counters(port: int) -> dict[str, float]:
+    """Cumulative counters: cachefuse's by name (fallbacks as `requests_fallback:<reason>`), preemptions,
+    prefix cache queries and hits (vLLM's own cache, then a connector's as `external_`)."""
+    tracked = {"vllm:num_preemptions_total": "preemptions",
+               "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+               "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+               "vllm:external_prefix_cache_queries_total": "external_prefix_cache_queries",
+               "vllm:external_prefix_cache_hits_total": "external_prefix_cache_hits"}
+    counters: dict[str, float] = {}
+    for name, labels, value in read_metrics(port):
+        if name.startswith("vllm:cachefuse_") and name.endswith("_total"):
+            key = name.removeprefix("vllm:cachefuse_").removesuffix("_total")
+            key = f"{key}:{labels['reason']}" if "reason" in labels else key
+        elif name in tracked:
+            key = tracked[name]
+        else:
+            continue
+        counters[key] = counters.get(key, 0.0) + value
+    return counters
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: value - before.get(key, 0.0) for key, value in after.items() if value != before.get(key, 0.0)}
+
+
+def wait_until_idle(port: int) -> None:
+    """Waits (at most IDLE_WAIT_S) until the server runs and queues nothing: cancelled stragglers of the
+    last point must not load the next one."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while time.monotonic() < deadline:
+        busy = sum(value for name, _, value in read_metrics(port)
+                   if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        if busy == 0:
+            return
+        time.sleep(0.5)
