@@ -31,11 +31,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import platform
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,20 +43,21 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_server  # noqa: E402
+from vllm_server import ALLOCATORS, REPO, allocator_library, kv_transfer_config, request, scrape, stop_server  # noqa: E402
 
 from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
-from tests.helpers.redis_server import free_port  # noqa: E402
 
 KINDS = {"hit": 0.45, "miss": 0.1, "plain": 0.1, "exact": 0.15, "hostile": 0.1, "abort": 0.1}
 MAX_TOKENS = 8
-MODELS = {  # size -> (model config, document lengths, KV cache bytes: small enough that 64 clients preempt)
-    "tiny": ({}, (60, 120), 4 << 20),  # 4 layers x 128: 2,048 tokens of KV cache
-    "bench": (dict(num_layers=12, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4,
-                   head_dim=64, vocab_size=1024, max_position_embeddings=8192),
-              (200, 300), 192 << 20),  # benchmarks/vllm_ttft.py's model: 8,192 tokens of KV cache
+KV_CACHE_BYTES = {  # small enough that 64 clients preempt
+    "tiny": 4 << 20,  # 4 layers x 128: 2,048 tokens of KV cache
+    "bench": 192 << 20,  # benchmarks/vllm_ttft.py's model: 8,192 tokens of KV cache
 }
+MODELS = {  # size -> (model config, document lengths, KV cache bytes)
+    size: (config, doc_lengths, KV_CACHE_BYTES[size]) for size, (config, doc_lengths) in vllm_server.MODELS.items()}
 DISK_CAP_BYTES = 64 << 20
 SURROGATE = {"cachefuse": {"chunk_texts": ["\ud800"]}}
 """vLLM's HTTP front end answers a lone surrogate with a 500 before the connector sees the request (it
@@ -93,73 +92,13 @@ class Workload:
         return ids + question, chunks
 
 
-ALLOCATORS = {"glibc": None, "tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc": "libjemalloc.so.2"}
-
-
-def allocator_library(name: str) -> str | None:
-    """The shared library to LD_PRELOAD for `name`, or None for glibc's malloc; a missing library fails here."""
-    library = ALLOCATORS[name]
-    if library is None:
-        return None
-    found = [str(p) for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
-             if (p := Path(d) / library).exists()]
-    if not found:
-        raise SystemExit(f"--allocator {name}: {library} not found; install it (Debian: "
-                         f"libtcmalloc-minimal4 or libjemalloc2) or pass --allocator glibc")
-    return found[0]
-
-
 def start_server(model_dir: Path, store: Path | None, log: Path, kv_cache_bytes: int,
                  allocator: str | None = None) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "2048",
-            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", "64"]
+    args = ["--no-enable-prefix-caching", "--max-model-len", "2048", "--max-num-seqs", "64"]
     if store is not None:
         extra = {"store_dir": str(store), "disk_capacity_bytes": DISK_CAP_BYTES, "memory_capacity_bytes": 8 << 20}
-        args += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "CacheFuseConnector", "kv_connector_module_path": "cachefuse.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0-1", HF_HUB_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1")
-    if allocator:  # vLLM's CPU guide preloads tcmalloc; under glibc's malloc even plain vLLM's RSS grows ~29%
-        env["LD_PRELOAD"] = ":".join(filter(None, [allocator, env.get("LD_PRELOAD")]))
-    with open(log, "wb") as out:
-        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text(errors='replace')[-3000:]}")
-        try:
-            if request(port, "GET", "/health", None, timeout=2)[0] == 200:
-                return process, port
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("the server did not become healthy")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-
-
-def request(port: int, method: str, path: str, body: dict | None, timeout: float = 300):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request(method, path, None if body is None else json.dumps(body),
-                     {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+        args += ["--kv-transfer-config", kv_transfer_config(extra)]
+    return vllm_server.start_server(model_dir, log, kv_cache_bytes, args, allocator)
 
 
 def streamed(port: int, body: dict, hang_up: bool) -> tuple[int, float | None]:
@@ -278,18 +217,6 @@ def rss_bytes(pid: int) -> int:
             rss = re.search(r"^VmRSS:\s+(\d+) kB", text, re.M)
             total += int(rss.group(1)) * 1024 if rss else 0
     return total
-
-
-def scrape(port: int) -> dict:
-    _, raw = request(port, "GET", "/metrics", None)
-    fallbacks, preemptions = {}, 0.0
-    for line in raw.decode().splitlines():
-        if line.startswith("vllm:cachefuse_requests_fallback_total{"):
-            reason = re.search(r'reason="([^"]+)"', line).group(1)
-            fallbacks[reason] = fallbacks.get(reason, 0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:num_preemptions_total"):
-            preemptions += float(line.rsplit(" ", 1)[1])
-    return {"fallbacks_by_reason": fallbacks, "preemptions": preemptions}
 
 
 def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: dict) -> tuple[dict, Phase]:
