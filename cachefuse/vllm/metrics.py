@@ -22,7 +22,8 @@ COUNTERS = {
     "tokens_reused": ("vllm:cachefuse_tokens_reused", "Prompt tokens whose K/V were reused as loaded."),
     "tokens_recomputed": ("vllm:cachefuse_tokens_recomputed", "Prompt rows recomputed by the blend pass."),
     "bytes_loaded": ("vllm:cachefuse_bytes_loaded", "Bytes of chunk K/V loaded from the store."),
-    "blend_time_s": ("vllm:cachefuse_blend_seconds", "Time spent in the blend pass."),
+    "blend_time_s": ("vllm:cachefuse_blend_seconds", "Time from each blend's start to its end, summed: a "
+                     "split blend's includes the steps it waited between its layers, a batched one's its batch's."),
     "holes_saved": ("vllm:cachefuse_holes_saved", "Holes stored as variants (queued, when saved in the background)."),
     "saves_skipped": ("vllm:cachefuse_saves_skipped", "Holes not saved: the background writer's queue was full."),
     "save_failures": ("vllm:cachefuse_save_failures", "Holes the store or metadata store refused."),

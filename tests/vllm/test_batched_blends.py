@@ -6,13 +6,14 @@ tokens it gets blended alone; at ratio 1.0 the output of plain vLLM. Negative co
 attention that reads every request's rows through the first request's blocks. In the middle of a split
 blend: an abort frees the request's blocks and stops its pass (pins released, nothing left running), an
 exception in the pass falls back to plain vLLM's output, and a store that fails mid-pass leaves the
-chunk a hole; the next requests are served as before each time.
+chunk a hole (the pass re-run, serially); the next requests are served as before each time.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from cachefuse.errors import StoreError
 from cachefuse.vllm import worker_side as worker_side_module
 from cachefuse.vllm.paged import PagedAttention
 from tests.helpers import vllm_engines as engines
@@ -38,7 +39,9 @@ def one_cohort(monkeypatch):
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory):
     store = tmp_path_factory.mktemp("batched-store")
-    llm = engines.start_engine(tiny_model_dir("llama"), store, blend_step_tokens=BUDGET_TOKENS)
+    # layers read on the loader thread as the pass goes (preload_depth 2), so a pass paused between steps
+    # holds a loader, and a store can fail in the middle of it
+    llm = engines.start_engine(tiny_model_dir("llama"), store, blend_step_tokens=BUDGET_TOKENS, preload_depth=2)
     pieces = engines.random_pieces(7, {"system": 20, "a": 60, "b": 50, "c": 40, "d": 45, "question": 10})
     engines.precompute(llm, pieces["system"], [pieces[name] for name in "abcd"])
     yield llm, pieces
@@ -173,3 +176,28 @@ def test_an_exception_mid_split_blend_falls_back_to_plain_vllm(setup, monkeypatc
         assert engines.max_logprob_diff(engines.first_logprobs(want), engines.first_logprobs(output)) < 1e-5
     assert not worker._running and not len(worker.passes)
     assert_same_outputs(engines.generate(llm, ids[:2], params[:2], MAX_TOKENS), expected)
+
+
+def test_a_store_that_fails_mid_split_blend_leaves_that_chunk_a_hole(setup, monkeypatch):
+    llm, pieces = setup
+    ids, params = prompts(pieces, recompute_ratio=0.15)  # read layer by layer (preload_depth 2): fails mid-pass
+    worker = engines.worker_side()
+    store = worker.engine.store
+    real_get_layer = store.get_layer
+    failing_key = []
+
+    def get_layer(key, layer):
+        if layer >= 2 and (not failing_key or failing_key[0] == key):
+            failing_key[:1] = [key]  # the first key read at layer 2 fails from now on
+            raise StoreError("injected: the store went away mid-pass")
+        return real_get_layer(key, layer)
+
+    monkeypatch.setattr(store, "get_layer", get_layer)
+    batch = engines.generate(llm, ids[:2], params[:2], MAX_TOKENS)
+    monkeypatch.undo()
+    stats = [stats_of(o) for o in batch]
+    assert all(s["status"] == "fused" for s in stats), stats
+    assert sum(s["chunks_missed"] for s in stats) >= 1 and any(s["miss_reasons"] for s in stats), stats
+    assert not worker._running and not len(worker.passes)
+    again = [stats_of(o) for o in engines.generate(llm, ids[:2], params[:2], MAX_TOKENS)]
+    assert all(s["status"] == "fused" and s["chunks_missed"] == 0 for s in again), again
