@@ -178,9 +178,13 @@ def test_an_exception_mid_split_blend_falls_back_to_plain_vllm(setup, monkeypatc
     assert_same_outputs(engines.generate(llm, ids[:2], params[:2], MAX_TOKENS), expected)
 
 
-def test_a_store_that_fails_mid_split_blend_leaves_that_chunk_a_hole(setup, monkeypatch):
+@pytest.mark.parametrize("failure", ["miss", "raises"])
+def test_a_store_that_fails_mid_split_blend(setup, monkeypatch, failure):
+    """A layer the store no longer has (evicted, corrupt: `get_layer` says None) makes the pass re-run
+    with that chunk as a hole; a store that raises fails the blend, and vLLM computes the request plain."""
     llm, pieces = setup
     ids, params = prompts(pieces, recompute_ratio=0.15)  # read layer by layer (preload_depth 2): fails mid-pass
+    plain = engines.generate(llm, ids[:2], [None, None], MAX_TOKENS)
     worker = engines.worker_side()
     store = worker.engine.store
     real_get_layer = store.get_layer
@@ -189,15 +193,23 @@ def test_a_store_that_fails_mid_split_blend_leaves_that_chunk_a_hole(setup, monk
     def get_layer(key, layer):
         if layer >= 2 and (not failing_key or failing_key[0] == key):
             failing_key[:1] = [key]  # the first key read at layer 2 fails from now on
-            raise StoreError("injected: the store went away mid-pass")
+            if failure == "raises":
+                raise StoreError("injected: the store went away mid-pass")
+            return None
         return real_get_layer(key, layer)
 
     monkeypatch.setattr(store, "get_layer", get_layer)
     batch = engines.generate(llm, ids[:2], params[:2], MAX_TOKENS)
     monkeypatch.undo()
     stats = [stats_of(o) for o in batch]
-    assert all(s["status"] == "fused" for s in stats), stats
-    assert sum(s["chunks_missed"] for s in stats) >= 1 and any(s["miss_reasons"] for s in stats), stats
+    if failure == "miss":
+        assert all(s["status"] == "fused" for s in stats), stats
+        assert sum(s["chunks_missed"] for s in stats) >= 1 and any(s["miss_reasons"] for s in stats), stats
+    else:
+        assert any(s["status"] == "fallback" and "injected" in s["detail"] for s in stats), stats
+        for output, want, s in zip(batch, plain, stats, strict=True):
+            if s["status"] == "fallback":
+                assert engines.max_logprob_diff(engines.first_logprobs(want), engines.first_logprobs(output)) < 1e-5
     assert not worker._running and not len(worker.passes)
     again = [stats_of(o) for o in engines.generate(llm, ids[:2], params[:2], MAX_TOKENS)]
     assert all(s["status"] == "fused" and s["chunks_missed"] == 0 for s in again), again
