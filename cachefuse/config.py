@@ -162,11 +162,12 @@ class CacheFuseConfig:
     """Prompt tokens the connector admits for blending per scheduler step; at least one request always runs."""
     blend_step_tokens: int | None = None
     """The blend work the worker does per engine step, in tokens of a plain prefill (a layer that computes R
-    rows of a prompt counts R / num_layers): the blends of the requests waiting for their K/V run batched,
-    oldest first, and one longer than this is split across steps while the running requests decode. None:
-    vLLM's `max_num_batched_tokens` (a step of blends costs about a step of vLLM's chunked prefill). 0:
-    each blend runs whole, before the forward of the step that schedules its request (a synchronous
-    load: one step sooner on an idle engine, but every running request waits for every blend of the step)."""
+    rows of a prompt counts R / num_layers). A blend that fits what is left of it, with no older blend
+    waiting, runs whole before the step's forward (synchronous: its first token out of the same step); the
+    others wait as vLLM's asynchronous loads and run batched, oldest first, split across steps while the
+    running requests decode. None: vLLM's `max_num_batched_tokens` (a step of blends costs about a step of
+    vLLM's chunked prefill). 0: every blend runs whole before the forward of the step that schedules its
+    request (under load every running request then waits for every blend of the step)."""
     separator_token_id: int | None = None
     """Fallback segmentation for requests without declared chunks: the pieces between this token split
     the prompt (before the first: system chunk; after the last: the question). None disables it."""

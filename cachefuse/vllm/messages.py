@@ -8,6 +8,7 @@ Aggregate counters for vLLM's logging and Prometheus are in metrics.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,20 @@ class BlendPlan:
     """vLLM holds the request in WAITING_FOR_REMOTE_KVS until the worker reports the blend done (or failed)
     in `get_finished`; the blend may run batched and across several steps (config blend_step_tokens). Its
     blocks may stop short of position N-1, which vLLM computes itself."""
+
+
+def estimated_rows(num_tokens: int, segments: Sequence[Segment], variants: Sequence[Any] | None, ratio: float,
+                   num_layers: int, num_full: int) -> float:
+    """Rows a blend pass computes, summed over its layers (the unit of `blend_step_tokens` x num_layers),
+    before it runs: every row in the full layers; after them the rows not loaded (holes, question, glue)
+    and the ratio's share of the loaded non-system chunks. Variants not planned (None list) count as
+    loaded; a None in the list is a hole."""
+    chunks = [s for s in segments if s.is_chunk]
+    planned = list(variants) if variants is not None else [True] * len(chunks)
+    loaded = [s for s, v in zip(chunks, planned, strict=False) if v is not None]
+    candidates = sum(s.length for s in loaded if not s.is_system)
+    selective = num_tokens - sum(s.length for s in loaded) + ratio * candidates
+    return num_full * num_tokens + (num_layers - num_full) * min(selective, num_tokens)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from cachefuse.select.registry import make_selector
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store
 from cachefuse.vllm.adapters import VLLMAdapter
-from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta
+from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta, estimated_rows
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
 from cachefuse.vllm.plugin import captured_model
@@ -107,33 +107,38 @@ class WorkerSide:
         self._stats = CacheFuseConnectorStats()
 
     def start_load_kv(self, metadata: CacheFuseMetadata, forward_context: Any) -> None:
-        """Starts this step's plans and advances the waiting blends: all of them to their end when the
-        step's plans are synchronous loads (vLLM's forward reads their K/V next), else batched, oldest
-        first, within the step's budget (`blend_step_tokens`), the rest resuming next step."""
+        """This step's blends: the synchronous ones whole (vLLM's forward reads their K/V next; batched
+        together), then the waiting asynchronous ones, batched, oldest first, within what is left of the
+        step's budget (`blend_step_tokens`), the rest resuming next step."""
         for req_id in metadata.finished_req_ids:
             self._cancel(req_id)
+        layers = forward_context.no_compile_layers
+        now = PassBatch(self.engine.fusor.execute_ops)
         for plan in metadata.plans:
-            self._start(plan, forward_context.no_compile_layers)
-        if not len(self.passes):
-            return
-        synchronous = any(not running.plan.load_async for running in self._running.values())
-        advanced = self.passes.advance(None if synchronous else self.budget_rows)
+            self._start(plan, layers, self.passes if plan.load_async else now)
+        spent = self._advance(now, None).rows if len(now) else 0
+        if len(self.passes) and self.budget_rows > spent:
+            self._advance(self.passes, self.budget_rows - spent)
+
+    def _advance(self, batch: PassBatch, budget_rows: float | None) -> Any:
+        advanced = batch.advance(budget_rows)
         for req_id, (_, stats) in advanced.finished.items():
             steps, batch_size = advanced.split[req_id]
             self._finish(self._running.pop(req_id), stats, steps, batch_size)
         for req_id, exc in advanced.failed.items():
             self._fail(self._running.pop(req_id), f"{type(exc).__name__}: {exc}")
+        return advanced
 
-    def _start(self, plan: BlendPlan, layers: dict[str, Any]) -> None:
-        """Adds the plan's pass to the waiting blends; a plan that cannot start falls back at once."""
+    def _start(self, plan: BlendPlan, layers: dict[str, Any], batch: PassBatch) -> None:
+        """Adds the plan's pass to `batch`; a plan that cannot start falls back at once."""
         try:
             steps = self._fuse_steps(plan, layers)
         except Exception as exc:  # noqa: BLE001 - one request never stops the engine: vLLM recomputes it
             self._fail(_Running(plan, time.perf_counter()), f"{type(exc).__name__}: {exc}")
             return
         self._running[plan.req_id] = _Running(plan, time.perf_counter())
-        self.passes.add(plan.req_id, steps, _estimated_rows(plan, self.adapter.shape.num_layers,
-                                                            self._num_full(plan.selector)))
+        batch.add(plan.req_id, steps, _estimated_rows(plan, self.adapter.shape.num_layers,
+                                                     self._num_full(plan.selector)))
 
     def _cancel(self, req_id: str) -> None:
         """vLLM finished the request (an abort) while its blend waits or runs: stopped where it stands
@@ -292,16 +297,9 @@ class _Running:
 
 
 def _estimated_rows(plan: BlendPlan, num_layers: int, num_full: int) -> float:
-    """Rows the plan's pass computes, summed over layers (the budget's unit), before it runs: every row in
-    the full layers; after them the rows not loaded (holes, question, glue) and the ratio's share of the
-    loaded non-system chunks. Variants not planned (None) count as loaded."""
-    num_tokens = len(plan.token_ids)
-    chunks = [s for s in plan.segments if s.is_chunk]
-    variants = plan.variants if plan.variants is not None else [True] * len(chunks)
-    loaded = [s for s, v in zip(chunks, variants, strict=False) if v is not None]
-    candidates = sum(s.length for s in loaded if not s.is_system)
-    selective = num_tokens - sum(s.length for s in loaded) + plan.recompute_ratio * candidates
-    return num_full * num_tokens + (num_layers - num_full) * min(selective, num_tokens)
+    """The plan's pass rows summed over layers, as the scheduler estimated them (messages.estimated_rows)."""
+    return estimated_rows(len(plan.token_ids), plan.segments, plan.variants, plan.recompute_ratio, num_layers,
+                          num_full)
 
 
 def _open_metastore(config: CacheFuseConfig) -> Any:

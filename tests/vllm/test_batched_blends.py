@@ -77,7 +77,8 @@ def test_each_request_of_a_batched_split_blend_gets_its_output_alone(setup, sele
     stats = [stats_of(o) for o in batch]
     assert all(s["status"] == "fused" and s["chunks_hit"] == 4 for s in stats), stats
     assert max(s["blend_batch_size"] for s in stats) > 1, "nothing was batched: the test proves nothing"
-    assert min(s["blend_steps"] for s in stats) > 1, "a blend ran within one step: the budget split nothing"
+    # (a blend that fits the step's budget with nothing older waiting runs whole, synchronously)
+    assert max(s["blend_steps"] for s in stats) > 1, "no blend was split across steps: the test proves nothing"
     assert_same_outputs(batch, expected)
 
 

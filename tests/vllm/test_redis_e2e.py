@@ -160,7 +160,7 @@ def test_failing_redis_gives_plain_output_and_recovers(shared, pieces, monkeypat
     with shared.server.frozen():  # every call waits, then times out (0.3 s), however long the run takes
         request = SimpleNamespace(request_id="probe", prompt_token_ids=ids, kv_transfer_params=params)
         with redis_sends_on_this_thread(monkeypatch) as sends:  # planning reads only the in-process index
-            assert scheduler.get_num_new_matched_tokens(request, 0) == (len(ids) - 1, True)
+            assert scheduler.get_num_new_matched_tokens(request, 0)[0] == len(ids) - 1
             scheduler.request_finished(request, [])
         assert sends == []
         assert_plain_output(shared, pieces, "paused")

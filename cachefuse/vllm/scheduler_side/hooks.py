@@ -56,7 +56,8 @@ class SchedulerSide:
         self.gate = Gate(config, model_config, tp_size)
         self.planner = Planner(config, block_size=vllm_config.cache_config.block_size,
                                key_context=self.key_context, index=self.index, gate=self.gate,
-                               outcomes=self.outcomes)
+                               outcomes=self.outcomes, num_layers=model_config.hf_text_config.num_hidden_layers,
+                               max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
                     redact_url(config.redis_url) if config.redis_url else config.store_path)
 

@@ -23,7 +23,7 @@ from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.request import FusionRequest
-from cachefuse.vllm.messages import BlendPlan
+from cachefuse.vllm.messages import BlendPlan, estimated_rows
 from cachefuse.vllm.scheduler_side.gate import Gate
 from cachefuse.vllm.scheduler_side.outcomes import Outcomes, RequestOutcome
 
@@ -42,12 +42,16 @@ class _Pending:
     """Preempted after its blend ran: the next blend replays this plan (Planner._replay)."""
     figures_due: bool = False
     """Its plan was sent and the worker's figures for it have not arrived yet."""
+    load_async: bool = False
+    """vLLM waits for the worker to report its blend (Planner.plan decides, per call)."""
 
 
 @dataclass
 class _StepBudget:
     tokens: int = 0
     req_ids: set[str] = field(default_factory=set)
+    sync_rows: float = 0.0
+    """Estimated pass rows of the blends this step runs synchronously (before its forward)."""
 
 
 def _plain_prefill_tokens(scheduler_output: Any, plans: list[BlendPlan], blended: set[str]) -> int:
@@ -78,9 +82,11 @@ class Planner:
     """The plans of the requests vLLM has asked about and not yet finished, and this step's blend budget."""
 
     def __init__(self, config: CacheFuseConfig, *, block_size: int, key_context: KeyContext, index: VariantIndex,
-                 gate: Gate, outcomes: Outcomes) -> None:
+                 gate: Gate, outcomes: Outcomes, num_layers: int, max_num_batched_tokens: int) -> None:
         self.config = config
         self.block_size = block_size
+        self.num_layers = num_layers
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.key_context = key_context
         self.index = index
         self.gate = gate
@@ -89,10 +95,33 @@ class Planner:
         self.budget = _StepBudget()
 
     @property
-    def load_async(self) -> bool:
-        """Blends run as vLLM's asynchronous loads (batched, split across steps by blend_step_tokens); 0:
-        each runs whole before the forward of the step that schedules its request."""
-        return self.config.blend_step_tokens != 0
+    def step_rows(self) -> float:
+        """The worker's blend budget per step in pass rows (`blend_step_tokens` x num_layers)."""
+        tokens = self.config.blend_step_tokens
+        return (self.max_num_batched_tokens if tokens is None else tokens) * self.num_layers
+
+    def _loads_async(self, pending: _Pending) -> bool:
+        """Whether the request's blend runs as vLLM's asynchronous load (batched with the others waiting,
+        split across steps by `blend_step_tokens`), or synchronously, whole, before this step's forward,
+        its first token out of this very step: only when no older blend is waiting or running (they go
+        first) and this step's synchronous blends, this one included, fit the step's budget. With
+        `blend_step_tokens: 0`, always synchronous."""
+        if self.config.blend_step_tokens == 0:
+            return False
+        if any(p.load_async and (not p.sent or p.figures_due) for p in self.pending.values() if p is not pending):
+            return True
+        from cachefuse.select.registry import (
+            make_selector,  # select/ imports torch: only when a blend is planned
+        )
+
+        fusion = pending.request
+        num_full = make_selector(fusion.selector, self.config).num_full_layers(self.num_layers)
+        rows = estimated_rows(len(pending.token_ids), fusion.segments, pending.variants, fusion.recompute_ratio,
+                              self.num_layers, num_full)
+        if self.budget.sync_rows + rows > self.step_rows:
+            return True
+        self.budget.sync_rows += rows
+        return False
 
     def fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
         """The request runs as plain vLLM, saying why: its plan, if any, is dropped."""
@@ -106,7 +135,7 @@ class Planner:
         Returns:
             vLLM's `get_num_new_matched_tokens` answer: tokens held ([0, N-1) when fused, 0 when plain,
             None when over this step's blend budget: asked again next step), and whether the load is
-            asynchronous (`load_async`: vLLM waits for the worker to report the blend done).
+            asynchronous (`_loads_async`: vLLM waits for the worker to report the blend done).
         """
         if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
             self.fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
@@ -165,7 +194,9 @@ class Planner:
         self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, chunk_keys=tuple(keys),
                                         variants=variants)
         self.outcomes.fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
-        return len(prompt) - 1, self.load_async
+        pending = self.pending[req_id]
+        pending.load_async = self._loads_async(pending)
+        return len(prompt) - 1, pending.load_async
 
     def _replay(self, req_id: str, previous: _Pending, prompt: list[int]) -> tuple[int, bool]:
         """A request whose blend ran and that vLLM preempted and now resumes: its first blend's plan again,
@@ -193,7 +224,8 @@ class Planner:
                 previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
         self.outcomes.fallbacks.pop(req_id, None)
-        return planned - 1, self.load_async
+        previous.load_async = self._loads_async(previous)
+        return planned - 1, previous.load_async
 
     def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (`blocks`: its KVCacheBlocks), loading `num_external_tokens`."""
@@ -221,9 +253,9 @@ class Planner:
         plans = []
         # A synchronous load's blocks are the step's (vLLM schedules its prompt now); an asynchronous one's
         # were allocated for it this step, and it waits in WAITING_FOR_REMOTE_KVS, not scheduled.
-        block_ids_of = {} if self.load_async else _scheduled_block_ids(scheduler_output)
+        block_ids_of = _scheduled_block_ids(scheduler_output)
         for req_id, pending in self.pending.items():
-            block_ids = pending.block_ids if self.load_async else block_ids_of.get(req_id)
+            block_ids = pending.block_ids if pending.load_async else block_ids_of.get(req_id)
             if pending.sent or block_ids is None:
                 continue
             pending.sent = pending.figures_due = True
@@ -249,4 +281,4 @@ class Planner:
             recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
             block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
-            sync_save=fusion.sync_save, replay=pending.replay, load_async=self.load_async)
+            sync_save=fusion.sync_save, replay=pending.replay, load_async=pending.load_async)

@@ -34,7 +34,8 @@ def make_side(tiny_model_dir, tmp_path):
             model_config=SimpleNamespace(model=str(path), dtype=torch.float32, tokenizer=str(path), revision=None,
                                          hf_text_config=hf_config),
             cache_config=SimpleNamespace(block_size=16),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1))
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
         return SchedulerSide(vllm_config, CacheFuseConfig(store_dir=str(tmp_path / "store"), **config))
 
     return make
@@ -337,7 +338,8 @@ def fuzz_side(tiny_model_dir, tmp_path_factory):
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None,
                                      hf_text_config=AutoConfig.from_pretrained(path)),
-        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1))
+        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
     config = CacheFuseConfig(store_dir=str(tmp_path_factory.mktemp("fuzz-store")), allow_debug_overrides=True)
     return SchedulerSide(vllm_config, config)
 
@@ -847,7 +849,7 @@ def test_requests_fused_from_another_tier_do_not_hold_off_a_re_measure(make_side
 
 
 def test_async_loads_are_planned_at_allocation_and_the_post_load_allocation_changes_nothing(make_side):
-    side = make_side(blend_step_tokens=512)
+    side = make_side(blend_step_tokens=1)  # below any blend: asynchronous
     req = request("a")
     assert side.get_num_new_matched_tokens(req, 0) == (99, True)
     # vLLM allocates blocks for the 99 loaded tokens only: position 99 gets its slot when vLLM computes it
@@ -868,7 +870,7 @@ def test_async_loads_are_planned_at_allocation_and_the_post_load_allocation_chan
 
 
 def test_async_blocks_that_stop_before_the_last_token_give_it_no_slot(make_side):
-    side = make_side(blend_step_tokens=512)
+    side = make_side(blend_step_tokens=1)  # below any blend: asynchronous
     req = request("a", num_tokens=97)  # 96 loaded tokens fill 6 blocks exactly
     assert side.get_num_new_matched_tokens(req, 0) == (96, True)
     side.update_state_after_alloc(req, blocks(96), 96)
@@ -877,7 +879,7 @@ def test_async_blocks_that_stop_before_the_last_token_give_it_no_slot(make_side)
 
 
 def test_a_failed_async_blend_runs_plain_when_vllm_asks_again(make_side):
-    side = make_side(blend_step_tokens=512)
+    side = make_side(blend_step_tokens=1)  # below any blend: asynchronous
     req = request("a")
     assert side.get_num_new_matched_tokens(req, 0) == (99, True)
     side.update_state_after_alloc(req, blocks(99), 99)
@@ -889,3 +891,28 @@ def test_a_failed_async_blend_runs_plain_when_vllm_asks_again(make_side):
     params = side.request_finished(req, [])[1]
     assert params["cachefuse"]["fallback_reason"] == "blend_error"
     assert_no_state(side)
+
+
+def test_a_blend_runs_synchronously_when_it_fits_the_step_and_nothing_older_waits(make_side):
+    """The first token one step sooner where the step has room: synchronous while this step's synchronous
+    blends fit its budget and no asynchronous blend is waiting; asynchronous after (oldest first)."""
+    # nothing indexed: each 100-token blend computes every row of the 4-layer model, 400 rows; budget 600
+    side = make_side(blend_step_tokens=150)
+    first, second, third = request("a"), request("b"), request("c")
+    assert side.get_num_new_matched_tokens(first, 0) == (99, False)  # fits, nothing waits: synchronous
+    assert side.get_num_new_matched_tokens(second, 0) == (99, True)  # the step's budget is spent
+    side.update_state_after_alloc(first, blocks(100), 99)
+    side.update_state_after_alloc(second, blocks(99), 99)
+    plans = side.build_connector_meta(step_output(first)).plans
+    assert [(p.req_id, p.load_async) for p in plans] == [("a", False), ("b", True)]
+    # a new step: b's blend still runs, so c waits behind it although it would fit
+    assert side.get_num_new_matched_tokens(third, 0) == (99, True)
+    side.update_state_after_alloc(third, blocks(99), 99)
+    assert [p.req_id for p in side.build_connector_meta(step_output()).plans] == ["c"]
+    worker_reports(side, "a")
+    worker_reports(side, "b")
+    assert side.get_num_new_matched_tokens(request("d"), 0) == (99, True)  # c still runs
+    side.request_finished(request("d"), [])  # d aborted before it was scheduled
+    worker_reports(side, "c")
+    side.build_connector_meta(step_output())  # the next step starts with a fresh budget
+    assert side.get_num_new_matched_tokens(request("e"), 0) == (99, False)  # nothing waits: synchronous again
