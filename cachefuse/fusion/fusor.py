@@ -1,8 +1,8 @@
 """Fusor: the layer-wise blend pass (CacheBlend section 4, generalised over selectors).
 
-Imports torch, cachefuse.{adapters.base, attention, chunks, fusion.layers, fusion.plan, fusion.probe, ops,
-select.base, store.base};
-never vllm.
+Imports torch, cachefuse.{adapters.base, attention, chunks, fusion.batch, fusion.batch_ops, fusion.layers,
+fusion.plan, fusion.probe, ops, select.base, store.base}; never vllm. The pass is a generator of its
+row-wise ops (fusion.batch), run alone (`fuse`) or batched with other requests' (`execute_ops`).
 Given a prompt, its segments and the loaded RoPE-stripped chunk caches, it re-rotates cached K to
 target positions, runs the selector's full layers over every row, then recomputes only the
 selected rows plus the forced ones (holes, undeclared tokens, question, last token), attending
@@ -21,7 +21,6 @@ layers 0..f-1: every row        layers f..L-1: selected + forced rows over merge
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,17 +31,8 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
-from cachefuse.fusion.batch import (
-    Attend,
-    Embed,
-    LayerDone,
-    Logits,
-    Output,
-    PassSteps,
-    Project,
-    run_alone,
-    split_rows,
-)
+from cachefuse.fusion.batch import Attend, Embed, LayerDone, Logits, Output, PassSteps, Project, run_alone
+from cachefuse.fusion.batch_ops import run_ops
 from cachefuse.fusion.layers import LoadedLayers
 from cachefuse.fusion.plan import FuseRequest, FuseResult
 from cachefuse.fusion.probe import EntrySource, ProbeResult, ProbeSource, run_probe
@@ -50,28 +40,6 @@ from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
 RowsAttention = Callable[..., torch.Tensor]
-
-
-def _rows_of(op: Any) -> int:
-    """Rows an op carries (the count to cut the batched result back by)."""
-    if isinstance(op, Embed):
-        return int(op.token_ids.shape[0])
-    if isinstance(op, Output):
-        return int(op.attn.shape[0])
-    return int(op.hidden.shape[0])  # Project, Logits
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One request's tensor as it is (no copy); several concatenated by rows."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Layer 0's residual is None for every pass of a batch (they start together), a tensor after."""
-    if any(t is None for t in tensors):
-        assert all(t is None for t in tensors), "passes batched at different depths"
-        return None
-    return _cat(tensors)
 
 
 class _RequestLayout:
@@ -182,61 +150,8 @@ class Fusor:
 
     @torch.inference_mode()
     def execute_ops(self, ops: list[Any]) -> list[Any]:
-        """Runs one op of several passes (same stage, same layer) as one: rows concatenated, one call of
-        each model op for all of them; attention per request over its own keys (varlen)."""
-        adapter, first = self.adapter, ops[0]
-        if isinstance(first, Attend):
-            return self._attend_many(ops)
-        counts = [_rows_of(op) for op in ops]
-        if isinstance(first, Embed):
-            return split_rows(adapter.embed(_cat([op.token_ids for op in ops])), counts)
-        if isinstance(first, Project):
-            x, residual = adapter.attention_input(first.layer, _cat([op.hidden for op in ops]),
-                                                  _cat_or_none([op.residual for op in ops]))
-            q_nope, k_nope, v = adapter.project_qkv(first.layer, x)
-            q, k = adapter.rotate(first.layer, _cat([op.positions for op in ops]), q_nope, k_nope)
-            return list(zip(*(split_rows(t, counts) for t in (q, k, k_nope, v, residual)), strict=True))
-        if isinstance(first, Output):
-            hidden, residual = adapter.attention_output(first.layer, _cat([op.attn for op in ops]),
-                                                        _cat([op.residual for op in ops]))
-            return list(zip(split_rows(hidden, counts), split_rows(residual, counts), strict=True))
-        if isinstance(first, Logits):
-            logits = adapter.final_logits(_cat([op.hidden for op in ops]), _cat([op.residual for op in ops]))
-            return split_rows(logits, counts)
-        raise TypeError(f"no such pass op: {type(first).__name__}")
-
-    def _attend_many(self, ops: list[Attend]) -> list[torch.Tensor]:
-        """Each request's rows over its own merged K/V. Requests on the fusor's own attention whose rows
-        are selected go in one varlen call; a backend with `attend_many` (vLLM's paged kernel) takes its
-        requests in one call; anything else attends request by request."""
-        out: list[torch.Tensor | None] = [None] * len(ops)
-        varlen = [i for i, op in enumerate(ops) if op.backend is None and op.query_rows is not None]
-        if len(varlen) > 1:
-            for i, attn in zip(varlen, self._varlen_rows([ops[i] for i in varlen]), strict=True):
-                out[i] = attn
-        by_backend: dict[type, list[int]] = {}
-        for i, op in enumerate(ops):
-            if out[i] is None and op.backend is not None and hasattr(op.backend, "attend_many"):
-                by_backend.setdefault(type(op.backend), []).append(i)
-        for backend_type, indices in by_backend.items():
-            if len(indices) > 1:
-                for i, attn in zip(indices, backend_type.attend_many([ops[i] for i in indices]), strict=True):
-                    out[i] = attn
-        for i, op in enumerate(ops):
-            if out[i] is None:
-                out[i] = self._attend(op.backend, op.layer, op.q, op.query_rows, op.k, op.v)
-        return out
-
-    def _varlen_rows(self, ops: list[Attend]) -> list[torch.Tensor]:
-        """Selected rows of several requests in one varlen call: request b's rows see only its own keys."""
-        device = ops[0].q.device
-        cu_rows = torch.tensor([0, *itertools.accumulate(op.q.shape[0] for op in ops)], device=device)
-        cu_keys = torch.tensor([0, *itertools.accumulate(op.k.shape[0] for op in ops)], device=device)
-        attn = self.varlen_attention_fn(
-            _cat([op.q for op in ops]), _cat([op.query_rows for op in ops]), cu_rows,
-            _cat([op.k for op in ops]), _cat([op.v for op in ops]), cu_keys, self.adapter.shape.scaling,
-            self.block_rows)
-        return split_rows(attn, [op.q.shape[0] for op in ops])
+        """One op of several passes (same stage, same layer) run as one (cachefuse.fusion.batch_ops)."""
+        return run_ops(ops, self.adapter, self._attend, self.varlen_attention_fn, self.block_rows)
 
     def _probe(self, request: FuseRequest, selector: Selector, layout: _RequestLayout
                ) -> tuple[float, int, int] | None:
