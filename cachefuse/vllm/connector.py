@@ -99,7 +99,7 @@ class CacheFuseConnector(KVConnectorBase_V1):
         """Blends of asynchronous loads that ended this step (done or failed: vLLM recomputes the failed)."""
         if self._worker is None:
             return KVConnectorTransferResults()
-        done, failed = self._worker.transfer_results(finished_req_ids)
+        done, failed = self._worker.transfer_results()  # finished requests were stopped in start_load_kv
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:

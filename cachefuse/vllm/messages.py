@@ -60,6 +60,17 @@ class BlendPlan:
     """vLLM holds the request in WAITING_FOR_REMOTE_KVS until the worker reports the blend done (or failed)
     in `get_finished`; the blend may run batched and across several steps (config blend_step_tokens). Its
     blocks may stop short of position N-1, which vLLM computes itself."""
+    estimated_rows: float = 0.0
+    """The pass's rows summed over its layers, as the scheduler estimated them (`estimated_rows`): what the
+    worker's cohorts fit into its step budget."""
+
+
+def blend_budget_rows(blend_step_tokens: int | None, max_num_batched_tokens: int, num_layers: int) -> int:
+    """The blend work of one engine step in pass rows: `blend_step_tokens` (None: vLLM's
+    `max_num_batched_tokens`) x num_layers. The scheduler fits synchronous blends into it, the worker
+    spends what they leave on the waiting ones."""
+    tokens = max_num_batched_tokens if blend_step_tokens is None else blend_step_tokens
+    return tokens * num_layers
 
 
 def estimated_rows(num_tokens: int, segments: Sequence[Segment], variants: Sequence[Any] | None, ratio: float,

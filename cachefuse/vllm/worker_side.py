@@ -35,7 +35,7 @@ from cachefuse.select.registry import make_selector
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.tiered import open_store
 from cachefuse.vllm.adapters import VLLMAdapter
-from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta, estimated_rows
+from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta, blend_budget_rows
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
 from cachefuse.vllm.plugin import captured_model
@@ -99,10 +99,8 @@ class WorkerSide:
         self._running: dict[str, _Running] = {}
         self._finished_loads: set[str] = set()  # asynchronous loads done (or failed) since the last step
         self._failed_loads: set[str] = set()
-        step_tokens = config.blend_step_tokens
-        if step_tokens is None:
-            step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.budget_rows = step_tokens * shape.num_layers
+        self.budget_rows = blend_budget_rows(config.blend_step_tokens,
+                                             vllm_config.scheduler_config.max_num_batched_tokens, shape.num_layers)
         self._meta = CacheFuseWorkerMeta()
         self._stats = CacheFuseConnectorStats()
 
@@ -137,8 +135,7 @@ class WorkerSide:
             self._fail(_Running(plan, time.perf_counter()), f"{type(exc).__name__}: {exc}")
             return
         self._running[plan.req_id] = _Running(plan, time.perf_counter())
-        batch.add(plan.req_id, steps, _estimated_rows(plan, self.adapter.shape.num_layers,
-                                                     self._num_full(plan.selector)))
+        batch.add(plan.req_id, steps, plan.estimated_rows)
 
     def _cancel(self, req_id: str) -> None:
         """vLLM finished the request (an abort) while its blend waits or runs: stopped where it stands
@@ -243,11 +240,9 @@ class WorkerSide:
             self.figures.observe_prefill(tokens, time.perf_counter() - start)
             self._prefill_step = None
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def transfer_results(self) -> tuple[set[str], set[str]]:
         """(blends done, blends failed) since the last step, for vLLM's `get_finished`: each request once.
-        A request vLLM finished while its blend waits is stopped and reported here."""
-        for req_id in finished_req_ids:
-            self._cancel(req_id)
+        A blend stopped for a request vLLM finished (start_load_kv, every step) is among the done."""
         done, failed = self._finished_loads, self._failed_loads
         self._finished_loads, self._failed_loads = set(), set()
         return done, failed
@@ -294,12 +289,6 @@ class _Running:
 
     plan: BlendPlan
     start: float
-
-
-def _estimated_rows(plan: BlendPlan, num_layers: int, num_full: int) -> float:
-    """The plan's pass rows summed over layers, as the scheduler estimated them (messages.estimated_rows)."""
-    return estimated_rows(len(plan.token_ids), plan.segments, plan.variants, plan.recompute_ratio, num_layers,
-                          num_full)
 
 
 def _open_metastore(config: CacheFuseConfig) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from cachefuse.errors import StoreError
-from cachefuse.vllm import worker_side as worker_side_module
+from cachefuse.fusion.batch import PassBatch
 from cachefuse.vllm.paged import PagedAttention
 from tests.helpers import vllm_engines as engines
 
@@ -33,7 +33,9 @@ def family():  # the scheduling path is model-independent
 def one_cohort(monkeypatch):
     """Every blend estimated at one row: the requests sent together start as one cohort, and the budget
     (a few layers of one request) splits it across steps, so each test batches and splits at once."""
-    monkeypatch.setattr(worker_side_module, "_estimated_rows", lambda plan, num_layers, num_full: 1.0)
+    real_add = PassBatch.add
+    monkeypatch.setattr(PassBatch, "add", lambda self, job_id, steps, estimated_rows=0.0: real_add(
+        self, job_id, steps, 1.0))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.request import FusionRequest
-from cachefuse.vllm.messages import BlendPlan, estimated_rows
+from cachefuse.vllm.messages import BlendPlan, blend_budget_rows, estimated_rows
 from cachefuse.vllm.scheduler_side.gate import Gate
 from cachefuse.vllm.scheduler_side.outcomes import Outcomes, RequestOutcome
 
@@ -44,6 +44,8 @@ class _Pending:
     """Its plan was sent and the worker's figures for it have not arrived yet."""
     load_async: bool = False
     """vLLM waits for the worker to report its blend (Planner.plan decides, per call)."""
+    estimated_rows: float = 0.0
+    """Its pass's rows summed over layers (messages.estimated_rows), estimated when it is (re)planned."""
 
 
 @dataclass
@@ -94,33 +96,28 @@ class Planner:
         self.pending: dict[str, _Pending] = {}
         self.budget = _StepBudget()
 
-    @property
-    def step_rows(self) -> float:
-        """The worker's blend budget per step in pass rows (`blend_step_tokens` x num_layers)."""
-        tokens = self.config.blend_step_tokens
-        return (self.max_num_batched_tokens if tokens is None else tokens) * self.num_layers
-
     def _loads_async(self, pending: _Pending) -> bool:
         """Whether the request's blend runs as vLLM's asynchronous load (batched with the others waiting,
         split across steps by `blend_step_tokens`), or synchronously, whole, before this step's forward,
         its first token out of this very step: only when no older blend is waiting or running (they go
         first) and this step's synchronous blends, this one included, fit the step's budget. With
-        `blend_step_tokens: 0`, always synchronous."""
-        if self.config.blend_step_tokens == 0:
-            return False
-        if any(p.load_async and (not p.sent or p.figures_due) for p in self.pending.values() if p is not pending):
-            return True
+        `blend_step_tokens: 0`, always synchronous. Estimates the pass's rows first (sent in its plan)."""
         from cachefuse.select.registry import (
             make_selector,  # select/ imports torch: only when a blend is planned
         )
 
         fusion = pending.request
         num_full = make_selector(fusion.selector, self.config).num_full_layers(self.num_layers)
-        rows = estimated_rows(len(pending.token_ids), fusion.segments, pending.variants, fusion.recompute_ratio,
-                              self.num_layers, num_full)
-        if self.budget.sync_rows + rows > self.step_rows:
+        pending.estimated_rows = estimated_rows(len(pending.token_ids), fusion.segments, pending.variants,
+                                                fusion.recompute_ratio, self.num_layers, num_full)
+        if self.config.blend_step_tokens == 0:
+            return False
+        if any(p.load_async and (not p.sent or p.figures_due) for p in self.pending.values() if p is not pending):
             return True
-        self.budget.sync_rows += rows
+        step_rows = blend_budget_rows(self.config.blend_step_tokens, self.max_num_batched_tokens, self.num_layers)
+        if self.budget.sync_rows + pending.estimated_rows > step_rows:
+            return True
+        self.budget.sync_rows += pending.estimated_rows
         return False
 
     def fall_back(self, req_id: str, reason: str, *, detail: str, field: str | None = None) -> None:
@@ -281,4 +278,5 @@ class Planner:
             recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
             block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
-            sync_save=fusion.sync_save, replay=pending.replay, load_async=pending.load_async)
+            sync_save=fusion.sync_save, replay=pending.replay, load_async=pending.load_async,
+            estimated_rows=pending.estimated_rows)
