@@ -114,7 +114,7 @@ def main() -> None:
         kv_connector_extra_config={"store_dir": store, "selector": args.selector,
                                    "recompute_ratio": args.recompute_ratio})
     llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
-              enable_prefix_caching=False, async_scheduling=False, kv_transfer_config=kv_transfer_config,
+              kv_transfer_config=kv_transfer_config,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     pool, first, second, questions = make_batch(args)

@@ -17,9 +17,9 @@
 #   DEVICE             cpu or gpu [cpu]
 #   PYTHON             the interpreter of the environment vLLM and cachefuse are installed in [python]
 #
-# The connector requires vLLM's prefix caching off (it would serve blended blocks as exact ones; the
-# system prompt is served from the chunk store instead) and kv_load_failure_policy "recompute" (a
-# failed blend falls back to a plain prefill). Requests opt in per request with
+# vLLM's defaults stay on: prefix caching (blended blocks are hashed apart from plain ones) and, on a
+# GPU, async scheduling (every blend is then an asynchronous load). The connector requires
+# kv_load_failure_policy "recompute" (a failed blend falls back to a plain prefill). Requests opt in per request with
 #   "kv_transfer_params": {"cachefuse": {"chunks": [[start, end], ...]}}
 # and get their figures back in the response's "kv_transfer_params" (see examples/client.py).
 #
@@ -46,7 +46,7 @@ EOF
 )
 
 args=(--host "$HOST" --port "$PORT" --served-model-name "$SERVED_MODEL_NAME"
-      --no-enable-prefix-caching --no-async-scheduling --kv-transfer-config "$KV_TRANSFER_CONFIG")
+      --kv-transfer-config "$KV_TRANSFER_CONFIG")
 if [[ -n "${MAX_MODEL_LEN:-}" ]]; then
   args+=(--max-model-len "$MAX_MODEL_LEN")
 fi

@@ -28,27 +28,16 @@ def check_engine(vllm_config: Any) -> None:
 
 
 def _check_scheduling(vllm_config: Any) -> None:
-    """The connector's settings and the scheduler's: what vLLM does with blended blocks and failed blends."""
+    """The connector's settings: what vLLM does with failed blends. vLLM's prefix caching and async
+    scheduling are served as they are (scheduler_side/block_hashes.py keeps blended blocks apart from plain
+    ones; under async scheduling every blend is an asynchronous load, whose failure vLLM learns before it
+    schedules the request)."""
     kv = vllm_config.kv_transfer_config
-    if vllm_config.cache_config.enable_prefix_caching:
-        raise ConfigError(
-            "enable_prefix_caching=True is not supported with CacheFuseConnector: vLLM would serve blended "
-            "blocks to later requests as if they were exact. Start vLLM with --no-enable-prefix-caching "
-            "(offline: LLM(enable_prefix_caching=False)); the system prompt is served from the store instead")
     if kv.kv_load_failure_policy != "recompute":
         raise ConfigError(
             f"kv_load_failure_policy={kv.kv_load_failure_policy!r} is not supported: cachefuse reports a failed "
             "blend as load errors so vLLM recomputes the request; set \"kv_load_failure_policy\": \"recompute\" "
             "in --kv-transfer-config")
-    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
-        # NOTE: under async scheduling vLLM has already scheduled a request's next step when the failed
-        # blend's load errors reach it; vLLM 0.32 then resets the request to recompute with that step's
-        # output pending, and the engine dies (IndexError in embed_tokens). Plain runs and preemption
-        # are fine with it; the fallback is not, and a fallback must never cost the engine.
-        raise ConfigError(
-            "async_scheduling=True is not supported with CacheFuseConnector: a blend that fails falls back "
-            "through vLLM's KV-load-failure recovery, which vLLM 0.32 cannot do under async scheduling (the "
-            "engine dies). Start vLLM with --no-async-scheduling (offline: LLM(async_scheduling=False))")
     if kv.kv_role != "kv_both":
         raise ConfigError(f"kv_role={kv.kv_role!r} is not supported: set \"kv_role\": \"kv_both\"")
 

@@ -44,7 +44,8 @@ class BlendPlan:
     block_ids: list[int]
     """The request's blocks, covering positions 0..N-1."""
     error_block_ids: list[int]
-    """The blocks covering 0..N-2 (cachefuse's hit): reported as load errors if the blend fails."""
+    """The blocks covering cached_prefix_tokens..N-2 (cachefuse's hit): reported as load errors if the
+    blend fails."""
     selected_rows: tuple[int, ...] | None = None
     preload_depth: int | None = None
     """The controller's L_p for this request (config preload_depth null); None: the config's."""
@@ -63,6 +64,10 @@ class BlendPlan:
     estimated_rows: float = 0.0
     """The pass's rows summed over its layers, as the scheduler estimated them (`estimated_rows`): what the
     worker's cohorts fit into its step budget."""
+    cached_prefix_tokens: int = 0
+    """Positions [0, P) are vLLM's own prefix-cache hit (block-aligned, exact, shared with other requests):
+    the pass computes them in memory as ever but never writes their slots, and its paged attention reads
+    them from the cache. `error_block_ids` leaves their blocks out."""
 
 
 def blend_budget_rows(blend_step_tokens: int | None, max_num_batched_tokens: int, num_layers: int) -> int:

@@ -50,15 +50,20 @@ def supports_paged_attention(layer: Any) -> bool:
     return isinstance(layer.impl, CPUAttentionBackendImpl) and hasattr(layer, "isa")
 
 
-def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions 0..T-1, in the cache's dtype;
-    positions past the slots (an asynchronous load's last token, which vLLM computes) are not written."""
+def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                   first_written: int = 0) -> None:
+    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions first_written..T-1, in the
+    cache's dtype. Positions before `first_written` are vLLM's own prefix-cache hit (exact, shared with
+    other requests: never written); positions past the slots (an asynchronous load's last token, which
+    vLLM computes) are not written either."""
     dtype = layer.kv_cache.dtype
     num_rows = min(k.shape[0], slot_mapping.shape[0])
-    k, v = k[:num_rows], v[:num_rows]
+    if num_rows <= first_written:
+        return
+    k, v = k[first_written:num_rows], v[first_written:num_rows]
     # reads T*kv_heads*head_dim*2, writes the same into the paged cache
     layer.impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), layer.kv_cache,
-                                  slot_mapping[: k.shape[0]])
+                                  slot_mapping[first_written:num_rows])
 
 
 @dataclass
@@ -79,18 +84,20 @@ class SlotWritingAttention:
     """(q, q_positions, k, v, scale, block_rows) over contiguous K/V, for caches not read in place."""
     slot_rows_attention: Callable[..., torch.Tensor] = field(default=ops.slot_rows_attention)
     """(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows): the rows over the paged cache."""
+    first_written: int = 0
+    """Positions before it are vLLM's prefix-cache hit: read in place, never written (write_layer_kv)."""
     read_in_place: dict[str, bool] = field(default_factory=dict, init=False)
     """Per layer name, once it has attended: whether its rows read the paged cache in place."""
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping)
+        write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping, self.first_written)
         return causal_attention(q, k, v, self.scale)
 
     def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
         name = self.layer_names[layer_index]
         layer = self.layers[name]
-        write_layer_kv(layer, k, v, self.slot_mapping)
+        write_layer_kv(layer, k, v, self.slot_mapping, self.first_written)
         views = paged_kv_views(layer)
         # keys past the slots (an asynchronous load's last token) live only in memory
         in_place = views is not None and views[0].dtype == q.dtype and k.shape[0] <= self.slot_mapping.shape[0]
@@ -115,6 +122,9 @@ class PagedAttention:
     """int64 [num_tokens]: the slot of every prompt position."""
     block_table: torch.Tensor
     """int32 [1, num_blocks]: the request's blocks."""
+    first_written: int = 0
+    """Positions before it are vLLM's prefix-cache hit: the kernel reads them from the cache (vLLM's exact
+    K/V), nothing writes them (write_layer_kv)."""
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the whole prompt; q [T, heads, head_dim], k/v [T, kv_heads, head_dim]."""
@@ -137,7 +147,7 @@ class PagedAttention:
         query_lens, seq_lens, tables, paged_q, in_memory = [], [], [], [], []
         for index, op in enumerate(attends):
             backend = op.backend
-            write_layer_kv(layer, op.k, op.v, backend.slot_mapping)
+            write_layer_kv(layer, op.k, op.v, backend.slot_mapping, backend.first_written)
             table = F.pad(backend.block_table, (0, width - backend.block_table.shape[1]))  # pad: never read
             num_slots = backend.slot_mapping.shape[0]
             positions = op.query_rows

@@ -188,10 +188,12 @@ class WorkerSide:
         fusor = self.engine.fusor
         if self.paged_attention:  # both write every layer's merged K/V into the slots as they attend
             backend = PagedAttention(layers, self.layer_names, slot_mapping,
-                                     torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device))
+                                     torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device),
+                                     first_written=plan.cached_prefix_tokens)
         else:
             backend = SlotWritingAttention(layers, self.layer_names, slot_mapping, self.adapter.shape.scaling,
-                                           fusor.block_rows, fusor.attention_fn)
+                                           fusor.block_rows, fusor.attention_fn,
+                                           first_written=plan.cached_prefix_tokens)
         # A replay (the request's first blend ran before a preemption) saved its holes and counted its
         # reuses the first time.
         return self.engine.fuse_steps(FusePlan(
@@ -217,7 +219,8 @@ class WorkerSide:
                 logger.debug("cachefuse placement: %s %s -> %s", key, source, target)
         figures = {key: value for key, value in stats.to_dict().items() if key not in _NOT_IN_RESPONSE}
         figures.update(status="fused", fallback_reason=None, inject_time_s=time.perf_counter() - running.start,
-                       blend_steps=steps, blend_batch_size=batch_size)
+                       blend_steps=steps, blend_batch_size=batch_size,
+                       prefix_cache_tokens=plan.cached_prefix_tokens)
         if plan.replay and plan.variants is not None:  # loaded exactly what the last blend loaded
             figures["replay_exact"] = stats.chunks_loaded == [v is not None for v in plan.variants]
         self._record_stats(figures)

@@ -5,6 +5,7 @@ Import only from tests under tests/vllm (their conftest sets the in-process envi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from pathlib import Path
@@ -15,9 +16,10 @@ ENGINE_ARGS = dict(dtype="float32", max_model_len=2048, enforce_eager=True, enab
 
 
 def start_engine(path: Path, store_dir: Path | None = None, engine_args: dict[str, Any] | None = None,
-                 **extra_config: Any):
+                 async_scheduling: bool = False, **extra_config: Any):
     """A plain engine (store_dir None) or one with CacheFuseConnector over `store_dir`; `engine_args`
-    override ENGINE_ARGS (e.g. a KV cache small enough to preempt).
+    override ENGINE_ARGS (e.g. a KV cache small enough to preempt). `async_scheduling` starts it as a GPU
+    engine starts by default (`as_on_a_gpu`): vLLM's CPU platform turns async scheduling off.
 
     The connector allows `sync_save`, as the engine of `cachefuse precompute` does: the test is its only
     client, and `precompute` below asks for it (pass allow_sync_save=False for a server's default)."""
@@ -30,7 +32,33 @@ def start_engine(path: Path, store_dir: Path | None = None, engine_args: dict[st
             kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"store_dir": str(store_dir), "allow_sync_save": True, **extra_config})
-    return LLM(model=str(path), kv_transfer_config=kv, **{**ENGINE_ARGS, **(engine_args or {})})
+    args = {**ENGINE_ARGS, **(engine_args or {})}
+    if not async_scheduling:
+        return LLM(model=str(path), kv_transfer_config=kv, **args)
+    with async_scheduling_as_on_a_gpu():
+        llm = LLM(model=str(path), kv_transfer_config=kv, **{**args, "async_scheduling": None})
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    return llm
+
+
+@contextlib.contextmanager
+def async_scheduling_as_on_a_gpu():
+    """vLLM resolves async scheduling on (its default on GPUs) and the CPU platform turns it off again;
+    within this block it stays on, and vLLM's CPU engine runs with it (AsyncScheduler, outputs one step
+    behind)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    cpu_update = CpuPlatform.check_and_update_config.__func__
+
+    def update_as_on_a_gpu(cls, vllm_config):
+        cpu_update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(update_as_on_a_gpu)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = classmethod(cpu_update)
 
 
 def stop_engine(llm) -> None:

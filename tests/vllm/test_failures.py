@@ -38,11 +38,14 @@ def family():  # one family is enough here: the paths are model-independent
     return "llama"
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync_scheduling", "async_scheduling"])
+def setup(request, tiny_model_dir, tmp_path_factory):
+    """Each test runs under vLLM's synchronous scheduler and its async one (vLLM's default on GPUs), where
+    every blend is an asynchronous load (a failure must reach vLLM before it schedules the request)."""
     store_dir = tmp_path_factory.mktemp("failure-store")
     # Disk tier only: every request reads the files, so what a test does to a file is what it sees.
-    llm = start_engine(tiny_model_dir("llama"), store_dir, memory_capacity_bytes=0, selector="full_reuse")
+    llm = start_engine(tiny_model_dir("llama"), store_dir, async_scheduling=request.param, memory_capacity_bytes=0,
+                       selector="full_reuse")
     pieces = random_pieces(3, {"system": 10, "a": 33, "c": 27, "d": 21, "question": 9})
     precompute(llm, pieces["system"], [pieces["a"], pieces["c"]])
     yield llm, store_dir, pieces

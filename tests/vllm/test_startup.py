@@ -10,7 +10,7 @@ import pytest
 from cachefuse.errors import CacheFuseError, ConfigError, UnsupportedModelError
 from cachefuse.vllm import plugin
 from cachefuse.vllm.checks import check_engine
-from tests.helpers.vllm_engines import ENGINE_ARGS, start_engine, stop_engine
+from tests.helpers.vllm_engines import start_engine, stop_engine
 
 
 def engine_config(**changes):
@@ -31,7 +31,6 @@ def engine_config(**changes):
 
 
 @pytest.mark.parametrize(("changes", "error", "words"), [
-    ({"prefix_caching": True}, ConfigError, "--no-enable-prefix-caching"),
     ({"policy": "fail"}, ConfigError, "\"kv_load_failure_policy\": \"recompute\""),
     ({"role": "kv_producer"}, ConfigError, "kv_both"),
     ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModelError, "GPT2LMHeadModel"),
@@ -42,7 +41,6 @@ def engine_config(**changes):
     ({"pp": 2}, UnsupportedModelError, "pipeline_parallel_size"),
     ({"cache_dtype": "fp8"}, ConfigError, "--kv-cache-dtype auto"),
     ({"cache_dtype": "fp8_e5m2"}, ConfigError, "kv_cache_dtype='fp8_e5m2'"),
-    ({"async_scheduling": True}, ConfigError, "--no-async-scheduling"),
 ])
 def test_check_engine_names_the_fix(changes, error, words):
     check_engine(engine_config())  # the valid baseline passes
@@ -52,34 +50,39 @@ def test_check_engine_names_the_fix(changes, error, words):
     assert words in str(info.value)
 
 
-def test_real_engine_with_prefix_caching_fails_at_start(tiny_model_dir, tmp_path):
+def test_vllms_defaults_pass_the_checks():
+    check_engine(engine_config(prefix_caching=True, async_scheduling=True))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["cpu_defaults", "gpu_defaults"])
+def test_an_engine_with_vllms_defaults_and_only_the_connector_serves_fused_requests(
+        tiny_model_dir, tmp_path, async_scheduling):
+    """vLLM's own defaults (prefix caching on; async scheduling on as on a GPU, which the CPU platform
+    otherwise turns off), nothing added but the --kv-transfer-config: fused requests are served."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    from tests.helpers.vllm_engines import async_scheduling_as_on_a_gpu, generate, named_prompt, random_pieces
 
     kv = KVTransferConfig(kv_connector="CacheFuseConnector", kv_connector_module_path="cachefuse.vllm.connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute",
                           kv_connector_extra_config={"store_dir": str(tmp_path)})
-    with pytest.raises(Exception, match="no-enable-prefix-caching"):
-        LLM(model=str(tiny_model_dir("llama")), kv_transfer_config=kv, **{**ENGINE_ARGS, "enable_prefix_caching": True})
-
-
-def test_real_engine_with_async_scheduling_fails_at_start(tiny_model_dir, tmp_path, monkeypatch):
-    """vLLM turns async scheduling on by default on GPUs and forces it off on the CPU: forced back on
-    here, as a GPU engine would start."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    cpu_update = CpuPlatform.check_and_update_config.__func__
-
-    def update_as_on_a_gpu(cls, vllm_config):
-        cpu_update(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = True
-
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(update_as_on_a_gpu))
-    with pytest.raises(Exception, match="--no-async-scheduling"):
-        start_engine(tiny_model_dir("llama"), tmp_path)
-    plain = start_engine(tiny_model_dir("llama"))  # control: without the connector the same engine starts
-    assert plain.llm_engine.vllm_config.scheduler_config.async_scheduling
-    stop_engine(plain)
+    path = str(tiny_model_dir("llama"))
+    if async_scheduling:
+        with async_scheduling_as_on_a_gpu():
+            llm = LLM(model=path, kv_transfer_config=kv)
+    else:
+        llm = LLM(model=path, kv_transfer_config=kv)
+    config = llm.llm_engine.vllm_config
+    assert config.cache_config.enable_prefix_caching
+    assert bool(config.scheduler_config.async_scheduling) == async_scheduling
+    pieces = random_pieces(7, {"system": 12, "a": 30, "question": 6})
+    ids, params = named_prompt(pieces, ("system", "a", "question"))
+    generate(llm, [ids], [params])  # stores the chunks (holes)
+    (out,) = generate(llm, [ids], [params])
+    assert out.kv_transfer_params["cachefuse"]["status"] == "fused"
+    assert out.kv_transfer_params["cachefuse"]["chunks_hit"] == 2
+    stop_engine(llm)
 
 
 def test_real_engine_with_a_bad_config_field_fails_at_start(tiny_model_dir, tmp_path):

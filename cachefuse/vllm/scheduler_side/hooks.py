@@ -30,6 +30,7 @@ from cachefuse.redis_client import redact_url
 from cachefuse.request import parse_request, wants_fusion
 from cachefuse.vllm.messages import CacheFuseMetadata, CacheFuseWorkerMeta
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
+from cachefuse.vllm.scheduler_side.block_hashes import BlendHashes
 from cachefuse.vllm.scheduler_side.gate import Gate
 from cachefuse.vllm.scheduler_side.index import start_index
 from cachefuse.vllm.scheduler_side.outcomes import Outcomes
@@ -57,7 +58,12 @@ class SchedulerSide:
         self.planner = Planner(config, block_size=vllm_config.cache_config.block_size,
                                key_context=self.key_context, index=self.index, gate=self.gate,
                                outcomes=self.outcomes, num_layers=model_config.hf_text_config.num_hidden_layers,
-                               max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                               max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                               async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
+        cache_config = vllm_config.cache_config
+        # vLLM's prefix cache on: blended blocks hashed apart from plain ones (block_hashes.py)
+        self.hashes = (BlendHashes(cache_config.prefix_caching_hash_algo, cache_config.block_size)
+                       if cache_config.enable_prefix_caching else None)
         logger.info("cachefuse scheduler: %d variants indexed (%s)", len(self.index),
                     redact_url(config.redis_url) if config.redis_url else config.store_path)
 
@@ -121,7 +127,10 @@ class SchedulerSide:
         if fusion is None or not fusion.chunks:
             return 0, False
         try:
-            return self.planner.plan(req_id, fusion, prompt, num_computed_tokens)
+            num_tokens, load_async = self.planner.plan(req_id, fusion, prompt, num_computed_tokens)
+            if num_tokens and self.hashes is not None:
+                self.hashes.salt(request, num_computed_tokens // self.hashes.block_size)
+            return num_tokens, load_async
         except Exception as exc:  # noqa: BLE001 - a planning bug (or a row no check caught) must not stop schedule()
             logger.exception("cachefuse: request %s: planning failed unexpectedly", req_id)
             self.planner.fall_back(req_id, "planning_error", detail=f"unexpected {type(exc).__name__} while planning")

@@ -11,6 +11,13 @@ tokens the connector holds. The request is planned again (`preemptions` counts h
 plan is sent with the new block table, which vLLM lists under the cached requests
 (`resumed_req_ids`), not the new ones: the blend writes [0, N-1) again before vLLM recomputes the
 rest. Without that plan vLLM would decode over blocks nothing wrote.
+
+vLLM's prefix cache (on by default): vLLM asks with its own hit, `num_computed_tokens` (block-aligned,
+exact K/V computed plain by vLLM and shared with other requests). The blend then holds [P, N-1) only: its
+pass computes the whole prompt in memory as ever, but never writes the hit's slots (`cached_prefix_tokens`),
+and its paged attention reads them from the cache. The hooks salt the request's block hashes from P on
+(block_hashes.py), so nobody else is ever served its blended blocks. A prompt vLLM holds whole (N-1 tokens
+or more) runs as plain vLLM; a resumed fused request that finds its own blended blocks resumes over them.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class _Pending:
     """vLLM waits for the worker to report its blend (Planner.plan decides, per call)."""
     estimated_rows: float = 0.0
     """Its pass's rows summed over layers (messages.estimated_rows), estimated when it is (re)planned."""
+    cached_prefix: int = 0
+    """vLLM's own prefix-cache hit when it was (re)planned: the blend holds [cached_prefix, N-1)."""
 
 
 @dataclass
@@ -84,8 +93,10 @@ class Planner:
     """The plans of the requests vLLM has asked about and not yet finished, and this step's blend budget."""
 
     def __init__(self, config: CacheFuseConfig, *, block_size: int, key_context: KeyContext, index: VariantIndex,
-                 gate: Gate, outcomes: Outcomes, num_layers: int, max_num_batched_tokens: int) -> None:
+                 gate: Gate, outcomes: Outcomes, num_layers: int, max_num_batched_tokens: int,
+                 async_scheduling: bool = False) -> None:
         self.config = config
+        self.async_scheduling = async_scheduling
         self.block_size = block_size
         self.num_layers = num_layers
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,6 +121,11 @@ class Planner:
         num_full = make_selector(fusion.selector, self.config).num_full_layers(self.num_layers)
         pending.estimated_rows = estimated_rows(len(pending.token_ids), fusion.segments, pending.variants,
                                                 fusion.recompute_ratio, self.num_layers, num_full)
+        if self.async_scheduling:
+            # vLLM has scheduled the request's next step before it hears of a synchronous load's failure, and
+            # vLLM 0.32 cannot recompute it then (the engine dies); an asynchronous load's failure is known
+            # before the request is ever scheduled, and vLLM recomputes it as with any other transfer.
+            return True
         if self.config.blend_step_tokens == 0:
             return False
         if any(p.load_async and (not p.sent or p.figures_due) for p in self.pending.values() if p is not pending):
@@ -134,9 +150,6 @@ class Planner:
             None when over this step's blend budget: asked again next step), and whether the load is
             asynchronous (`_loads_async`: vLLM waits for the worker to report the blend done).
         """
-        if num_computed_tokens:  # prefix caching is off (checked at start-up); keep plain vLLM if not
-            self.fall_back(req_id, "local_prefix_hit", detail=f"{num_computed_tokens} tokens already computed")
-            return 0, False
         previous = self.pending.get(req_id)  # a re-call: not scheduled yet, or preempted and now resuming
         replaying = previous is not None and (previous.sent or previous.replay)
         if replaying and previous.outcome.status == "fallback":
@@ -147,11 +160,27 @@ class Planner:
             if previous.outcome.fused_before_preemption:  # a replay failed: its resumption counts
                 self.outcomes.resumed_plain.add(req_id)  # when vLLM admits it (a failed first blend is plain all along)
             return 0, False
+        if num_computed_tokens >= len(prompt) - 1:  # vLLM's prefix cache holds every token a blend would write
+            if replaying and prompt[:len(previous.token_ids)] == previous.token_ids:
+                return self._resume_cached(req_id, previous)
+            self.fall_back(req_id, "local_prefix_hit", detail=f"vLLM's prefix cache holds {num_computed_tokens} of "
+                           f"the prompt's {len(prompt)} tokens: plain vLLM output, nothing to blend")
+            return 0, False
         if not self._within_budget(req_id, previous is None, len(prompt)):
             return None, False  # over this step's blend budget: retried next step
         if replaying:
-            return self._replay(req_id, previous, prompt)
-        return self._plan_new(req_id, fusion, prompt)
+            return self._replay(req_id, previous, prompt, num_computed_tokens)
+        return self._plan_new(req_id, fusion, prompt, num_computed_tokens)
+
+    def _resume_cached(self, req_id: str, previous: _Pending) -> tuple[int, bool]:
+        """A fused request vLLM preempted and resumes, finding its own blended blocks in its prefix cache (its
+        salted chain: nobody else's): it resumes over the very K/V its first tokens came from, nothing to
+        blend. Counted as a resumption, exact like a replay that loaded everything."""
+        previous.sent, previous.replay, previous.block_ids = True, False, None  # no plan goes out
+        self.outcomes.fallbacks.pop(req_id, None)
+        self.outcomes.count_resumption(previous.outcome)
+        previous.outcome.update(replay_exact=previous.outcome.replay_exact is not False)
+        return 0, False
 
     def _within_budget(self, req_id: str, first_call: bool, num_tokens: int) -> bool:
         """Counts the request against this step's `max_blend_tokens_per_step`, or says it must wait: a step
@@ -168,7 +197,8 @@ class Planner:
         self.budget.tokens += num_tokens
         return True
 
-    def _plan_new(self, req_id: str, fusion: FusionRequest, prompt: list[int]) -> tuple[int, bool]:
+    def _plan_new(self, req_id: str, fusion: FusionRequest, prompt: list[int],
+                  cached_prefix: int) -> tuple[int, bool]:
         """A first plan: each chunk's variant from the index, and the controller's go/no-go and ratio."""
         keys = [chunk_key(prompt[s:e], self.key_context, at_prompt_start=s == 0) for s, e in fusion.chunks]
         admission = None if fusion.store_variant else Admission.from_config(self.config)
@@ -189,13 +219,13 @@ class Planner:
                                  chunks=len(keys), chunks_indexed=sum(indexed), controller=controller)
         # idempotent: a re-call replaces it
         self.pending[req_id] = _Pending(request=fusion, token_ids=prompt, outcome=outcome, chunk_keys=tuple(keys),
-                                        variants=variants)
+                                        variants=variants, cached_prefix=cached_prefix)
         self.outcomes.fallbacks.pop(req_id, None)  # it fell back at an earlier call (e.g. no_go): no longer its outcome
         pending = self.pending[req_id]
         pending.load_async = self._loads_async(pending)
-        return len(prompt) - 1, pending.load_async
+        return len(prompt) - 1 - cached_prefix, pending.load_async
 
-    def _replay(self, req_id: str, previous: _Pending, prompt: list[int]) -> tuple[int, bool]:
+    def _replay(self, req_id: str, previous: _Pending, prompt: list[int], cached_prefix: int) -> tuple[int, bool]:
         """A request whose blend ran and that vLLM preempted and now resumes: its first blend's plan again,
         the same variants (its own saved holes stay holes), selector and ratio, with no controller (no
         no-go), so the K/V vLLM decodes the rest over are the ones its first tokens came from. Planned
@@ -221,8 +251,9 @@ class Planner:
                 previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
         self.outcomes.fallbacks.pop(req_id, None)
+        previous.cached_prefix = cached_prefix  # exact blocks, or its own blended ones found again
         previous.load_async = self._loads_async(previous)
-        return planned - 1, previous.load_async
+        return planned - 1 - cached_prefix, previous.load_async
 
     def allocated(self, req_id: str, blocks: Any, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (`blocks`: its KVCacheBlocks), loading `num_external_tokens`."""
@@ -272,11 +303,12 @@ class Planner:
         slots = [block_ids[p // bs] * bs + p % bs for p in range(min(num_tokens, len(block_ids) * bs))]
         fusion = pending.request
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
+        cached_blocks = pending.cached_prefix // bs  # vLLM's hit: shared, never reported as a load error
         return BlendPlan(
             req_id=req_id, token_ids=pending.token_ids, segments=fusion.segments, chunk_keys=pending.chunk_keys,
             selector=fusion.selector,
             recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
-            block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[:num_hit_blocks],
+            block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[cached_blocks:num_hit_blocks],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
             sync_save=fusion.sync_save, replay=pending.replay, load_async=pending.load_async,
-            estimated_rows=pending.estimated_rows)
+            estimated_rows=pending.estimated_rows, cached_prefix_tokens=pending.cached_prefix)

@@ -33,9 +33,9 @@ def make_side(tiny_model_dir, tmp_path):
         vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(model=str(path), dtype=torch.float32, tokenizer=str(path), revision=None,
                                          hf_text_config=hf_config),
-            cache_config=SimpleNamespace(block_size=16),
+            cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=False, prefix_caching_hash_algo="sha256"),
             parallel_config=SimpleNamespace(tensor_parallel_size=1),
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, async_scheduling=False))
         return SchedulerSide(vllm_config, CacheFuseConfig(store_dir=str(tmp_path / "store"), **config))
 
     return make
@@ -338,8 +338,8 @@ def fuzz_side(tiny_model_dir, tmp_path_factory):
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None,
                                      hf_text_config=AutoConfig.from_pretrained(path)),
-        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+        cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=False, prefix_caching_hash_algo="sha256"), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, async_scheduling=False))
     config = CacheFuseConfig(store_dir=str(tmp_path_factory.mktemp("fuzz-store")), allow_debug_overrides=True)
     return SchedulerSide(vllm_config, config)
 
@@ -916,3 +916,52 @@ def test_a_blend_runs_synchronously_when_it_fits_the_step_and_nothing_older_wait
     worker_reports(side, "c")
     side.build_connector_meta(step_output())  # the next step starts with a fresh budget
     assert side.get_num_new_matched_tokens(request("e"), 0) == (99, False)  # nothing waits: synchronous again
+
+
+def test_vllms_own_prefix_hit_stays_vllms_and_the_blend_holds_the_rest(make_side):
+    """With prefix caching on, vLLM asks with its own block-aligned hit: the blend holds [hit, N-1), its plan
+    says what it must not write, and a failure reports only the blocks past the hit (the hit's are shared)."""
+    side = make_side()
+    req = request("r1", 100)
+    assert side.get_num_new_matched_tokens(req, 32) == (100 - 1 - 32, False)
+    side.update_state_after_alloc(req, blocks(100), 67)
+    (plan,) = side.build_connector_meta(step_output(req)).plans
+    assert plan.cached_prefix_tokens == 32 and len(plan.slot_mapping) == 100  # the pass still sees every position
+    assert plan.error_block_ids == plan.block_ids[2:]  # positions 32..98
+    worker_reports(side, "r1", chunks_hit=2)
+    assert side.request_finished(req, [])[1]["cachefuse"]["status"] == "fused"
+    assert_no_state(side)
+
+
+def test_a_prompt_vllm_holds_whole_runs_plain_and_says_so(make_side):
+    side = make_side()
+    req = request("r1", 100)
+    assert side.get_num_new_matched_tokens(req, 99) == (0, False)
+    side.update_state_after_alloc(req, blocks(100), 0)
+    params = side.request_finished(req, [])[1]["cachefuse"]
+    assert params["status"] == "fallback" and params["fallback_reason"] == "local_prefix_hit"
+    assert_no_state(side)
+
+
+def test_a_resumed_request_that_finds_its_own_blocks_resumes_over_them(make_side):
+    """Preempted after its blend, resumed: vLLM's cache still holds its (salted) blocks, covering everything the
+    blend wrote: nothing is blended again, it stays fused and counts one resumption, exact."""
+    side = make_side()
+    req = request("r1", 100)
+    schedule(side, req)
+    worker_reports(side, "r1", chunks_hit=2, chunks_loaded=[True, True])
+    assert side.get_num_new_matched_tokens(req, 112) == (0, False)  # prompt and some decoded tokens, its own
+    side.update_state_after_alloc(req, blocks(120, first=40), 0)
+    assert side.build_connector_meta(step_output(resumed=[req])).plans == []
+    params = side.request_finished(req, [])[1]["cachefuse"]
+    assert params["status"] == "fused" and params["preemptions"] == 1 and params["replay_exact"] is True
+    assert_no_state(side)
+
+
+def test_under_async_scheduling_every_blend_is_an_asynchronous_load(make_side):
+    """vLLM learns an asynchronous load's failure before it schedules the request; a synchronous one's after it
+    scheduled the next step, which vLLM 0.32 cannot recover from (tests/vllm/test_async_scheduling.py)."""
+    side = make_side()  # blend_step_tokens 0: synchronous, but for async scheduling
+    assert side.get_num_new_matched_tokens(request("sync"), 0) == (99, False)
+    side.planner.async_scheduling = True
+    assert side.get_num_new_matched_tokens(request("async"), 0) == (99, True)
