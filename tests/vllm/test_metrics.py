@@ -123,3 +123,19 @@ def test_tensor_parallel_ranks_count_a_request_once_when_vllm_sums_them():
     assert total == {**counted_once, "bytes_loaded": 2000, "blends_split": 1, "blends_batched": 1,
                      "bytes_loaded_tier_disk": 1200, "bytes_loaded_tier_memory": 800, "load_seconds_tier_disk": 0.02,
                      "load_seconds_tier_memory": 0.002, "blend_time_s_count": 1, "blend_time_s_mean": 0.04}
+
+
+def test_the_stats_cross_vllms_engine_to_frontend_serialisation_intact():
+    """`vllm serve` runs the engine in a process of its own: SchedulerStats reach the Prometheus logger through
+    vLLM's msgpack encoding, which must keep counters, sample lists and gauge keys as they are."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    stats = CacheFuseConnectorStats()
+    stats.record(controller_go=1, bytes_loaded_tier_memory=10)
+    stats.sample(blend_time_s=0.1, recompute_ratio=0.15)
+    stats.set_gauges(1, save_queue_bytes=5)
+    sent = EngineCoreOutputs(scheduler_stats=SchedulerStats(kv_connector_stats=stats.to_dict()))
+    received = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(sent))
+    assert received.scheduler_stats.kv_connector_stats == stats.data
