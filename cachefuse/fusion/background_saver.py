@@ -33,6 +33,17 @@ from cachefuse.store.base import ChunkKV, KVStore, select_rows
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class QueueDepth:
+    """The background writer's queue at one moment (the operator's save-queue gauges)."""
+
+    num_saves: int
+    """Holes queued or being written."""
+    num_bytes: int
+    """Their K/V bytes (what `max_bytes` bounds)."""
+    max_bytes: int
+
+
 class BackgroundSaver:
     """Writes hole saves on one daemon thread, behind the requests that computed them.
 
@@ -69,6 +80,11 @@ class BackgroundSaver:
     def pending_bytes(self) -> int:
         with self._cond:
             return self._pending_bytes
+
+    def queue_depth(self) -> QueueDepth:
+        """What waits now: holes queued or being written, their bytes, and the bound."""
+        with self._cond:
+            return QueueDepth(len(self._pending), self._pending_bytes, self.max_bytes)
 
     def submit(self, saves: Sequence[HoleSave]) -> SaveReport:
         """Queues what fits; returns what the request's figures and the scheduler's index learn now

@@ -29,7 +29,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
-from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore
+from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore, QueueDepth
 from cachefuse.fusion.batch import PassSteps, run_alone
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FusePlan, FuseRequest, FuseResult
@@ -402,6 +402,10 @@ class FusionEngine:
             raise RuntimeError("this engine already saves in the background")
         self.saver = BackgroundSaver(self._hole_writer(), max_bytes, flush_timeout_s)
         self.store = PendingReadsStore(self.store, self.saver)
+
+    def save_queue_depth(self) -> QueueDepth | None:
+        """The background saver's queue now; None when saving inline."""
+        return None if self.saver is None else self.saver.queue_depth()
 
     def take_save_report(self) -> SaveReport:
         """What the background saver did since the last call (empty when saving inline)."""

@@ -36,6 +36,8 @@ from cachefuse.errors import ConfigError
 from cachefuse.loading.figures import ComputeFigures, TierFigures
 
 RATIO_MODES = ("fixed", "controller")
+VERDICTS = ("go", "no_go", "force_fuse")
+"""A decision's `verdict`: fused by the estimate, turned down, or fused only because `force_fuse` is on."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class RequestShape:
 @dataclass(frozen=True)
 class Decision:
     fuse: bool
+    verdict: str
+    """One of VERDICTS: why `fuse` is what it is, in one word (the reason says it in full)."""
     ratio: float
     tier: str | None
     """The tier whose reads take longest (the load's bottleneck); None when nothing is loaded."""
@@ -301,13 +305,13 @@ def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFig
     vllm = f"vLLM prefill {est_prefill * 1e3:.1f} ms"
     every_row = shape.num_candidates > 0 and rows >= shape.num_candidates
     if est_fused < (1.0 - margin) * est_prefill and not every_row:
-        fuse, verdict = True, f"go: {cmp} < {vllm} less {margin:.0%}"
+        fuse, verdict, summary = True, "go", f"go: {cmp} < {vllm} less {margin:.0%}"
     else:
         bound = f"slow tier {tier}" if est_load >= est_recompute else f"recompute-bound at r={ratio:.3f}"
         if every_row:
             bound = f"every row recomputed ({rows} of {shape.num_candidates}): a full prefill plus loading; {bound}"
-        fuse = force_fuse
-        verdict = f"{'force_fuse' if force_fuse else 'no-go'}: {cmp} >= {vllm} less {margin:.0%} ({bound})"
-    return Decision(fuse=fuse, ratio=ratio, tier=tier, reason=f"{verdict}; {why}", est_fused_s=est_fused,
-                    est_prefill_s=est_prefill, est_load_s=est_load, est_recompute_s=est_recompute,
+        fuse, verdict = force_fuse, "force_fuse" if force_fuse else "no_go"
+        summary = f"{'force_fuse' if force_fuse else 'no-go'}: {cmp} >= {vllm} less {margin:.0%} ({bound})"
+    return Decision(fuse=fuse, verdict=verdict, ratio=ratio, tier=tier, reason=f"{summary}; {why}",
+                    est_fused_s=est_fused, est_prefill_s=est_prefill, est_load_s=est_load, est_recompute_s=est_recompute,
                     preload_depth=depth, est_load_by_tier_s=load_by_tier, est_rows=rows, est_probe_s=est_probe)

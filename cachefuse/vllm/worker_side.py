@@ -103,6 +103,7 @@ class WorkerSide:
                                              vllm_config.scheduler_config.max_num_batched_tokens, shape.num_layers)
         self._meta = CacheFuseWorkerMeta()
         self._stats = CacheFuseConnectorStats()
+        self._reported_depth = None  # the save queue's depth as last reported (vllm.metrics: gauges)
 
     def start_load_kv(self, metadata: CacheFuseMetadata, forward_context: Any) -> None:
         """This step's blends: the synchronous ones whole (vLLM's forward reads their K/V next; batched
@@ -164,10 +165,13 @@ class WorkerSide:
     def _record_stats(self, figures: dict[str, Any]) -> None:
         """A blend's counters for Prometheus. vLLM sums the ranks' stats: a request's figures (chunks,
         tokens, time, holes saved, skipped or failed, steps and batch) are counted by rank 0 alone, the
-        ones its response carries; the bytes each rank read (its own heads) by each."""
+        ones its response carries; the bytes each rank read (its own heads), and their time, by each."""
+        self._stats.record(**{f"bytes_loaded_tier_{tier}": n for tier, n in figures["load_bytes_by_tier"].items()},
+                           **{f"load_seconds_tier_{tier}": t for tier, t in figures["load_seconds_by_tier"].items()})
         if self.tp_rank != 0:
             self._stats.record(bytes_loaded=figures["bytes_loaded"])
             return
+        self._stats.sample(blend_time_s=figures["blend_time_s"])
         self._stats.record(tokens_reused=figures["tokens_reused"], tokens_recomputed=figures["tokens_recomputed"],
                            bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
                            chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],
@@ -262,6 +266,8 @@ class WorkerSide:
         self._meta.evict(written.evicted)
         if self.tp_rank == 0:
             self._meta.written_keys.extend(written.written)
+            if written.written:
+                self._stats.record(saves_written=len(written.written))
         self._meta.save_failures += written.failures
         if written.failures:
             self._stats.record(save_failures=written.failures)
@@ -280,6 +286,11 @@ class WorkerSide:
         self.engine.metastore.close()
 
     def get_kv_connector_stats(self) -> CacheFuseConnectorStats | None:
+        depth = self.engine.save_queue_depth()
+        if depth is not None and depth != self._reported_depth:  # a level: said when it changes
+            self._stats.set_gauges(self.tp_rank, save_queue_holes=depth.num_saves, save_queue_bytes=depth.num_bytes,
+                                   save_queue_capacity_bytes=depth.max_bytes)
+            self._reported_depth = depth
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, CacheFuseConnectorStats()

@@ -4,6 +4,7 @@
   would wait: the negative control); the queued hole reads as stored at once, and the next prefill
   reuses it with the output of an engine that saved inline;
 - a full queue skips the save and counts it, without waiting; the same hole queued twice is written once;
+  the queue's depth (holes, bytes, bound) says what waits, and nothing once written;
 - a save that fails after it was announced comes back as a failure and an eviction of its variant id,
   unless the hole was queued again before the report was taken; a writer that raises keeps writing the
   next save; a written save is reported as written;
@@ -21,7 +22,7 @@ import torch
 
 from cachefuse.adapters.hf import HFAdapter
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore
+from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore, QueueDepth
 from cachefuse.fusion.engine import FusionEngine
 from cachefuse.fusion.saving import HoleSave, HoleWriter
 from cachefuse.metadata.base import VariantRecord
@@ -131,8 +132,11 @@ def test_full_queue_skips_and_counts_without_waiting():
     first = saver.submit([_save("a" * 16), _save("b" * 16), _save("c" * 16)])  # room for two
     assert first.saved_keys == ["a" * 16, "b" * 16] and first.skipped == 1
     assert saver.submit([_save("a" * 16)]).is_empty()  # queued already: written once
+    nbytes = _entry().nbytes
+    assert saver.queue_depth() == QueueDepth(2, 2 * nbytes, 2 * nbytes)  # the skipped one is not waiting
     store.gate.set()
     assert saver.flush(WAIT_S)
+    assert saver.queue_depth() == QueueDepth(0, 0, 2 * nbytes)
     assert sorted(store.keys()) == ["a" * 16, "b" * 16] and store.stats.puts == 2
     assert saver.submit([_save("c" * 16)]).saved_keys == ["c" * 16]  # room again
     assert saver.close() == 0 and store.contains("c" * 16)

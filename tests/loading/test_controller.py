@@ -84,16 +84,16 @@ def test_throttled_tier_raises_r_unthrottled_keeps_r_min():
 
 def test_go_when_fused_beats_prefill():
     d = _decide(tiers=[MEMORY])
-    assert d.fuse and d.reason.startswith("go: ") and d.tier == "memory"
+    assert d.fuse and d.reason.startswith("go: ") and d.tier == "memory" and d.verdict == "go"
     assert d.est_fused_s == max(d.est_load_s, d.est_recompute_s) < d.est_prefill_s
 
 
 def test_no_go_slow_tier_and_force_fuse():
     d = _decide(tiers=[TierFigures("disk", 0.05e9)])
-    assert not d.fuse and d.reason.startswith("no-go: ") and "slow tier disk" in d.reason
+    assert not d.fuse and d.reason.startswith("no-go: ") and "slow tier disk" in d.reason and d.verdict == "no_go"
     assert d.est_fused_s >= d.est_prefill_s
     forced = _decide(tiers=[TierFigures("disk", 0.05e9)], force_fuse=True)
-    assert forced.fuse and forced.reason.startswith("force_fuse: ")
+    assert forced.fuse and forced.reason.startswith("force_fuse: ") and forced.verdict == "force_fuse"
 
 
 def test_no_go_tiny_prompt():

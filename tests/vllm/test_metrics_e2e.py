@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 
+from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from tests.helpers import vllm_engines as engines
 
 SMALL_KV_CACHE = dict(kv_cache_memory_bytes=2 << 20, max_model_len=512)  # 1,024 tokens of the tiny llama
@@ -33,14 +34,14 @@ def setup(model_dir, tmp_path_factory):
     engines.stop_engine(llm)
 
 
-def collect_stats(monkeypatch, side) -> Counter:
-    """Every interval's connector stats `side` hands to vLLM, summed as vLLM's aggregate does."""
-    total, original = Counter(), side.get_kv_connector_stats
+def collect_stats(monkeypatch, side) -> CacheFuseConnectorStats:
+    """Every interval's connector stats `side` hands to vLLM, merged as vLLM's aggregate does."""
+    total, original = CacheFuseConnectorStats(), side.get_kv_connector_stats
 
     def recording():
         stats = original()
         if stats is not None:
-            total.update(stats.data)
+            total.data = total.aggregate(stats).data
         return stats
 
     monkeypatch.setattr(side, "get_kv_connector_stats", recording)
@@ -70,7 +71,11 @@ def test_preempted_and_waiting_requests_are_counted_once(setup, monkeypatch):
     assert counted["requests_replanned_after_preemption"] > 0, "nothing was preempted: the KV cache is too large"
     assert len(fallbacks) > 1, "the malformed request never waited: vLLM asked about it once"
     assert (counted["requests_fused"], counted["requests_fallback"], counted["fallback:malformed_request"]) == (6, 1, 1)
-    prometheus = scheduler_stats + worker_stats
+    prometheus = scheduler_stats.aggregate(worker_stats).data
     assert (prometheus["requests_fused"], prometheus["requests_fallback"],
             prometheus["fallback_malformed_request"]) == (6, 1, 1), prometheus
     assert prometheus["chunks_hit"] > 6 * 4  # work is counted per blend: a resumed request loads again
+    by_tier = {k: v for k, v in prometheus.items() if k.startswith("bytes_loaded_tier_")}
+    assert by_tier and sum(by_tier.values()) == prometheus["bytes_loaded"], by_tier  # every byte has its tier
+    assert len(prometheus["samples_blend_time_s"]) > 6  # one per blend, replays included
+    assert prometheus["samples_recompute_ratio"] == [0.15] * 6  # one per fused request

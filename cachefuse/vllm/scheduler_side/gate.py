@@ -28,6 +28,10 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_
                "float8_e5m2": 1, "float8_e5m2fnuz": 1, "int8": 1, "uint8": 1}
 """Bytes per element of the dtypes a model's K/V are stored in, by `chunks.dtype_name`."""
 
+VERDICTS = (*controller.VERDICTS, "remeasure", "no_figures")
+"""A decision's `verdict` as the gate hands it out: the controller's, or `remeasure` (a load-bound no-go
+fused anyway to measure its tier again), or `no_figures` (nothing measured yet: the request's own ratio)."""
+
 
 def dtype_bytes(dtype: Any) -> int:
     """Bytes per element of a torch dtype (or its name), without torch.
@@ -97,7 +101,7 @@ class Gate:
         figures = self.figures
         samples = figures.get("samples", {})
         if not figures.get("tiers") or not samples.get("blend_layers") or not samples.get("prefill_steps"):
-            return {"fuse": True, "ratio": fusion.recompute_ratio,
+            return {"fuse": True, "verdict": "no_figures", "ratio": fusion.recompute_ratio,
                     "reason": "no measured figures yet (tier bandwidth, blend and prefill speed): fixed ratio"}
         num_layers, bytes_per_token = self.kv_geometry()
         loaded = [(e - s, s == 0, c) for (s, e), c in zip(fusion.chunks, variants, strict=True) if c is not None]
@@ -139,7 +143,8 @@ class Gate:
         since = self.no_go_since.setdefault(tier, now)
         if now - since >= FIGURE_STALE_S:
             self.no_go_since[tier] = now
-            out.update(fuse=True, reason=f"re-measure (load-bound no-go on {tier} for {FIGURE_STALE_S:g} s, its "
-                                         f"figure unread since): fused anyway; {decision.reason}")
+            out.update(fuse=True, verdict="remeasure",
+                       reason=f"re-measure (load-bound no-go on {tier} for {FIGURE_STALE_S:g} s, its "
+                              f"figure unread since): fused anyway; {decision.reason}")
             self.remeasuring[req_id] = out
         return out

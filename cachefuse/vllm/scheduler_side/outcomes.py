@@ -1,7 +1,8 @@
 """Per-request outcomes: what a response's `kv_transfer_params["cachefuse"]` says, counted and logged once.
 
 Imports only the standard library and cachefuse.chunks (PARAMS_KEY); no torch, no vllm: the hooks hand
-in the stats object vLLM collects (`CacheFuseConnectorStats`, anything with `record(**counts)`).
+in the stats object vLLM collects (`CacheFuseConnectorStats`, anything with `record(**counts)` and
+`sample(**values)`).
 
 A request's outcome (`RequestOutcome`) is created when it is planned (planning.py) or falls back, and
 its response dict (`to_response`, the one place it becomes one) is returned by `request_finished`; vLLM
@@ -11,8 +12,9 @@ current. Its `status` ends as one of the documented values: `fused`, `fallback`,
 but the request finished before its blend ran); never the internal `planned`.
 
 Counting: vLLM asks about a request every step it waits for blocks, and again after each preemption,
-so the request counters (`requests_fused`, `requests_fallback` and its reasons) count a request once,
-by its final outcome, when it finishes (`finish`), never per call or per blend. Counters of events
+so the request counters (`requests_fused`, `requests_fallback` and its reasons, the controller's verdict,
+the fused request's ratio) count a request once, by its final outcome, when it finishes (`finish`),
+never per call or per blend. Counters of events
 (`requests_replanned_after_preemption`, misses, save failures) count each event.
 """
 
@@ -198,15 +200,28 @@ class Outcomes:
     def finish(self, req_id: str, outcome: RequestOutcome) -> None:
         """A finished request's final outcome, counted and logged once (`not_run` counts as neither)."""
         status = outcome.status
+        verdict = _controller_verdict(outcome)
+        if verdict is not None:
+            self.stats.record(**{f"controller_{verdict}": 1})
         if status == "fused":
             self.counters["requests_fused"] += 1
             self.stats.record(requests_fused=1)
+            if outcome.recompute_ratio is not None:
+                self.stats.sample(recompute_ratio=outcome.recompute_ratio)
         elif status == "fallback":
             reason = outcome.fallback_reason
             self.counters["requests_fallback"] += 1
             self.counters[f"fallback:{reason}"] += 1
             self.stats.record(**{"requests_fallback": 1, f"fallback_{reason}": 1})
         _log_outcome(req_id, outcome)
+
+
+def _controller_verdict(outcome: RequestOutcome) -> str | None:
+    """The loading controller's verdict on a request, if it decided one: the plan keeps the decision; a no-go
+    keeps only its fallback reason (the plan is dropped)."""
+    if outcome.controller is not None:
+        return outcome.controller.get("verdict")
+    return "no_go" if outcome.status == "fallback" and outcome.fallback_reason == "no_go" else None
 
 
 def _replay_outcome(figures: dict[str, Any]) -> dict[str, Any]:

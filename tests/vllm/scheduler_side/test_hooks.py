@@ -517,7 +517,7 @@ def test_a_preempted_fused_request_is_one_fused_request(make_side, caplog):
         worker_reports(side, None)
     assert params["cachefuse"]["status"] == "fused" and params["cachefuse"]["preemptions"] == 1
     assert side.counters["requests_fused"] == 1 and side.counters["requests_replanned_after_preemption"] == 1
-    assert side.get_kv_connector_stats().data == {"requests_fused": 1}
+    assert side.get_kv_connector_stats().data == {"requests_fused": 1, "samples_recompute_ratio": [0.15]}  # once each
     assert len([r for r in caplog.records if "request r1 outcome" in r.getMessage()]) == 1
     assert_no_state(side)
 
@@ -800,6 +800,10 @@ def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again
     now[0] = 20 * FIGURE_STALE_S
     assert not decision("f", recompute_bound)[0]
     assert_no_state(side)
+    # Prometheus counts each finished request's verdict once: "c" twice (aborted, then fused), both re-measures
+    counted = side.get_kv_connector_stats().data
+    assert (counted.get("controller_no_go"), counted.get("controller_remeasure"), counted.get("controller_go")) == (
+        5, 2, None), counted
 
 
 def test_only_a_step_of_one_plain_prefill_times_vllms_prefill():

@@ -1,4 +1,5 @@
-"""RequestOutcome and Outcomes on their own: the response's keys, and figures arriving after request_finished."""
+"""RequestOutcome and Outcomes on their own: the response's keys, figures arriving after request_finished, and
+what a finished request adds to the Prometheus stats."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_an_outcome_pickles_and_compares_without_its_response():
     handed_out = outcome.to_response()
     assert pickle.loads(pickle.dumps(outcome)) == outcome == planned()
     assert handed_out[PARAMS_KEY] is outcome.to_response()[PARAMS_KEY]
+
+
+def test_a_finished_request_counts_its_controller_verdict_and_its_ratio_once():
+    """The controller's verdict of each finished request (a no-go is only a fallback reason by then) and the
+    ratio of each fused one; a request the controller never saw (fixed ratio, other fallbacks) has no verdict."""
+    stats = CacheFuseConnectorStats()
+    outcomes = Outcomes(stats)
+    decided = planned()
+    decided.update(controller={"fuse": True, "verdict": "go", "ratio": 0.3}, recompute_ratio=0.3)
+    outcomes.request_finished("go", decided, figures_due=True)
+    outcomes.record_blend("go", {"status": "fused"}, None)
+    outcomes.fall_back("slow", "no_go", detail="no-go: ...")
+    outcomes.request_finished("slow", None, figures_due=False)
+    outcomes.fall_back("bad", "malformed_request", detail="bad chunks")
+    outcomes.request_finished("bad", None, figures_due=False)
+    fixed = planned()
+    outcomes.request_finished("fixed", fixed, figures_due=True)
+    outcomes.record_blend("fixed", {"status": "fused"}, None)
+    assert {k: v for k, v in stats.data.items() if k.startswith("controller_")} == {
+        "controller_go": 1, "controller_no_go": 1}
+    assert stats.data["samples_recompute_ratio"] == [0.3, 0.15]  # fused requests only, each once
