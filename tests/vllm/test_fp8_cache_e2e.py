@@ -95,7 +95,7 @@ def fp8(request, tiny_model_dir, tmp_path_factory):
                      strict=True))
     stop_engine(plain_llm)
     store_dir = tmp_path_factory.mktemp(f"store-{request.param}")
-    llm = start_engine(path, store_dir, engine_args=cache, allow_debug_overrides=True)
+    llm = start_engine(path, store_dir, engine_args=cache)
     set_scales(llm, *SCALES)
     reports = precompute(llm, pieces["system"], [pieces["a"], pieces["c"]])
     assert all(r["status"] == "fused" for r in reports), reports
