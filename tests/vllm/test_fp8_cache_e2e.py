@@ -8,7 +8,7 @@ scales that are not powers of two (as a checkpoint with calibrated scales loads 
 - at 15% (CacheBlend) the first-token KL against plain fp8 vLLM is measured; it lies below full
   reuse's.
 - the fp8 engine's chunk keys carry its cache format: an unquantized engine's keys for the same
-  chunks are other keys.
+  chunks are other keys, and `cachefuse precompute` plans in the fp8 engine's keys.
 """
 
 from __future__ import annotations
@@ -183,3 +183,18 @@ def test_fp8_engine_keys_carry_the_cache_format(fp8):
     assert chunk_key(system, ctx, at_prompt_start=True) in stored
     unquantized = chunk_key(system, dataclasses.replace(ctx, paged_cache_dtype="auto"), at_prompt_start=True)
     assert unquantized not in stored
+
+
+def test_precompute_plans_in_the_fp8_engines_keys(fp8, tokenizer):
+    """`cachefuse precompute` lists the store under the keys the scheduler plans with: a second run over
+    the same texts finds every chunk the first stored (planned in an unquantized engine's keys, it would
+    store them all again)."""
+    from cachefuse.offline.precompute import precompute_chunks
+
+    _, llm, _, _, store_dir = fp8
+    texts = ["Document 1: the river Alder runs north of Kell.\n", "Document 2: Kell trades wool and salt.\n"]
+    first = precompute_chunks(llm, tokenizer, "You answer from the documents.\n", texts, store_dir=store_dir,
+                              progress=False)
+    again = precompute_chunks(llm, tokenizer, "You answer from the documents.\n", texts, store_dir=store_dir,
+                              progress=False)
+    assert (first.num_stored, again.num_stored, again.num_skipped) == (2, 0, 2)
