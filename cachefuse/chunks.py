@@ -153,6 +153,11 @@ class KeyContext:
     tp_rank: int = 0
     config_hash: str = ""
     """CacheFuseConfig.compute_hash(): the config fields that change stored bytes."""
+    paged_cache_dtype: str = "auto"
+    """The serving engine's paged KV cache when it is quantized (`paged_cache_dtype_name`), else "auto".
+    Entries stay in `kv_dtype` either way, but a chunk computed by an engine over an fp8 cache attended
+    over fp8-rounded K/V at every layer: its K/V differ from the same chunk's over an unquantized cache,
+    and a system chunk is reused as exact, so the two engines never share entries."""
 
     def __post_init__(self) -> None:
         if not (_is_int(self.tp_size) and self.tp_size >= 1):
@@ -164,6 +169,15 @@ class KeyContext:
 def dtype_name(dtype: Any) -> str:
     """`KeyContext.kv_dtype` of a torch dtype (or its name): "float32" for torch.float32 or "float32"."""
     return str(dtype).removeprefix("torch.")
+
+
+def paged_cache_dtype_name(cache_dtype: str, model_dtype: Any) -> str:
+    """`KeyContext.paged_cache_dtype` of vLLM's `cache_config.cache_dtype`: "auto" for a cache in the
+    model's dtype (however named), "fp8_e4m3" for "fp8" (vLLM stores the same bytes for both), else the
+    name as given ("fp8_e5m2")."""
+    if cache_dtype in ("auto", dtype_name(model_dtype)):
+        return "auto"
+    return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
 
 
 def chunk_key(token_ids: Sequence[int], ctx: KeyContext, *, at_prompt_start: bool = False) -> str:
@@ -178,7 +192,7 @@ def chunk_key(token_ids: Sequence[int], ctx: KeyContext, *, at_prompt_start: boo
 
     Args:
         token_ids: the chunk's ids as tokenized on its own, [num_tokens].
-        ctx: model, dtype, tensor-parallel and config identity.
+        ctx: model, dtype, paged cache, tensor-parallel and config identity.
         at_prompt_start: the chunk sits at offset 0 (computed after nothing).
 
     Returns:
@@ -187,6 +201,8 @@ def chunk_key(token_ids: Sequence[int], ctx: KeyContext, *, at_prompt_start: boo
     fields = [ctx.model_fingerprint, ctx.kv_dtype, ctx.tp_size, ctx.tp_rank, ctx.config_hash, len(token_ids)]
     if at_prompt_start:  # appended only when set: every other key is what it always was
         fields.append("at_prompt_start")
+    if ctx.paged_cache_dtype != "auto":  # likewise: an unquantized engine's keys are unchanged
+        fields.append(f"paged_cache={ctx.paged_cache_dtype}")
     header = json.dumps(fields).encode()
     h = hashlib.sha256(_KEY_VERSION)
     h.update(struct.pack("<Q", len(header)))

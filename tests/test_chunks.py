@@ -192,11 +192,24 @@ def test_chunk_key_content_only():
         ("tp_size", 4),
         ("tp_rank", 0),
         ("config_hash", ""),
+        ("paged_cache_dtype", "fp8_e4m3"),
     ],
 )
 def test_chunk_key_depends_on_each_ctx_field(field, value):
     ids = [5, 17, 900, 3]
     assert chunk_key(ids, dataclasses.replace(CTX, **{field: value})) != chunk_key(ids, CTX)
+
+
+def test_paged_cache_dtype_keys_fp8_engines_apart_and_names_one_format_once():
+    """An engine over an fp8 cache computes other K/V than one over an unquantized cache: their keys
+    differ. The model's dtype named outright is "auto"'s cache, and "fp8" is e4m3's bytes: those share."""
+    def key(cache_dtype):
+        ctx = dataclasses.replace(CTX, paged_cache_dtype=chunks.paged_cache_dtype_name(cache_dtype, "torch.float32"))
+        return chunk_key([5, 17, 900, 3], ctx)
+
+    assert key("auto") == key("float32") == chunk_key([5, 17, 900, 3], CTX)
+    assert key("fp8") == key("fp8_e4m3")
+    assert len({key("auto"), key("fp8_e4m3"), key("fp8_e5m2")}) == 3
 
 
 @pytest.mark.parametrize("tp_size, tp_rank", [(0, 0), (2, 2), (2, -1), (True, 0)])

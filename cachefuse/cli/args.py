@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="model dtype, as vLLM's --dtype (default auto; float32 on CPU)")
     p.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
                    help="vLLM's KV cache size in bytes (on CPU, or set VLLM_CPU_KVCACHE_SPACE in GiB)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="vLLM's --kv-cache-dtype; use the server's: an fp8 cache is part of every chunk key")
 
 
 def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -81,7 +83,7 @@ def engine_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
     from cachefuse.vllm.engines import connector_llm
 
     return connector_llm(args.model, extra, dtype=args.dtype, max_model_len=args.max_model_len,
-                         kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def number_list(low: float, high: float, what: str) -> Any:

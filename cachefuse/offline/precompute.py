@@ -166,12 +166,14 @@ def precompute_chunks(llm: Any, tokenizer: Any, system: str, chunks: Iterable[st
 
 
 def scheduler_key_context(vllm_config: Any, config: CacheFuseConfig) -> KeyContext:
-    """The KeyContext the connector's scheduler builds (rank 0): fingerprint, dtype, TP size, config hash."""
-    from cachefuse.chunks import dtype_name, resolve_model_dir
+    """The KeyContext the connector's scheduler builds (rank 0): fingerprint, dtype, TP size, config hash,
+    paged cache dtype."""
+    from cachefuse.chunks import dtype_name, paged_cache_dtype_name, resolve_model_dir
 
     model_config = vllm_config.model_config
     return KeyContext(model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
-                      vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash())
+                      vllm_config.parallel_config.tensor_parallel_size, 0, config.compute_hash(),
+                      paged_cache_dtype_name(vllm_config.cache_config.cache_dtype, model_config.dtype))
 
 
 def connector_config(vllm_config: Any) -> CacheFuseConfig:

@@ -11,8 +11,9 @@ So the views are not trusted from the backend's name. The first time a layer of 
 cache layout is read, a probe writes known K/V through that layer's own `impl.do_kv_cache_update`
 into a two-page scratch cache with the live cache's dtype, device and stride order (the live cache
 is never touched) and reads them back through the views: an exact match proves them; anything else
-(a packed layout, a quantized cache, a write that raises) leaves the layer to be read from the
-contiguous K/V instead. The verdict is kept per (impl type, dtype, device, shape of a page, stride
+(a packed layout, a write that raises) leaves the layer to be read from the
+contiguous K/V instead. A quantized (fp8) cache is never read in place: it holds codes, which only
+dequantizing readers may read. The verdict is kept per (impl type, dtype, device, shape of a page, stride
 order), so a model probes once, not once per layer or request.
 """
 
@@ -23,6 +24,8 @@ import threading
 from typing import Any
 
 import torch
+
+from cachefuse.vllm import kv_quant
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ def paged_kv_views(layer: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     place; None when the layer's backend is not proven to store plain per-token K|V rows."""
     cache = layer.kv_cache
     views = _flash_views(cache, layer.impl.head_size)
-    if views is None:
+    if views is None or kv_quant.is_quantized(layer):  # fp8 codes, not K/V: the reader must dequantize
         return None
     layout = (type(layer.impl), cache.dtype, cache.device, tuple(cache.shape[1:]), _physical_order(cache))
     with _verdicts_lock:

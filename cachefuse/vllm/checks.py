@@ -62,16 +62,20 @@ def _check_model(vllm_config: Any) -> None:
 
 
 def _check_cache_and_parallelism(vllm_config: Any) -> None:
-    """The paged cache's dtype (the blend pass writes the model's) and pipeline parallelism (one worker runs
-    every layer)."""
+    """The paged cache's dtype (the model's, or fp8 with one scale per layer, which the blend pass writes
+    through the layer's own quantizing writer: cachefuse.vllm.kv_quant) and pipeline parallelism (one
+    worker runs every layer)."""
+    from cachefuse.vllm.kv_quant import QUANTIZED_CACHE_DTYPES
+
     model_config = vllm_config.model_config
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if cache_dtype not in ("auto", str(model_config.dtype).removeprefix("torch.")):
-        # NOTE: the blend pass writes K/V in the model's dtype; a quantized cache (fp8) would take them
-        # through a blind cast, without the scales vLLM's own writes use.
+    served = ("auto", str(model_config.dtype).removeprefix("torch."), *QUANTIZED_CACHE_DTYPES)
+    if cache_dtype not in served:
+        # NOTE: other quantized caches (per-token-head scales, fp8_inc, MLA or 4-bit formats) keep scales or
+        # layouts the blend pass's in-memory reads do not reproduce (kv_quant.as_read_from_cache).
         raise ConfigError(
-            f"kv_cache_dtype={cache_dtype!r} is not supported with CacheFuseConnector yet: the fused K/V are "
-            f"written in the model's dtype ({model_config.dtype}); start vLLM with --kv-cache-dtype auto")
+            f"kv_cache_dtype={cache_dtype!r} is not supported with CacheFuseConnector: the blend pass serves "
+            f"{', '.join(served)}; start vLLM with --kv-cache-dtype set to one of them")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedModelError(
             "pipeline_parallel_size > 1 is not supported: the blend pass runs every layer in one worker")

@@ -37,7 +37,8 @@ def connector_extra_config(store: Path, config_file: Path | None = None,
 
 
 def connector_llm(model: str | Path, extra: dict[str, Any], *, dtype: str = "auto",
-                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None) -> Any:
+                  max_model_len: int | None = None, kv_cache_memory_bytes: int | None = None,
+                  kv_cache_dtype: str = "auto") -> Any:
     """A vllm.LLM with CacheFuseConnector: prefix caching off and recompute on failure, as the connector
     requires; eager mode, since these jobs are prefill-heavy (graphs speed up decode)."""
     from vllm import LLM
@@ -54,7 +55,8 @@ def connector_llm(model: str | Path, extra: dict[str, Any], *, dtype: str = "aut
         kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     # async scheduling off: vLLM's default on a GPU, refused with the connector (cachefuse.vllm.checks)
     return LLM(model=str(model), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
-               async_scheduling=False, kv_transfer_config=kv_transfer_config, **kwargs)
+               async_scheduling=False, kv_transfer_config=kv_transfer_config, kv_cache_dtype=kv_cache_dtype,
+               **kwargs)
 
 
 def resolved_dtype(dtype: str) -> str:

@@ -11,8 +11,9 @@ the selected rows attend from the request's blocks, as vLLM's own backends do: e
 own query over the keys at positions <= its own, read in place through the slots just written
 (cachefuse.ops.slot_rows_attention: on CUDA the Triton sparse-query kernel, one launch per layer;
 elsewhere its torch twin). A backend whose cache is not proven to hold plain K|V rows
-(cachefuse.vllm.cache_views: the CPU backend's packed keys) attends over the layer's merged K/V in
-memory instead (cachefuse.ops.rows_attention), with the same result.
+(cachefuse.vllm.cache_views: the CPU backend's packed keys, any fp8 cache) attends over the layer's
+merged K/V in memory instead (cachefuse.ops.rows_attention), with the same result: over an fp8 cache,
+over the K/V rounded as the cache holds them (cachefuse.vllm.kv_quant).
 
 `PagedAttention`, under vLLM's CPU backend, attends with vLLM's own paged kernel from the cache:
 
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from cachefuse import ops
 from cachefuse.attention import causal_attention
 from cachefuse.fusion.batch import Attend
+from cachefuse.vllm import kv_quant
 from cachefuse.vllm.cache_views import paged_kv_views
 
 
@@ -52,11 +54,12 @@ def supports_paged_attention(layer: Any) -> bool:
 
 def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                    first_written: int = 0) -> None:
-    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions first_written..T-1, in the
-    cache's dtype. Positions before `first_written` are vLLM's own prefix-cache hit (exact, shared with
-    other requests: never written); positions past the slots (an asynchronous load's last token, which
-    vLLM computes) are not written either."""
-    dtype = layer.kv_cache.dtype
+    """One layer's K/V [T, kv_heads, head_dim] into the slots of positions first_written..T-1 through the
+    layer's own writer (an fp8 cache: quantized there with the layer's scales, as vLLM's own writes are;
+    see cachefuse.vllm.kv_quant). Positions before `first_written` are vLLM's own prefix-cache hit
+    (exact, shared with other requests: never written); positions past the slots (an asynchronous
+    load's last token, which vLLM computes) are not written either."""
+    dtype = kv_quant.write_dtype(layer)
     num_rows = min(k.shape[0], slot_mapping.shape[0])
     if num_rows <= first_written:
         return
@@ -90,8 +93,9 @@ class SlotWritingAttention:
     """Per layer name, once it has attended: whether its rows read the paged cache in place."""
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        write_layer_kv(self.layers[self.layer_names[layer_index]], k, v, self.slot_mapping, self.first_written)
-        return causal_attention(q, k, v, self.scale)
+        layer = self.layers[self.layer_names[layer_index]]
+        write_layer_kv(layer, k, v, self.slot_mapping, self.first_written)
+        return causal_attention(q, *kv_quant.as_read_from_cache(layer, k, v), self.scale)
 
     def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
@@ -102,7 +106,8 @@ class SlotWritingAttention:
         # keys past the slots (an asynchronous load's last token) live only in memory
         in_place = views is not None and views[0].dtype == q.dtype and k.shape[0] <= self.slot_mapping.shape[0]
         self.read_in_place[name] = in_place
-        if not in_place:
+        if not in_place:  # over the K/V as the cache holds them (an fp8 cache: rounded to its codes)
+            k, v = kv_quant.as_read_from_cache(layer, k, v)
             return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows)
         return self.slot_rows_attention(q, q_positions, views[0], views[1], self.slot_mapping[: k.shape[0]],
                                         self.scale, self.block_rows)
@@ -160,7 +165,8 @@ class PagedAttention:
             if positions is None:
                 positions = torch.arange(op.q.shape[0], device=op.q.device)
             # An asynchronous load's blocks stop at position N-2 (vLLM computes N-1 itself): a row past
-            # the slots attends over the layer's merged K/V in memory, its key never written.
+            # the slots attends over the layer's merged K/V in memory (as the cache would hold them), its
+            # key never written.
             num_paged = int((positions < num_slots).sum())  # positions are sorted
             query_lens.append(torch.ones(num_paged, dtype=torch.int32))
             seq_lens.append((positions[:num_paged] + 1).to(torch.int32).cpu())
@@ -168,7 +174,8 @@ class PagedAttention:
             paged_q.append(op.q[:num_paged])
             if num_paged < op.q.shape[0]:
                 in_memory.append((index, num_paged, ops.rows_attention(
-                    op.q[num_paged:], positions[num_paged:], op.k, op.v, layer.impl.scale)))
+                    op.q[num_paged:], positions[num_paged:], *kv_quant.as_read_from_cache(layer, op.k, op.v),
+                    layer.impl.scale)))
         query_start_loc = F.pad(torch.cat(query_lens).cumsum(0, dtype=torch.int32), (1, 0))
         q = paged_q[0] if len(paged_q) == 1 else torch.cat(paged_q)
         out = q.new_empty(q.shape)

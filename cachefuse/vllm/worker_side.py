@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import KeyContext, dtype_name, model_fingerprint, resolve_model_dir
+from cachefuse.chunks import (
+    KeyContext,
+    dtype_name,
+    model_fingerprint,
+    paged_cache_dtype_name,
+    resolve_model_dir,
+)
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusion.batch import PassBatch
@@ -68,7 +74,8 @@ class WorkerSide:
                            config.memory_capacity_bytes, config.disk_capacity_bytes, redis_url=config.redis_connection_url,
                            redis_timeout_s=config.redis_timeout_s, redis_capacity_bytes=config.redis_capacity_bytes,
                            device=self.adapter.device, device_capacity_bytes=config.device_capacity_bytes)
-        key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash())
+        key_context = KeyContext(fingerprint, dtype_name(shape.dtype), tp_size, tp_rank, config.compute_hash(),
+                                 paged_cache_dtype_name(vllm_config.cache_config.cache_dtype, shape.dtype))
         # Rank 0 owns the variant metadata (in rank 0's keys, so the scheduler's plan names them); every
         # rank keeps its own K/V under its own keys.
         ranks = RankGroup(meta_key_context=dataclasses.replace(key_context, tp_rank=0), writes_metadata=tp_rank == 0)

@@ -33,6 +33,8 @@ from tests.helpers.tolerances import TOL
 class FlashLayoutImpl:
     """do_kv_cache_update as vLLM's FlashAttention backend does it (reshape_and_cache_flash), in torch."""
 
+    kv_cache_dtype = "auto"
+
     def __init__(self, head_size: int, slot_shift: int = 0) -> None:
         self.head_size, self.slot_shift, self.writes = head_size, slot_shift, 0
 

@@ -39,12 +39,15 @@ def engine_config(**changes):
     ({"lora": object()}, UnsupportedModelError, "--enable-lora"),
     ({"multimodal": True}, UnsupportedModelError, "multimodal"),
     ({"pp": 2}, UnsupportedModelError, "pipeline_parallel_size"),
-    ({"cache_dtype": "fp8"}, ConfigError, "--kv-cache-dtype auto"),
-    ({"cache_dtype": "fp8_e5m2"}, ConfigError, "kv_cache_dtype='fp8_e5m2'"),
+    ({"cache_dtype": "fp8_per_token_head"}, ConfigError, "kv_cache_dtype='fp8_per_token_head'"),
+    ({"cache_dtype": "fp8_inc"}, ConfigError, "--kv-cache-dtype set to one of them"),
+    ({"cache_dtype": "bfloat16"}, ConfigError, "auto, float32, fp8, fp8_e4m3, fp8_e5m2"),
 ])
 def test_check_engine_names_the_fix(changes, error, words):
     check_engine(engine_config())  # the valid baseline passes
     check_engine(engine_config(cache_dtype="float32"))  # the model's own dtype, named: fine
+    for cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # written through the layer's own quantizing writer
+        check_engine(engine_config(cache_dtype=cache_dtype))
     with pytest.raises(error, match=None) as info:
         check_engine(engine_config(**changes))
     assert words in str(info.value)

@@ -18,6 +18,7 @@ from cachefuse.chunks import (
     KeyContext,
     dtype_name,
     model_fingerprint,
+    paged_cache_dtype_name,
     resolve_model_dir,
     tokenize_piece,
 )
@@ -45,7 +46,8 @@ class SchedulerSide:
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.key_context = KeyContext(
             model_fingerprint(resolve_model_dir(model_config)), dtype_name(model_config.dtype),
-            tp_size, 0, config.compute_hash())
+            tp_size, 0, config.compute_hash(),
+            paged_cache_dtype_name(vllm_config.cache_config.cache_dtype, model_config.dtype))
         # The worker's critical layers (a stored `cachefuse profile-layers`), for the probe's estimate
         config = with_profiled_layers(config, config.store_path, self.key_context.model_fingerprint,
                                       model_config.hf_text_config.num_hidden_layers)

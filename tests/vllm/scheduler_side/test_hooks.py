@@ -33,7 +33,8 @@ def make_side(tiny_model_dir, tmp_path):
         vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(model=str(path), dtype=torch.float32, tokenizer=str(path), revision=None,
                                          hf_text_config=hf_config),
-            cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=False, prefix_caching_hash_algo="sha256"),
+            cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=False, prefix_caching_hash_algo="sha256",
+                                         cache_dtype="auto"),
             parallel_config=SimpleNamespace(tensor_parallel_size=1),
             scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, async_scheduling=False))
         return SchedulerSide(vllm_config, CacheFuseConfig(store_dir=str(tmp_path / "store"), **config))
@@ -338,7 +339,9 @@ def fuzz_side(tiny_model_dir, tmp_path_factory):
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model=str(path), dtype="float32", tokenizer=str(path), revision=None,
                                      hf_text_config=AutoConfig.from_pretrained(path)),
-        cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=False, prefix_caching_hash_algo="sha256"), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=False, prefix_caching_hash_algo="sha256",
+                                     cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, async_scheduling=False))
     config = CacheFuseConfig(store_dir=str(tmp_path_factory.mktemp("fuzz-store")), allow_debug_overrides=True)
     return SchedulerSide(vllm_config, config)
