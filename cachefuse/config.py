@@ -90,6 +90,12 @@ class CacheFuseConfig:
     computed in full (miss reason "load_timeout"). A slow tier (a Redis answering each call just inside
     `redis_timeout_s`, a cold network disk) otherwise holds the step for every request for as many calls
     as the request makes. None: no bound."""
+    metadata_wait_s: float | None = 0.05
+    """Seconds one request may wait, in all its calls, for a busy metadata store (a meta.sqlite locked by
+    another process); past it the call is refused as a store failure: its variants are not pinned (their
+    entries are then read whole before the pass), its reuses not recorded, an inline hole save not
+    admitted. Offline jobs and the background hole writer wait up to SQLite's own 2 s. None: no request
+    budget (each call waits up to those 2 s)."""
     store_dir: str = "~/.cache/cachefuse"
     """Directory of the local disk tier (the embedded default store)."""
     device_capacity_bytes: int = 0

@@ -116,6 +116,9 @@ def check_loading(cfg: Any) -> None:
     if cfg.load_timeout_s is not None and (not is_number(cfg.load_timeout_s)
                                             or not 0.0 < cfg.load_timeout_s <= 3600.0):
         fail("load_timeout_s", cfg.load_timeout_s, "null (no bound) or a positive number of seconds (at most 3600)")
+    if cfg.metadata_wait_s is not None and (not is_number(cfg.metadata_wait_s)
+                                             or not 0.0 <= cfg.metadata_wait_s <= 60.0):
+        fail("metadata_wait_s", cfg.metadata_wait_s, "null (SQLite's own 2 s per call) or seconds in 0..60")
     if not isinstance(cfg.store_dir, str) or not cfg.store_dir.strip():
         fail("store_dir", cfg.store_dir, "a non-empty directory path")
     for name in ("device_capacity_bytes", "memory_capacity_bytes", "disk_capacity_bytes", "redis_capacity_bytes"):

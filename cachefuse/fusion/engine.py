@@ -16,6 +16,7 @@ chunk as a hole.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -44,7 +45,7 @@ from cachefuse.fusion.stats import FusionStats, PassLoads, pass_stats
 from cachefuse.loading.entries import EntryReader, LoadBudget, LoadFigures, RankAgreement
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
-from cachefuse.metadata.base import MetaStore, VariantRecord
+from cachefuse.metadata.base import MetaStore, VariantRecord, WaitBudget, waiting_within
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from cachefuse.select.base import ChunkReuse, Selector
@@ -164,15 +165,18 @@ class FusionEngine:
         keys = [self.meta_key(token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments]
         return self._plan_variants(segments, keys)
 
-    def _plan_variants(self, segments: Sequence[Segment], meta_keys: Sequence[str]) -> list[VariantChoice | None]:
-        """`plan_variants` of the declared `segments` whose metadata keys are `meta_keys`."""
+    def _plan_variants(self, segments: Sequence[Segment], meta_keys: Sequence[str],
+                       wait: WaitBudget | None = None) -> list[VariantChoice | None]:
+        """`plan_variants` of the declared `segments` whose metadata keys are `meta_keys`, the metadata
+        store's calls within `wait` (a chunk whose call is refused is a miss)."""
         index = VariantIndex()
         queued: dict[str, list[VariantRecord]] = {}  # rows a background save has not written yet
         for record in [] if self.saver is None else self.saver.pending_records():
             queued.setdefault(record.chunk_key, []).append(record)
         for key in dict.fromkeys(meta_keys):
             try:
-                records = self.metastore.variants(key)
+                with waiting_within(self.metastore, wait):
+                    records = self.metastore.variants(key)
             except StoreError as exc:
                 logger.warning("cachefuse: variant metadata unavailable (%s): chunk %s is a miss", exc, key)
                 continue
@@ -212,9 +216,11 @@ class FusionEngine:
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.adapter.device)
         chunk_indices = [i for i, s in enumerate(segments) if s.is_chunk]
         keys, meta_keys = self._chunk_keys(plan, chunk_indices)
+        wait = None if self.config.metadata_wait_s is None else WaitBudget(self.config.metadata_wait_s)
         choices = plan.variants
         if choices is None:
-            choices = self._plan_variants([segments[i] for i in chunk_indices], [meta_keys[i] for i in chunk_indices])
+            choices = self._plan_variants([segments[i] for i in chunk_indices], [meta_keys[i] for i in chunk_indices],
+                                          wait)
         if len(choices) != len(chunk_indices):
             raise ValueError(f"{len(choices)} variant choices for {len(chunk_indices)} declared chunks")
         chosen = {i: c for i, c in zip(chunk_indices, choices, strict=True) if c is not None}
@@ -224,14 +230,17 @@ class FusionEngine:
         budget = LoadBudget(self.config.load_timeout_s)  # this prefill's store time, whoever shares the step
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
-        with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values()) as metadata_ok:
+        with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values(), wait) as metadata_ok:
+            if not metadata_ok:  # unpinned, an entry is read whole before the first layer: an eviction
+                plan = dataclasses.replace(plan, preload_depth=0)  # meanwhile is a miss, never a pass dropped
             result, loaded, more_misses, bytes_loaded = yield from self._fuse(
                 ids, segments, load_keys, plan, selector, figures, reuse, budget)
         miss_reasons += more_misses
         blend_time = self.clock() - start
         if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
-            self._record_uses(chosen, loaded)
-        saved = (self._save_holes(result, segments, keys, meta_keys, plan.ratio, plan.save_inline)
+            self._record_uses(chosen, loaded, wait)
+        saved = (self._save_holes(result, segments, keys, meta_keys, plan.ratio, plan.save_inline,
+                                  None if plan.save_inline else wait)
                  if plan.save_holes else SaveReport())
         stats = pass_stats(selector.name, plan.ratio, segments, chunk_indices, result, PassLoads(
             loaded=loaded, load_keys=load_keys, choices=list(choices), figures=figures, miss_reasons=miss_reasons,
@@ -258,18 +267,19 @@ class FusionEngine:
         return keys, meta_keys
 
     @contextlib.contextmanager
-    def _pinned_variants(self, choices: Iterable[VariantChoice]):
+    def _pinned_variants(self, choices: Iterable[VariantChoice], wait: WaitBudget | None):
         """Pins the chosen variants' metadata for the pass (an eviction must not pick them meanwhile); yields
-        whether the metadata store answered. One call for all of them (`pin_many`): a stalled Redis or a
-        meta.sqlite locked by another process costs its whole timeout per call, and one call per chunk
-        (up to `max_chunks_per_request`) would hold the step for minutes. Unpinned, a variant may be
-        evicted meanwhile: its K/V load decides (a miss, then a hole)."""
+        whether the metadata store answered within `wait`. One call for all of them (`pin_many`): a stalled
+        Redis costs its whole timeout per call, and one call per chunk (up to `max_chunks_per_request`)
+        would hold the step for minutes. Unpinned, a variant may be evicted meanwhile: the caller then
+        reads entries whole before the pass, so its K/V load decides (a miss, then a hole)."""
         pinned, answered = [], True
         wanted = [c.variant_id for c in choices if c.has_metadata] if self.writes_metadata else []
         try:
             if wanted:
                 try:  # one call: a variant gone since planning is skipped, its K/V load decides
-                    pinned = self.metastore.pin_many(wanted)
+                    with waiting_within(self.metastore, wait):
+                        pinned = self.metastore.pin_many(wanted)
                 except StoreError as exc:
                     logger.warning("cachefuse: variant metadata unavailable (%s): this request pins and "
                                    "records no variants", exc)
@@ -279,7 +289,7 @@ class FusionEngine:
             for variant_id in pinned:
                 self.metastore.unpin(variant_id)
 
-    def _record_uses(self, chosen: dict[int, VariantChoice], loaded: dict) -> None:
+    def _record_uses(self, chosen: dict[int, VariantChoice], loaded: dict, wait: WaitBudget | None) -> None:
         """f_r += 1/CFO for every variant reused, in one metadata transaction. A chosen variant whose K/V
         turned out missing keeps its row (`cachefuse inspect` lists it as stale): the hole computed
         instead is saved as the variant for this prefix, a re-save of the same pair restores it, and an
@@ -292,7 +302,8 @@ class FusionEngine:
         if not uses:
             return
         try:
-            self.metastore.record_uses(uses)
+            with waiting_within(self.metastore, wait):
+                self.metastore.record_uses(uses)
         except StoreError as exc:
             logger.warning("cachefuse: reuse of %d variants not recorded (%s)", len(uses), exc)
 
@@ -374,9 +385,10 @@ class FusionEngine:
         return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, budget)
 
     def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
-                    meta_keys: dict[int, str], ratio: float, inline: bool) -> SaveReport:
+                    meta_keys: dict[int, str], ratio: float, inline: bool, wait: WaitBudget | None) -> SaveReport:
         """Stores every hole as the variant for its prefix (cachefuse.fusion.saving): written now, or queued for
-        the background saver (`save_in_background`), the request's path then only copying them out."""
+        the background saver (`save_in_background`), the request's path then only copying them out. Written
+        now, the metadata calls wait within `wait` (None: `sync_save`, offline, waits as long as SQLite)."""
         saves = hole_saves(result, segments, keys, meta_keys, ratio, self.adapter.rope_spec,
                            self.config.max_variant_prefix_chunks)
         if self.saver is not None and not inline:
@@ -384,7 +396,8 @@ class FusionEngine:
         writer = self._hole_writer() if self.saver is None else self.saver.writer
         report = SaveReport()
         for save in saves:
-            report.add(writer.write(save))
+            with waiting_within(self.metastore, wait):
+                report.add(writer.write(save))
         return report
 
     def _hole_writer(self) -> HoleWriter:

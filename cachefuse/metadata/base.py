@@ -45,6 +45,7 @@ Choices every backend follows (tests/metadata/test_contract.py runs one suite ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -248,6 +249,29 @@ class PinCounts:
 
     def clear(self) -> None:
         self._counts.clear()
+
+
+class WaitBudget:
+    """Seconds one request may spend in calls on a busy metadata store, all of them together (a meta.sqlite
+    locked by another process). A backend that waits for locks (SQLite) charges every call made inside its
+    `waiting_within(budget)` and refuses one once the budget is spent; see `waiting_within` below."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.spent = 0.0
+
+    def left_s(self) -> float:
+        return self.seconds - self.spent
+
+    def charge(self, seconds: float) -> None:
+        self.spent += max(seconds, 0.0)
+
+
+def waiting_within(store: object, budget: WaitBudget | None) -> contextlib.AbstractContextManager:
+    """The store's calls inside the block bounded by `budget` (None: the store's own waits). A backend
+    without lock waits (Redis: every call is bounded by its socket timeout and outage backoff) runs as is."""
+    bound = getattr(store, "waiting_within", None)
+    return contextlib.nullcontext() if budget is None or bound is None else bound(budget)
 
 
 @runtime_checkable

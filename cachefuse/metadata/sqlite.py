@@ -11,6 +11,13 @@ vllm: the scheduler reads it. SQLite-only behaviour is pinned in tests/metadata/
    fail with an error the caller turns into a miss. Writes are few (a row per saved hole, one
    transaction of f_r updates per request, `record_uses`), so WAL's concurrency is not needed;
    readers (`cachefuse inspect`, another process's index refresh) see committed states only.
+9. Waiting for a busy file. Another process holding the file's lock (a write, `BEGIN EXCLUSIVE` in an
+   sqlite3 shell, a backup) makes a call wait: up to SQLite's busy timeout (2 s) by default, which offline
+   jobs and the background hole writer keep. A request's calls run inside `waiting_within(budget)` instead:
+   no SQLite wait, each call retried every `WAIT_SLICE_S` while the request's `WaitBudget` lasts (the
+   budget is shared by all the request's calls, the connection's in-process lock included: a background
+   write waiting out its 2 s holds it), then refused with StoreError. Unpinning never waits (pins have
+   their own lock).
 """
 
 from __future__ import annotations
@@ -24,16 +31,26 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
-from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord, merged_upsert
+from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord, WaitBudget, merged_upsert
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 META_FILE = "meta.sqlite"
 """The SQLite file's name inside the disk tier's directory (never a K/V key: keys have no dot)."""
+BUSY_TIMEOUT_MS = 2000
+"""SQLite's own wait for another process's lock, outside a request's budget (choice 9): a write lasts
+milliseconds, and an offline job or the background writer would rather wait than drop its work."""
+WAIT_SLICE_S = 0.005
+"""Within a request's budget, how long a call sleeps between tries of a busy file (choice 9)."""
+_SPENT_S = 1e-6
+"""A budget with less left than this is spent (a sleep of the rounding error left would never end it)."""
 
 _COLUMNS = ("variant_id", "chunk_key", "prefix", "inter", "intra", "num_tokens", "prefix_num_tokens",
             "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access",
@@ -96,6 +113,12 @@ def _quiet(parse: Callable[[sqlite3.Row], VariantRecord], row: sqlite3.Row) -> V
         return None
 
 
+def _is_busy(exc: sqlite3.Error) -> bool:
+    """Another connection holds the lock this call needs ("database is locked"): worth another try."""
+    return getattr(exc, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or (
+        isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc))
+
+
 def _next_revision(cur: sqlite3.Cursor) -> int:
     """The store's next write count (inside the caller's transaction)."""
     cur.execute("UPDATE revision SET value = value + 1")
@@ -106,11 +129,14 @@ class SqliteMetaStore:
     """Variant metadata in one SQLite file, budgeted to `max_variants` (see the module docstring).
 
     Thread-safe: one connection (`check_same_thread=False`) guarded by one lock; every multi-step
-    operation is one `BEGIN IMMEDIATE` transaction, so a crash leaves the old or the new state.
+    operation is one `BEGIN IMMEDIATE` transaction, so a crash leaves the old or the new state. Pins have
+    a lock of their own, taken after the connection's where both are needed.
     """
 
     def __init__(self, path: str, *, max_variants: int, policy: str = "f_r",
-                 clock: Callable[[], float] = time.time, uri: bool = False) -> None:
+                 clock: Callable[[], float] = time.time, uri: bool = False,
+                 wait_clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         """Open or create the store.
 
         Args:
@@ -120,6 +146,8 @@ class SqliteMetaStore:
             clock: seconds, stamped into `last_access`; injectable for tests.
             uri: `path` is a SQLite URI (e.g. "file:...?mode=ro" to read without writing, as
                 `cachefuse inspect` does; the schema must then exist already).
+            wait_clock, sleep: how calls inside `waiting_within` measure and spend their waits for a busy
+                file (choice 9); injectable so tests count waits instead of timing them.
 
         Raises:
             StoreError: the file cannot be opened as this store (corrupt, truncated, locked past the busy
@@ -130,10 +158,18 @@ class SqliteMetaStore:
         if policy not in POLICIES:
             raise ConfigError(f"policy={policy!r}, expected one of {POLICIES}")
         self.max_variants, self.policy, self._clock = max_variants, policy, clock
+        self._wait_clock, self._sleep = wait_clock, sleep
         self._lock = threading.Lock()
+        self._pins_lock = threading.Lock()
         self._pins = PinCounts()
+        self._budgets = threading.local()  # this thread's WaitBudget, inside waiting_within
+        self._busy_timeout_ms = BUSY_TIMEOUT_MS
         self.unreadable_rows = 0
         """Rows skipped because they did not parse (damaged, or written by something else)."""
+        self.busy_waits = 0
+        """Sleeps of calls inside a budget that found the file (or this process's connection) busy."""
+        self.busy_refusals = 0
+        """Calls inside a budget refused because it ran out while the file stayed busy."""
         try:
             self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, uri=uri)
             self._open(path, uri)
@@ -147,7 +183,7 @@ class SqliteMetaStore:
         if uri and "mode=ro" in path:
             self._check_schema(path)
             return
-        self._conn.execute("PRAGMA busy_timeout=2000")  # another process's write lasts milliseconds
+        self._conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")  # choice 9
         if path != ":memory:":
             self._conn.execute("PRAGMA journal_mode=TRUNCATE")  # choice 8: no mmap'd -shm file
             with contextlib.suppress(OSError):  # owner only, like the K/V files (a file we do not own stays)
@@ -176,29 +212,74 @@ class SqliteMetaStore:
 
     @contextlib.contextmanager
     def _txn(self) -> Iterator[sqlite3.Cursor]:
-        """One write transaction; any SQLite failure (I/O error, full disk, locked) is a StoreError."""
-        with self._locked():
-            cur = self._conn.cursor()
-            cur.execute("BEGIN IMMEDIATE")
-            try:
-                yield cur
-                # Inside the try: a COMMIT refused while another process reads ("database is locked") leaves
-                # the transaction open, holding the write lock; it must be rolled back, or this connection
-                # can never write again and every other engine on the file is locked out with it.
-                cur.execute("COMMIT")
-            except BaseException:
-                if self._conn.in_transaction:  # a failed statement may have rolled it back already
-                    cur.execute("ROLLBACK")
-                raise
+        """One write transaction (the caller, `_call`, holds the connection's lock)."""
+        cur = self._conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+            # Inside the try: a COMMIT refused while another process reads ("database is locked") leaves
+            # the transaction open, holding the write lock; it must be rolled back, or this connection
+            # can never write again and every other engine on the file is locked out with it.
+            cur.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:  # a failed statement may have rolled it back already
+                cur.execute("ROLLBACK")
+            raise
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The connection's lock; SQLite errors leave as StoreError (the callers' contract)."""
-        with self._lock:
+    def waiting_within(self, budget: WaitBudget) -> Iterator[None]:
+        """This thread's calls inside the block wait for a busy file at most what is left of `budget`, all
+        together (choice 9), and charge it. Never hold the block across a yield to other work."""
+        outer = getattr(self._budgets, "budget", None)
+        self._budgets.budget = budget
+        try:
+            yield
+        finally:
+            self._budgets.budget = outer
+
+    def _call(self, body: Callable[[], _T]) -> _T:
+        """`body` under the connection's lock, SQLite errors as StoreError (the callers' contract). Outside a
+        budget: once, SQLite waiting up to BUSY_TIMEOUT_MS for a busy file. Inside one (choice 9): tried with
+        no SQLite wait, again every WAIT_SLICE_S while the budget lasts (a failed try has changed nothing:
+        its transaction was rolled back), then refused."""
+        budget: WaitBudget | None = getattr(self._budgets, "budget", None)
+        if budget is None:
+            with self._lock:
+                self._set_busy_timeout(BUSY_TIMEOUT_MS)
+                return self._translated(body)
+        while True:
+            start = self._wait_clock()
             try:
-                yield
-            except sqlite3.Error as exc:
-                raise StoreError(f"metadata store: {type(exc).__name__}: {exc}") from exc
+                if self._lock.acquire(blocking=False):  # another thread's call may be waiting out its 2 s
+                    try:
+                        self._set_busy_timeout(0)
+                        return body()
+                    except sqlite3.Error as exc:
+                        if not _is_busy(exc):
+                            raise StoreError(f"metadata store: {type(exc).__name__}: {exc}") from exc
+                    finally:
+                        self._lock.release()
+                left = budget.left_s() - (self._wait_clock() - start)
+                if left <= _SPENT_S:
+                    self.busy_refusals += 1
+                    raise StoreError(f"metadata store: busy (locked by another connection) past this request's "
+                                     f"wait budget of {budget.seconds:g} s")
+                self.busy_waits += 1
+                self._sleep(min(WAIT_SLICE_S, left))
+            finally:
+                budget.charge(self._wait_clock() - start)
+
+    def _translated(self, body: Callable[[], _T]) -> _T:
+        try:
+            return body()
+        except sqlite3.Error as exc:
+            raise StoreError(f"metadata store: {type(exc).__name__}: {exc}") from exc
+
+    def _set_busy_timeout(self, ms: int) -> None:
+        """SQLite's own wait on this connection (caller holds the lock); set only when it changes."""
+        if ms != self._busy_timeout_ms:
+            self._conn.execute(f"PRAGMA busy_timeout={ms}")
+            self._busy_timeout_ms = ms
 
     def put(self, record: VariantRecord) -> list[VariantRecord]:
         """Insert or replace `record` (last_access := clock()), evicting on demand when full.
@@ -209,7 +290,9 @@ class SqliteMetaStore:
         Raises:
             StoreError: the store is full and too few variants are unpinned; nothing changed.
         """
-        record = dataclasses.replace(record, last_access=self._clock())
+        return self._call(lambda: self._put(dataclasses.replace(record, last_access=self._clock())))
+
+    def _put(self, record: VariantRecord) -> list[VariantRecord]:
         with self._txn() as cur:
             exists = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (record.variant_id,)).fetchone()
             if exists is not None:
@@ -238,7 +321,9 @@ class SqliteMetaStore:
         if need <= 0:
             return victims
         for row in cur.execute(f"SELECT * FROM variants ORDER BY {_ORDER[self.policy]}"):
-            if self._pins.count(row["variant_id"]) == 0:
+            with self._pins_lock:
+                pinned = self._pins.count(row["variant_id"]) > 0
+            if not pinned:
                 record = self._parse(row)
                 if record is None:
                     unreadable.append(row["variant_id"])
@@ -254,22 +339,20 @@ class SqliteMetaStore:
 
     def get(self, variant_id: str) -> VariantRecord | None:
         """The variant with this id, or None."""
-        with self._locked():
-            row = self._conn.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+        row = self._call(lambda: self._conn.execute(
+            "SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone())
         return None if row is None else self._parse(row)
 
     def variant_versions(self) -> list[tuple[str, tuple]]:
         """(id, version) of every variant in insertion order, without parsing the rows (an index refresh's
         cheap part). The version is the row's revision: the store's write count when the row was last
         written (a put, an upsert, a use, a new put after a removal), whatever the clock says."""
-        with self._locked():
-            return [(row[0], (row[1],)) for row in self._conn.execute(
-                "SELECT variant_id, rev FROM variants ORDER BY seq")]
+        return self._call(lambda: [(row[0], (row[1],)) for row in self._conn.execute(
+            "SELECT variant_id, rev FROM variants ORDER BY seq")])
 
     def get_many(self, variant_ids: Sequence[str]) -> list[VariantRecord]:
         """The readable variants among `variant_ids`, in insertion order (absent and unreadable ones skipped)."""
-        with self._locked():
-            rows = self._rows_with_ids("*", variant_ids)
+        rows = self._call(lambda: self._rows_with_ids("*", variant_ids))
         rows.sort(key=lambda row: row["seq"])
         return [record for record in map(self._parse, rows) if record is not None]
 
@@ -285,9 +368,8 @@ class SqliteMetaStore:
 
     def variants(self, chunk_key: str) -> list[VariantRecord]:
         """The chunk's variants in insertion order (empty: a miss)."""
-        with self._locked():
-            rows = self._conn.execute("SELECT * FROM variants WHERE chunk_key = ? ORDER BY seq",
-                                      (chunk_key,)).fetchall()
+        rows = self._call(lambda: self._conn.execute("SELECT * FROM variants WHERE chunk_key = ? ORDER BY seq",
+                                                     (chunk_key,)).fetchall())
         return [record for record in map(self._parse, rows) if record is not None]
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str],
@@ -305,18 +387,22 @@ class SqliteMetaStore:
         Returns:
             The updated record, or None when the variant is gone (evicted or removed).
         """
-        with self._txn() as cur:
-            row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-            record = None if row is None else self._parse(row)
-            if record is None:
-                return None
-            variant = record.to_variant()
-            scores.record_use(variant, cfo, eps)
-            record = dataclasses.replace(record, access_count=variant.access_count, f_r=variant.f_r,
-                                         last_access=self._clock())
-            cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ?, rev = ? WHERE variant_id = ?",
-                        (record.access_count, record.f_r, record.last_access, _next_revision(cur), variant_id))
-        return record
+        def use() -> VariantRecord | None:
+            with self._txn() as cur:
+                row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+                record = None if row is None else self._parse(row)
+                if record is None:
+                    return None
+                variant = record.to_variant()
+                scores.record_use(variant, cfo, eps)
+                record = dataclasses.replace(record, access_count=variant.access_count, f_r=variant.f_r,
+                                             last_access=self._clock())
+                cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ?, rev = ? "
+                            "WHERE variant_id = ?", (record.access_count, record.f_r, record.last_access,
+                                                     _next_revision(cur), variant_id))
+            return record
+
+        return self._call(use)
 
     def record_uses(self, uses: Sequence[tuple[str, float]], eps: float = 1e-6) -> int:
         """`record_use` for several (variant id, CFO) pairs in one transaction (one request's reuses).
@@ -326,71 +412,80 @@ class SqliteMetaStore:
         """
         if not uses:
             return 0
-        now, found = self._clock(), 0
-        with self._txn() as cur:
-            rev = _next_revision(cur)  # one write of the store: every row it changes gets it
-            for variant_id, cfo in uses:
-                row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-                record = None if row is None else self._parse(row)
-                if record is None:
-                    continue
-                variant = record.to_variant()
-                scores.record_use(variant, cfo, eps)
-                cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ?, rev = ? "
-                            "WHERE variant_id = ?", (variant.access_count, variant.f_r, now, rev, variant_id))
-                found += 1
-        return found
+        now = self._clock()
+
+        def use_all() -> int:
+            found = 0
+            with self._txn() as cur:
+                rev = _next_revision(cur)  # one write of the store: every row it changes gets it
+                for variant_id, cfo in uses:
+                    row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+                    record = None if row is None else self._parse(row)
+                    if record is None:
+                        continue
+                    variant = record.to_variant()
+                    scores.record_use(variant, cfo, eps)
+                    cur.execute("UPDATE variants SET access_count = ?, f_r = ?, last_access = ?, rev = ? "
+                                "WHERE variant_id = ?", (variant.access_count, variant.f_r, now, rev, variant_id))
+                    found += 1
+            return found
+
+        return self._call(use_all)
 
     def remove(self, variant_id: str) -> VariantRecord | None:
         """Delete a variant; returns it, or None when absent. StoreError when it is pinned."""
-        with self._txn() as cur:
-            self._pins.check_unpinned(variant_id)
-            row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
-            if row is not None:
-                cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
-                cur.execute("UPDATE generation SET value = value + 1")
+        def delete() -> sqlite3.Row | None:
+            with self._txn() as cur:
+                with self._pins_lock:
+                    self._pins.check_unpinned(variant_id)
+                row = cur.execute("SELECT * FROM variants WHERE variant_id = ?", (variant_id,)).fetchone()
+                if row is not None:
+                    cur.execute("DELETE FROM variants WHERE variant_id = ?", (variant_id,))
+                    cur.execute("UPDATE generation SET value = value + 1")
+            return row
+
+        row = self._call(delete)
         return None if row is None else self._parse(row)  # a damaged row is removed all the same
 
     def generation(self) -> int:
         """A counter that changes whenever the set of variants changes (choice 7), in any process."""
-        with self._locked():
-            return int(self._conn.execute("SELECT value FROM generation").fetchone()[0])
+        return self._call(lambda: int(self._conn.execute("SELECT value FROM generation").fetchone()[0]))
 
     def pin(self, variant_id: str) -> None:
         """Protect a stored variant from eviction until the matching unpin (nested). KeyError if absent."""
-        with self._locked():
-            if self._conn.execute("SELECT 1 FROM variants WHERE variant_id = ?", (variant_id,)).fetchone() is None:
-                raise KeyError(variant_id)
-            self._pins.add(variant_id)
+        if not self.pin_many([variant_id]):
+            raise KeyError(variant_id)
 
     def pin_many(self, variant_ids: Sequence[str]) -> list[str]:
         """`pin` of every variant that exists, in one read; returns those pinned (absent ones are skipped)."""
-        with self._locked():
+        def pin_found() -> list[str]:
             found = {row[0] for row in self._rows_with_ids("variant_id", variant_ids)}
             pinned = [variant_id for variant_id in variant_ids if variant_id in found]
-            for variant_id in pinned:
-                self._pins.add(variant_id)
-        return pinned
+            with self._pins_lock:  # under the connection's lock too: no put chooses victims meanwhile
+                for variant_id in pinned:
+                    self._pins.add(variant_id)
+            return pinned
+
+        return self._call(pin_found)
 
     def unpin(self, variant_id: str) -> None:
-        """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug)."""
-        with self._locked():
+        """Undo one pin; StoreError when the variant is not pinned (an unbalanced unpin is a bug). Never
+        waits for the file or the connection (choice 9)."""
+        with self._pins_lock:
             self._pins.release(variant_id)
 
     def pin_count(self, variant_id: str) -> int:
         """How many pins the variant holds (0 when unpinned or absent)."""
-        with self._locked():
+        with self._pins_lock:
             return self._pins.count(variant_id)
 
     def count(self) -> int:
         """The number of stored variants, over all chunks (<= max_variants when the store began empty)."""
-        with self._locked():
-            return self._conn.execute("SELECT COUNT(*) FROM variants").fetchone()[0]
+        return self._call(lambda: self._conn.execute("SELECT COUNT(*) FROM variants").fetchone()[0])
 
     def all_records(self) -> list[VariantRecord]:
         """Every variant, in insertion order."""
-        with self._locked():
-            rows = self._conn.execute("SELECT * FROM variants ORDER BY seq").fetchall()
+        rows = self._call(lambda: self._conn.execute("SELECT * FROM variants ORDER BY seq").fetchall())
         return [record for record in map(self._parse, rows) if record is not None]
 
     def _parse(self, row: sqlite3.Row) -> VariantRecord | None:
@@ -407,13 +502,13 @@ class SqliteMetaStore:
 
     def size_by_tier(self) -> dict[str, int]:
         """tier -> total size_bytes of its variants (what a per-tier byte budget checks against)."""
-        with self._locked():
-            rows = self._conn.execute("SELECT tier, SUM(size_bytes) FROM variants GROUP BY tier").fetchall()
+        rows = self._call(lambda: self._conn.execute(
+            "SELECT tier, SUM(size_bytes) FROM variants GROUP BY tier").fetchall())
         return {tier: int(total) for tier, total in rows}
 
     def close(self) -> None:
         """Close the connection (idempotent); pins are dropped."""
-        with self._locked():
+        with self._lock, self._pins_lock:
             self._conn.close()
             self._pins.clear()
 

@@ -399,3 +399,48 @@ def test_a_plan_with_its_callers_chunk_keys_is_not_hashed_again(adapter, case):
     torch.testing.assert_close(result.logits, expected.logits, rtol=0, atol=0)
     _, foreign = engine.fuse(dataclasses.replace(plan, meta_keys=[key[::-1] for key in keys]))
     assert foreign.chunks_hit == 0 and foreign.miss_reasons == {"not_stored": len(keys)}
+
+
+def _on_sqlite_file(adapter, case, path, config: CacheFuseConfig):
+    """An engine whose metadata is a meta.sqlite file (waits counted on a clock only sleeping advances), with
+    the system, A and C stored and B a hole."""
+    from cachefuse.metadata.sqlite import SqliteMetaStore
+    from tests.metadata.test_sqlite import WaitClock
+
+    clock = WaitClock()
+    plain = make_engine(adapter, config)
+    metastore = SqliteMetaStore(str(path), max_variants=100, wait_clock=clock, sleep=clock.sleep)
+    engine = FusionEngine(adapter, plain.store, plain.key_context, config, metastore=metastore)
+    precompute_case(engine, case, with_hole=True)
+    return engine, clock
+
+
+@pytest.mark.parametrize("wait_s", [0.05, 0.5])
+def test_a_metadata_file_locked_by_another_process_costs_a_request_its_wait_budget(adapter, case, tmp_path,
+                                                                                    wait_s):
+    """Another connection holds meta.sqlite in BEGIN EXCLUSIVE. The request (variants planned before, as the
+    vLLM scheduler does) pins, then saves its hole inline: those calls wait `metadata_wait_s` in all, not
+    SQLite's 2 s each. The request is fused all the same (its entries read whole, nothing pinned, no reuse
+    recorded) with the answer of a healthy store; the hole's row is refused and its K/V kept (the row may
+    exist for all this engine knows). Control: a budget of 0.5 s waits 0.5 s (the figure follows the
+    budget, so a wait per call would show), and with the file free the same request waits not at all."""
+    import sqlite3
+
+    config = CacheFuseConfig(metadata_wait_s=wait_s)
+    engine, clock = _on_sqlite_file(adapter, case, tmp_path / "meta.sqlite", config)
+    variants = engine.plan_variants(case.token_ids, case.chunks)
+    healthy, _ = engine.prefill(case.token_ids, case.chunks, variants=variants, save_holes=False)
+    assert clock.sleeps == [] and len(engine.store.keys()) == 3
+    holder = sqlite3.connect(str(tmp_path / "meta.sqlite"), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        result, stats = engine.prefill(case.token_ids, case.chunks, variants=variants, save_holes=True)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert sum(clock.sleeps) == pytest.approx(wait_s)
+    assert engine.metastore.busy_refusals == 3  # pin_many; the hole's row and the check whether it exists
+    assert stats.chunks_hit == 3 and stats.save_failures == 1 and not stats.saved_keys
+    torch.testing.assert_close(result.logits, healthy.logits, rtol=0, atol=0)
+    assert len(engine.store.keys()) == 4  # system, A, C, and B's K/V under its variant's key
+    assert all(engine.metastore.pin_count(v.variant_id) == 0 for v in variants if v is not None)

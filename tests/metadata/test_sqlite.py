@@ -4,13 +4,14 @@ Everything both backends share is tests/metadata/test_contract.py's suite.
 """
 
 import sqlite3
+import threading
 
 import pytest
 
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import scores
-from cachefuse.metadata.base import VariantRecord, make_variant_id
-from cachefuse.metadata.sqlite import SqliteMetaStore
+from cachefuse.metadata.base import VariantRecord, WaitBudget, make_variant_id
+from cachefuse.metadata.sqlite import WAIT_SLICE_S, SqliteMetaStore
 from tests.metadata.test_contract import FakeClock, c3_after_c1_c2, c3_alone
 
 
@@ -154,3 +155,118 @@ def test_a_store_written_before_revisions_is_migrated_in_place(tmp_path):
         assert store.variant_versions() == [(vid, (1,))]
         store.put(c3_after_c1_c2())
         assert [version for _, version in store.variant_versions()] == [(1,), (2,)]
+
+
+class WaitClock:
+    """A monotonic clock that only `sleep` advances: a store's waits for a busy file are counted and summed,
+    never timed."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def _budgeted_store(path) -> tuple[SqliteMetaStore, WaitClock]:
+    clock = WaitClock()
+    store = open_store(path, wait_clock=clock, sleep=clock.sleep)
+    store.put(c3_alone())
+    return store, clock
+
+
+def _exclusive_holder(path) -> sqlite3.Connection:
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process mid-write: readers and writers both locked out
+    return holder
+
+
+def test_calls_within_a_budget_share_it_on_a_locked_file(tmp_path):
+    """Inside `waiting_within(budget)`, a file locked by another connection is tried every WAIT_SLICE_S until
+    the budget (shared by every call in it) is spent, then refused: a pin, a get, a reuse and a put against
+    a 50 ms budget wait 50 ms in all, not 2 s each. Control: the same four calls, each with a budget of its
+    own, wait four times as long (what a per-call wait amounts to). Once the file is free, the same store
+    works again within a fresh budget."""
+    path = tmp_path / "meta.sqlite"
+    store, clock = _budgeted_store(path)
+    variant_id = c3_alone().variant_id
+    calls = [lambda: store.pin_many([variant_id]), lambda: store.get(variant_id),
+             lambda: store.record_uses([(variant_id, 0.5)]), lambda: store.put(c3_after_c1_c2())]
+    holder = _exclusive_holder(path)
+    try:
+        budget = WaitBudget(0.05)
+        for call in calls:
+            with store.waiting_within(budget), pytest.raises(StoreError, match="locked"):
+                call()
+        assert sum(clock.sleeps) == pytest.approx(0.05) and store.busy_refusals == 4
+        assert len(clock.sleeps) == pytest.approx(0.05 / WAIT_SLICE_S, abs=1)  # the first call waited them all
+        assert store.pin_count(variant_id) == 0  # a refused pin_many pinned nothing
+
+        clock.sleeps.clear()
+        for call in calls:  # control: a budget per call
+            with store.waiting_within(WaitBudget(0.05)), pytest.raises(StoreError, match="locked"):
+                call()
+        assert sum(clock.sleeps) == pytest.approx(4 * 0.05)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    with store.waiting_within(WaitBudget(0.05)):
+        assert store.pin_many([variant_id]) == [variant_id]
+        assert store.record_uses([(variant_id, 0.5)]) == 1
+    store.unpin(variant_id)
+    assert store.get(variant_id).access_count == 1
+
+
+def test_a_lock_released_within_the_budget_costs_only_the_wait(tmp_path):
+    """The other process commits while the call waits: the call succeeds on its next try, having waited a
+    few slices, and its write is there."""
+    path = tmp_path / "meta.sqlite"
+    clock = WaitClock()
+    holder = None
+
+    def sleep_then_release(seconds: float) -> None:
+        clock.sleep(seconds)
+        if len(clock.sleeps) == 3:
+            holder.execute("COMMIT")
+
+    store = open_store(path, wait_clock=clock, sleep=sleep_then_release)
+    store.put(c3_alone())
+    holder = _exclusive_holder(path)
+    try:
+        with store.waiting_within(WaitBudget(0.05)):
+            assert store.record_uses([(c3_alone().variant_id, 0.5)]) == 1
+    finally:
+        holder.close()
+    assert len(clock.sleeps) == 3 and store.busy_refusals == 0
+    assert store.get(c3_alone().variant_id).access_count == 1
+
+
+def test_a_budgeted_call_does_not_queue_behind_a_write_waiting_on_the_file(tmp_path):
+    """The background hole writer writes outside any budget: on a locked file it waits SQLite's 2 s holding
+    the connection. A request's call meanwhile waits only its own budget (the connection's lock counts as
+    busy), and an unpin never waits at all. Once the other process lets go, the background write lands."""
+    path = tmp_path / "meta.sqlite"
+    store, clock = _budgeted_store(path)
+    variant_id = c3_alone().variant_id
+    assert store.pin_many([variant_id]) == [variant_id]
+    holder = _exclusive_holder(path)
+    outcome = []
+    writer = threading.Thread(target=lambda: outcome.append(store.put(c3_after_c1_c2())))
+    writer.start()
+    try:
+        while not store._lock.locked():  # the writer holds the connection, waiting on the file
+            threading.Event().wait(0.001)
+        with store.waiting_within(WaitBudget(0.05)), pytest.raises(StoreError, match="locked"):
+            store.get(variant_id)
+        assert sum(clock.sleeps) == pytest.approx(0.05) and writer.is_alive()
+        store.unpin(variant_id)  # returns although the connection is taken
+        assert store.pin_count(variant_id) == 0
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        writer.join(timeout=10)
+    assert outcome == [[]] and store.get(c3_after_c1_c2().variant_id) is not None
