@@ -9,7 +9,7 @@ are imported by the functions that need them.
 Families (`FAMILIES`):
 
 - `llama`: LlamaForCausalLM, default RoPE.
-- `mistral`: MistralForCausalLM with `sliding_window=None` (vLLM only windows through `layer_types`).
+- `mistral`: MistralForCausalLM with `sliding_window=None` (windowed families: `WINDOWED_FAMILIES` below).
 - `qwen2`: Qwen2ForCausalLM; q/k/v always carry a bias; `use_sliding_window=False`.
 - `qwen3`: Qwen3ForCausalLM; per-head q/k RMSNorm; no sliding window.
 - `llama31`: LlamaForCausalLM with Llama-3.1 scaled RoPE (`rope_type="llama3"`, factor 8) and a small
