@@ -8,8 +8,11 @@ of 92-132 tokens, so every window is shorter than the prompt.
 - the adapter reads vLLM's windows, and its full prefill equals vLLM's own first-token logprobs; with the
   windows dropped it differs (negative control);
 - through the connector: ratio 1.0 equals the same engine without a connector on every case of
-  test_connector_e2e (hole in the middle, reordered chunks, question first); full reuse equals the
-  transformers reference engine's full reuse and differs from plain vLLM (negative control).
+  test_connector_e2e (hole in the middle, reordered chunks, question first); full reuse differs (negative
+  control); full reuse and EPIC equal the transformers reference engine;
+- a 402-token prompt whose leading blocks vLLM gives the null block equals plain vLLM, on the paged path
+  and on the generic (GPU backends') path forced on the CPU; negative controls: rows whose window reaches
+  the null block sent to the paged kernel, and the generic path without windows.
 """
 
 from __future__ import annotations
@@ -101,6 +104,16 @@ def test_blends_equal_reference_engine(fusing_llm, pieces, reference_engine, sel
     assert max_logprob_diff(first_logprobs(out), expected) < LOGPROB_TOL
 
 
+def null_block_case(named_pieces: dict[str, list[int]]):
+    """402 tokens: system, a (stored), 299 undeclared filler tokens, c (stored), question."""
+    from tests.vllm.test_connector_e2e import Case
+
+    filler = torch.randint(3, 1000, (299,), generator=torch.Generator().manual_seed(7)).tolist()
+    case = Case({**named_pieces, "filler": filler}, ["system", "a", "filler", "c", "question"], {"system", "a", "c"})
+    assert len(case.token_ids) == 402
+    return case
+
+
 def test_rows_reaching_the_null_block_attend_in_memory(family, fusing_llm, pieces, monkeypatch):  # noqa: F811
     """Every layer windowed: vLLM gives the prompt's leading blocks that fall out of the last token's window the
     null block, and the pass attends the rows whose window reaches them in memory.
@@ -109,12 +122,9 @@ def test_rows_reaching_the_null_block_attend_in_memory(family, fusing_llm, piece
     token's window) see keys there. Negative control: those rows sent to the paged kernel read the null block
     and the result differs from plain vLLM (the same engine, the request without cachefuse parameters)."""
     from cachefuse.vllm import paged, worker_side
-    from tests.vllm.test_connector_e2e import Case
 
     llm, _ = fusing_llm
-    filler = torch.randint(3, 1000, (299,), generator=torch.Generator().manual_seed(7)).tolist()
-    case = Case({**pieces, "filler": filler}, ["system", "a", "filler", "c", "question"], {"system", "a", "c"})
-    assert len(case.token_ids) == 402
+    case = null_block_case(pieces)
     (plain,) = generate(llm, [case.token_ids], [None])
     seen = []
     real = worker_side.leading_unslotted
@@ -129,3 +139,31 @@ def test_rows_reaching_the_null_block_attend_in_memory(family, fusing_llm, piece
     monkeypatch.setattr(paged, "_rows_reaching", lambda *args: 0)
     (wrong,) = generate(llm, [case.token_ids], [case.params(recompute_ratio=1.0)])
     assert max_logprob_diff(first_logprobs(plain), first_logprobs(wrong)) > 100 * LOGPROB_TOL
+
+
+def test_generic_path_applies_the_windows(fusing_llm, pieces, plain_outputs, monkeypatch):  # noqa: F811
+    """The path a GPU backend takes (SlotWritingAttention, forced here on the CPU) attends with each layer's
+    window too, null block included. Negative control: the same path given no windows differs."""
+    from cachefuse.vllm import paged
+    from tests.helpers.vllm_engines import worker_side
+
+    llm, _ = fusing_llm
+    worker = worker_side()
+    case = make_cases(pieces)["hole_in_middle"]
+    plain = first_logprobs(plain_outputs["hole_in_middle"])
+    monkeypatch.setattr(worker, "paged_attention", False)
+    (fused,) = generate(llm, [case.token_ids], [case.params(recompute_ratio=1.0)])
+    assert fused.kv_transfer_params["cachefuse"]["status"] == "fused"
+    assert max_logprob_diff(plain, first_logprobs(fused)) < LOGPROB_TOL
+    long_case = null_block_case(pieces)  # mistral_swa: positions 0..383 in the null block
+    (long_plain,) = generate(llm, [long_case.token_ids], [None])
+    (long_fused,) = generate(llm, [long_case.token_ids], [long_case.params(recompute_ratio=1.0)])
+    assert max_logprob_diff(first_logprobs(long_plain), first_logprobs(long_fused)) < LOGPROB_TOL
+    real_init = paged.SlotWritingAttention.__init__
+
+    def no_windows(self, *args, **kwargs):
+        real_init(self, *args, **{**kwargs, "windows": ()})
+
+    monkeypatch.setattr(paged.SlotWritingAttention, "__init__", no_windows)
+    (wrong,) = generate(llm, [case.token_ids], [case.params(recompute_ratio=1.0)])
+    assert max_logprob_diff(plain, first_logprobs(wrong)) > 100 * LOGPROB_TOL
