@@ -5,6 +5,14 @@ attention kernel: a query at position p sees exactly the keys at positions <= p,
 were selected around it. Rows are processed in sorted blocks, each attending only to keys up to
 its last row's position (key truncation), which an early prototype measured as
 the fastest exact variant on CPU (10-30% below one dense [R x N] mask).
+
+Every function takes the layer's sliding window (`window`, None: none), with the meaning transformers
+and vLLM give it: a query at p sees the `window` keys at positions p - window + 1 .. p, itself included.
+
+```
+keys  | never seen            | seen by the row at p        | never seen (future) |
+      0              p - window + 1                         p                    N
+```
 """
 
 from __future__ import annotations
@@ -13,21 +21,35 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Plain causal attention over a whole prompt.
 
     Args:
         q: [num_tokens, num_heads, head_dim]
         k, v: [num_tokens, num_kv_heads, head_dim] (GQA: num_heads a multiple of num_kv_heads)
         scale: softmax scale.
+        window: sliding window (keys a row sees, itself included); None: every earlier key.
 
     Returns:
         [num_tokens, num_heads, head_dim]
     """
+    mask = None
+    if window is not None and window < q.shape[0]:  # a window as long as the prompt changes nothing
+        positions = torch.arange(q.shape[0], device=q.device)
+        mask = visible_keys(positions, positions, window)[None, None]  # [1, 1, T, T]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        is_causal=True, scale=scale, enable_gqa=True)
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def visible_keys(q_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [num_rows, num_keys]: key j is visible to row i (causal, within the window when there is one)."""
+    visible = key_positions[None, :] <= q_positions[:, None]
+    if window is not None:
+        visible &= key_positions[None, :] > q_positions[:, None] - window
+    return visible
 
 
 def rows_attention(
@@ -37,21 +59,24 @@ def rows_attention(
     v: torch.Tensor,
     scale: float,
     block_rows: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Selected query rows over a full-length merged K/V with an exact per-query causal mask.
 
     Args:
         q: [num_rows, num_heads, head_dim].
-        q_positions: int64 [num_rows], in any order; key j is visible to row i iff j <= q_positions[i].
+        q_positions: int64 [num_rows], in any order; key j is visible to row i iff j <= q_positions[i]
+            (and, with a window, j > q_positions[i] - window).
         k, v: [num_tokens, num_kv_heads, head_dim], key j at position j.
         scale: softmax scale.
         block_rows: rows per SDPA call.
+        window: the layer's sliding window; None: none.
 
     Returns:
         [num_rows, num_heads, head_dim]
     """
     key_positions = torch.arange(k.shape[0], device=k.device)
-    return rows_attention_at(q, q_positions, k, v, key_positions, scale, block_rows)
+    return rows_attention_at(q, q_positions, k, v, key_positions, scale, block_rows, window)
 
 
 def varlen_rows_attention(
@@ -63,6 +88,7 @@ def varlen_rows_attention(
     cu_keys: torch.Tensor,
     scale: float,
     block_rows: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`rows_attention` for several requests packed together, one request at a time.
 
@@ -75,6 +101,7 @@ def varlen_rows_attention(
         k, v: [total_keys, num_kv_heads, head_dim].
         scale: softmax scale.
         block_rows: rows per SDPA call.
+        window: the layer's sliding window (every request's); None: none.
 
     Returns:
         [total_rows, num_heads, head_dim]
@@ -85,7 +112,7 @@ def varlen_rows_attention(
         if row_end > row_begin:
             out[row_begin:row_end] = rows_attention(
                 q[row_begin:row_end], q_positions[row_begin:row_end],
-                k[key_begin:key_end], v[key_begin:key_end], scale, block_rows)
+                k[key_begin:key_end], v[key_begin:key_end], scale, block_rows, window)
     return out
 
 
@@ -97,6 +124,7 @@ def slot_rows_attention(
     key_slots: torch.Tensor,
     scale: float,
     block_rows: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`rows_attention` over keys that live in a paged cache: key j (position j) is in slot `key_slots[j]`,
     page `key_slots[j] // page_size`, offset `key_slots[j] % page_size` (vLLM's slot numbering).
@@ -105,6 +133,7 @@ def slot_rows_attention(
         q: [num_rows, num_heads, head_dim]; q_positions: sorted int64 [num_rows], each < num_keys.
         k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim], any strides.
         key_slots: int64 [num_keys], distinct.
+        window: the layer's sliding window; None: none.
 
     Returns:
         [num_rows, num_heads, head_dim]
@@ -112,7 +141,8 @@ def slot_rows_attention(
     page_size = k_cache.shape[1]
     pages, offsets = key_slots // page_size, key_slots % page_size
     # gathers num_keys rows of k and v into contiguous copies; the kernel reads them in place
-    return rows_attention(q, q_positions, k_cache[pages, offsets], v_cache[pages, offsets], scale, block_rows)
+    return rows_attention(q, q_positions, k_cache[pages, offsets], v_cache[pages, offsets], scale, block_rows,
+                          window)
 
 
 def rows_attention_at(
@@ -123,6 +153,7 @@ def rows_attention_at(
     key_positions: torch.Tensor,
     scale: float,
     block_rows: int = 64,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`rows_attention` over a subset of a prompt's keys: key j sits at `key_positions[j]`, not at j.
 
@@ -132,22 +163,31 @@ def rows_attention_at(
         q: [num_rows, num_heads, head_dim]; q_positions: int64 [num_rows], in any order (the fusor's are
             sorted; each block's keys reach its furthest row).
         k, v: [num_keys, num_kv_heads, head_dim]; key_positions: sorted int64 [num_keys], distinct.
+        window: the layer's sliding window; None: none.
 
     Returns:
-        [num_rows, num_heads, head_dim]; key j is visible to row i iff key_positions[j] <= q_positions[i].
+        [num_rows, num_heads, head_dim]; key j is visible to row i iff key_positions[j] <= q_positions[i]
+        (and, with a window, key_positions[j] > q_positions[i] - window).
     """
     out = q.new_empty(q.shape)
     ends = _block_ends(q.shape[0], block_rows)
     # Keys each block sees, up to its furthest row (rows in any order, as the kernel takes them), read to
-    # the host once per call (on a GPU: one sync, not one per block).
-    furthest = F.pad(q_positions, (0, -q.shape[0] % block_rows), value=-1).view(-1, block_rows).amax(dim=1)
-    block_keys = torch.searchsorted(key_positions, furthest, right=True).tolist()
-    for begin, end, num_keys in zip(range(0, q.shape[0], block_rows), ends, block_keys, strict=True):
-        mask = key_positions[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
+    # the host once per call (on a GPU: one sync, not one per block). With a window, keys before the
+    # nearest row's window are cut off too.
+    padded = F.pad(q_positions, (0, -q.shape[0] % block_rows), value=-1).view(-1, block_rows)
+    block_ends = torch.searchsorted(key_positions, padded.amax(dim=1), right=True)
+    block_begins = torch.zeros_like(block_ends)
+    if window is not None:
+        nearest = padded.masked_fill(padded < 0, torch.iinfo(padded.dtype).max).amin(dim=1)
+        block_begins = torch.searchsorted(key_positions, nearest - window + 1)
+    bounds = torch.stack([block_begins, block_ends], dim=1).tolist()
+    for begin, end, (key_begin, key_end) in zip(range(0, q.shape[0], block_rows), ends, bounds, strict=True):
+        keys = slice(key_begin, key_end)
+        mask = visible_keys(q_positions[begin:end], key_positions[keys], window)  # [block, keys]
         block = F.scaled_dot_product_attention(
             q[begin:end].transpose(0, 1)[None],
-            k[:num_keys].transpose(0, 1)[None],
-            v[:num_keys].transpose(0, 1)[None],
+            k[keys].transpose(0, 1)[None],
+            v[keys].transpose(0, 1)[None],
             attn_mask=mask[None, None], scale=scale, enable_gqa=True)
         out[begin:end] = block[0].transpose(0, 1)
     return out
@@ -167,6 +207,7 @@ def segment_attention_mass(
     scale: float,
     block_rows: int = 64,
     per_row: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention mass each segment of keys receives from the given rows, summed over rows.
 
@@ -178,6 +219,7 @@ def segment_attention_mass(
         q: [num_rows, num_heads, head_dim]; q_positions: sorted int64 [num_rows].
         k: [num_tokens, num_kv_heads, head_dim]; segment_of_key: int64 [num_tokens], each key's segment.
         num_segments: S.
+        window: the layer's sliding window (its keys outside get no mass); None: none.
 
     Returns:
         [num_heads, S] fp32: per head, the summed mass on each segment (each row's weights sum to 1);
@@ -192,7 +234,7 @@ def segment_attention_mass(
     block_keys = (q_positions[[e - 1 for e in ends]] + 1).tolist()  # one host read per call
     for begin, end, num_keys in zip(range(0, q.shape[0], block_rows), ends, block_keys, strict=True):
         scores = torch.einsum("rhd,hkd->hrk", q[begin:end].float(), k_heads[:, :num_keys]) * scale
-        visible = key_ids[None, :num_keys] <= q_positions[begin:end, None]  # [block, num_keys]
+        visible = visible_keys(q_positions[begin:end], key_ids[:num_keys], window)  # [block, num_keys]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # [heads, block, keys]
         block = torch.zeros(num_heads, end - begin, num_segments, dtype=torch.float32, device=q.device)
         block.index_add_(2, segment_of_key[:num_keys], probs)  # [heads, block, segments]

@@ -104,35 +104,37 @@ def _triton_sparse_attention() -> ModuleType | None:
 
 
 def rows_attention(q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   scale: float, block_rows: int = 64) -> torch.Tensor:
-    """Selected query rows over a full-length K/V, exact per-query causal mask
-    (see cachefuse.attention.rows_attention for shapes). `block_rows` sizes the twin's SDPA calls;
+                   scale: float, block_rows: int = 64, window: int | None = None) -> torch.Tensor:
+    """Selected query rows over a full-length K/V, exact per-query causal mask within the layer's sliding
+    `window` (see cachefuse.attention.rows_attention for shapes). `block_rows` sizes the twin's SDPA calls;
     the kernel picks its own tiles."""
     if q.is_cuda:
         tri_sparse_attention = _triton_sparse_attention()
         if tri_sparse_attention is not None:
-            return tri_sparse_attention.rows_attention(q, q_positions, k, v, scale)
-    return attention.rows_attention(q, q_positions, k, v, scale, block_rows)
+            return tri_sparse_attention.rows_attention(q, q_positions, k, v, scale, window)
+    return attention.rows_attention(q, q_positions, k, v, scale, block_rows, window)
 
 
 def varlen_rows_attention(q: torch.Tensor, q_positions: torch.Tensor, cu_rows: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, cu_keys: torch.Tensor, scale: float,
-                          block_rows: int = 64) -> torch.Tensor:
+                          block_rows: int = 64, window: int | None = None) -> torch.Tensor:
     """`rows_attention` for several packed requests in one launch
     (see cachefuse.attention.varlen_rows_attention for shapes)."""
     if q.is_cuda:
         tri_sparse_attention = _triton_sparse_attention()
         if tri_sparse_attention is not None:
-            return tri_sparse_attention.varlen_rows_attention(q, q_positions, cu_rows, k, v, cu_keys, scale)
-    return attention.varlen_rows_attention(q, q_positions, cu_rows, k, v, cu_keys, scale, block_rows)
+            return tri_sparse_attention.varlen_rows_attention(q, q_positions, cu_rows, k, v, cu_keys, scale, window)
+    return attention.varlen_rows_attention(q, q_positions, cu_rows, k, v, cu_keys, scale, block_rows, window)
 
 
 def slot_rows_attention(q: torch.Tensor, q_positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        key_slots: torch.Tensor, scale: float, block_rows: int = 64) -> torch.Tensor:
+                        key_slots: torch.Tensor, scale: float, block_rows: int = 64,
+                        window: int | None = None) -> torch.Tensor:
     """`rows_attention` with each key read from a paged cache through its slot
     (see cachefuse.attention.slot_rows_attention for shapes)."""
     if q.is_cuda:
         tri_sparse_attention = _triton_sparse_attention()
         if tri_sparse_attention is not None:
-            return tri_sparse_attention.slot_rows_attention(q, q_positions, k_cache, v_cache, key_slots, scale)
-    return attention.slot_rows_attention(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows)
+            return tri_sparse_attention.slot_rows_attention(q, q_positions, k_cache, v_cache, key_slots, scale,
+                                                            window)
+    return attention.slot_rows_attention(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows, window)

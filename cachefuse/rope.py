@@ -25,7 +25,7 @@ import torch
 from cachefuse.errors import ConfigError, UnsupportedModelError
 
 # transformers' families whose modeling code rotates the whole head in the NeoX (rotate-half) layout.
-_HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_HF_FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 _HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # vLLM rotary classes whose cos_sin_cache is `cos/sin(t * inv_freq) * mscale` for one inv_freq.
 _VLLM_CLASSES = (

@@ -18,6 +18,10 @@ keys  | unmasked: j <= min pos of block | masked band        | never read       
       0                                 min                max+1               N
 ```
 
+With a sliding window W (key j visible to row i iff q_positions[i] - W < j <= q_positions[i], as
+transformers and vLLM mean it) the stream starts at the block's smallest position minus W - 1 and every
+tile is masked: a windowed layer's rows read at most W + (max pos - min pos) keys.
+
 Traffic per (row block, head): reads BLOCK_M*D of q and (max pos + 1)*D each of k and v, writes
 BLOCK_M*D (slotted: plus max pos + 1 int64 slots, each key row gathered from its page). K/V tiles are shared through L2 by the GROUP query heads of one KV head and by the row
 blocks of a request.
@@ -40,10 +44,11 @@ def _attend_tile(
     k_base, v_base, num_keys,
     stride_k_tok, stride_v_tok,
     slots_base, page_size, stride_k_page, stride_v_page,
-    qk_scale,
+    qk_scale, window,
     offs_d, d_mask,
     SLOTTED: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -66,10 +71,15 @@ def _attend_tile(
     qk = qk * qk_scale  # log2 domain: exp2(x * log2e) == exp(x)
     if MASKED:
         visible = (keys[None, :] <= pos[:, None]) & key_mask[None, :]
+        if WINDOWED:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+    m_shift = m_new
+    if WINDOWED:  # a row may see no key of this tile nor of those before: -inf - -inf would be NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(qk - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = _dot(p.to(v.dtype), v, acc, DOT_FP32)
@@ -95,10 +105,11 @@ def _rows_attention_kernel(
     stride_v_tok, stride_v_head,
     stride_out_tok, stride_out_head,
     page_size, stride_k_page, stride_v_page,
-    qk_scale,
+    qk_scale, window,
     HEAD_DIM: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     SLOTTED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,6 +142,11 @@ def _rows_attention_kernel(
     pos_hi = tl.max(pos, 0)
     end_n = tl.minimum(pos_hi + 1, num_keys)
     end_full = (tl.minimum(pos_lo + 1, end_n) // BLOCK_N) * BLOCK_N
+    begin_masked = end_full
+    if WINDOWED:  # no key is visible to every row for sure: stream the block's band, every tile masked
+        end_full = 0
+        begin_masked = (tl.maximum(pos_lo - window + 1, 0) // BLOCK_N) * BLOCK_N
+        pos = tl.where(row_mask, pos, pos_lo)  # padding rows: a position whose window the stream covers
 
     q_rows = q_ptr + (row_start + offs_m)[:, None].to(tl.int64) * stride_q_tok + head * stride_q_head
     q = tl.load(q_rows + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
@@ -148,13 +164,15 @@ def _rows_attention_kernel(
     for start_n in range(0, end_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_m, pos, start_n, k_base, v_base, num_keys,
-            stride_k_tok, stride_v_tok, slots_ptr, page_size, stride_k_page, stride_v_page, qk_scale,
-            offs_d, d_mask, SLOTTED=SLOTTED, MASKED=False, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    for start_n in range(end_full, end_n, BLOCK_N):
+            stride_k_tok, stride_v_tok, slots_ptr, page_size, stride_k_page, stride_v_page, qk_scale, window,
+            offs_d, d_mask, SLOTTED=SLOTTED, MASKED=False, WINDOWED=False, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N)
+    for start_n in range(begin_masked, end_n, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_m, pos, start_n, k_base, v_base, num_keys,
-            stride_k_tok, stride_v_tok, slots_ptr, page_size, stride_k_page, stride_v_page, qk_scale,
-            offs_d, d_mask, SLOTTED=SLOTTED, MASKED=True, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+            stride_k_tok, stride_v_tok, slots_ptr, page_size, stride_k_page, stride_v_page, qk_scale, window,
+            offs_d, d_mask, SLOTTED=SLOTTED, MASKED=True, WINDOWED=WINDOWED, DOT_FP32=DOT_FP32, BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N)
 
     out = acc / l_i[:, None]
     out_rows = out_ptr + (row_start + offs_m)[:, None].to(tl.int64) * stride_out_tok + head * stride_out_head
@@ -168,6 +186,7 @@ def rows_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Selected query rows over a full-length K/V; same contract as cachefuse.attention.rows_attention.
 
@@ -178,15 +197,16 @@ def rows_attention(
         k, v: [num_tokens, num_kv_heads, head_dim] of q's dtype, key j at position j
             (GQA: num_heads a multiple of num_kv_heads).
         scale: softmax scale.
+        window: sliding window (j also > q_positions[i] - window); None: none.
 
     Returns:
         A new contiguous [num_rows, num_heads, head_dim] tensor of q's dtype.
     """
-    _check(q, q_positions, k, v)
+    _check(q, q_positions, k, v, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or q.shape[1] == 0:
         return out
-    _launch(q, q_positions, k, v, out, scale, None, None, q.shape[0])
+    _launch(q, q_positions, k, v, out, scale, window, None, None, q.shape[0])
     return out
 
 
@@ -198,6 +218,7 @@ def varlen_rows_attention(
     v: torch.Tensor,
     cu_keys: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`rows_attention` for several requests in one launch; twin: cachefuse.attention.varlen_rows_attention.
 
@@ -214,11 +235,12 @@ def varlen_rows_attention(
         cu_rows, cu_keys: int32 or int64 [B+1] offsets, non-decreasing, starting at 0.
         k, v: [total_keys, num_kv_heads, head_dim].
         scale: softmax scale.
+        window: sliding window of every request; None: none.
 
     Returns:
         A new contiguous [total_rows, num_heads, head_dim] tensor of q's dtype.
     """
-    _check(q, q_positions, k, v)
+    _check(q, q_positions, k, v, window)
     for name, cu in (("cu_rows", cu_rows), ("cu_keys", cu_keys)):
         if cu.dim() != 1 or cu.shape[0] < 1 or cu.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"expected int32/int64 {name} [B+1], got {cu.dtype} {tuple(cu.shape)}")
@@ -238,7 +260,7 @@ def varlen_rows_attention(
     if total_rows != q.shape[0] or total_keys > k.shape[0]:
         raise ValueError(f"cu_rows ends at {total_rows} for {q.shape[0]} rows, cu_keys at {total_keys} for "
                          f"{k.shape[0]} keys: expected cu_rows[-1] == rows and cu_keys[-1] <= keys")
-    _launch(q, q_positions, k, v, out, scale, cu_rows.contiguous(), cu_keys.contiguous(), max_rows)
+    _launch(q, q_positions, k, v, out, scale, window, cu_rows.contiguous(), cu_keys.contiguous(), max_rows)
     return out
 
 
@@ -249,6 +271,7 @@ def slot_rows_attention(
     v_cache: torch.Tensor,
     key_slots: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`rows_attention` over keys read from a paged cache; twin: cachefuse.attention.slot_rows_attention.
 
@@ -263,30 +286,34 @@ def slot_rows_attention(
             and head strides (vLLM's FlashAttention layout is a strided view), last dim contiguous.
         key_slots: int64 [num_keys] on q's device, distinct slots of the request's keys.
         scale: softmax scale.
+        window: sliding window; None: none.
 
     Returns:
         A new contiguous [num_rows, num_heads, head_dim] tensor of q's dtype.
     """
-    _check_paged(q, q_positions, k_cache, v_cache, key_slots)
+    _check_paged(q, q_positions, k_cache, v_cache, key_slots, window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or q.shape[1] == 0:
         return out
     paged = (key_slots.contiguous(), k_cache.shape[1], k_cache.stride(0), v_cache.stride(0))
-    _launch(q, q_positions, k_cache, v_cache, out, scale, None, None, q.shape[0], paged)
+    _launch(q, q_positions, k_cache, v_cache, out, scale, window, None, None, q.shape[0], paged)
     return out
 
 
-def _check_paged(q, q_positions, k_cache, v_cache, key_slots) -> None:
+def _check_paged(q, q_positions, k_cache, v_cache, key_slots, window) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected k_cache and v_cache [pages, page_size, Hkv, D], got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
-    _check(q, q_positions, k_cache[0], v_cache[0])
+    _check(q, q_positions, k_cache[0], v_cache[0], window)
     if key_slots.dim() != 1 or key_slots.dtype != torch.int64 or key_slots.device != q.device:
         raise ValueError(f"expected int64 key_slots [num_keys] on {q.device}, got {key_slots.dtype} "
                          f"{tuple(key_slots.shape)} on {key_slots.device}")
 
 
-def _check(q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check(q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           window: int | None = None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"expected a sliding window of at least 1 key or None, got {window!r}")
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
         raise ValueError(f"expected q [R, Hq, D], k and v [N, Hkv, D], got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -307,7 +334,7 @@ def _check(q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor, v: torch
             raise ValueError(f"{name} on {x.device}, q on {q.device}")
 
 
-def _launch(q, q_positions, k, v, out, scale, cu_rows, cu_keys, max_rows, paged=None) -> None:
+def _launch(q, q_positions, k, v, out, scale, window, cu_rows, cu_keys, max_rows, paged=None) -> None:
     """`paged`: (key_slots, page_size, stride_k_page, stride_v_page) when k and v are paged caches."""
     head_dim = q.shape[2]
     block_m, block_n, num_warps, num_stages = _tiles(head_dim, max_rows, q.is_cuda)
@@ -322,10 +349,11 @@ def _launch(q, q_positions, k, v, out, scale, cu_rows, cu_keys, max_rows, paged=
         q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
         v.stride(-3), v.stride(-2), out.stride(0), out.stride(1),
         page_size, stride_k_page, stride_v_page,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E, 0 if window is None else window,
         HEAD_DIM=head_dim,
         IS_VARLEN=is_varlen,
         SLOTTED=paged is not None,
+        WINDOWED=window is not None,
         DOT_FP32=q.dtype == torch.float32 or _interpreted(),
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -24,7 +24,8 @@ from cachefuse.rope import RopeSpec
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Geometry the fusor and the store need; identical for every layer of the supported families."""
+    """Geometry the fusor and the store need; identical for every layer of the supported families, but for
+    the sliding window, which may differ per layer (alternating local and global layers)."""
 
     num_layers: int
     num_heads: int
@@ -35,6 +36,13 @@ class ModelShape:
     scaling: float
     """Softmax scale of the attention (head_dim ** -0.5 for every supported family)."""
     dtype: torch.dtype
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer, its sliding window (a row at p sees keys p - window + 1 .. p) or None (full causal);
+    empty when no layer has one."""
+
+    def window(self, layer: int) -> int | None:
+        """`layer`'s sliding window, None for full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 class ModelAdapter(Protocol):

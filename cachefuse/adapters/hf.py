@@ -1,7 +1,9 @@
 """HFAdapter: the ModelAdapter protocol over a transformers CausalLM (the reference engine).
 
 Imports torch, transformers (lazily, through the model object), cachefuse.ops and cachefuse.rope.
-Supports the Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm) families without sliding windows.
+Supports the Llama, Mistral (and Ministral: Mistral with per-layer windows), Qwen2 (qkv bias) and Qwen3
+(q/k norm) families, with the sliding windows
+transformers applies to each layer (`layer_windows`), which the blend pass's attention applies too.
 
 A GPU pass over a few hundred selected rows is launch-bound, so each layer's work is a few large
 calls rather than the modules' many small ones, with the model's own weights and constants:
@@ -27,7 +29,7 @@ from cachefuse.adapters.base import ModelShape
 from cachefuse.errors import UnsupportedModelError
 from cachefuse.rope import RopeSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 
 
 def _check_supported(config) -> None:
@@ -35,13 +37,33 @@ def _check_supported(config) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type={model_type!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def layer_windows(config, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it, () when no layer has one.
+
+    Mistral masks every layer with `sliding_window`; Ministral (what transformers loads a Mistral config with
+    `layer_types` as), Qwen2 and Qwen3 window the layers `layer_types` calls "sliding_attention" (Qwen's
+    derived from `use_sliding_window` and `max_window_layers`); Llama never windows.
+
+    Raises:
+        UnsupportedModelError: a window that is not a positive number of keys.
+    """
+    model_type = getattr(config, "model_type", None)
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", window is not None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    if (window is not None and uses_window) or "sliding_attention" in layer_types:
-        raise UnsupportedModelError(
-            f"sliding_window={window!r}: sliding-window attention is not supported by the blend pass "
-            "(its per-query mask would differ from full causal attention); use a config without it")
+    if model_type == "mistral":
+        windows = (window,) * num_layers
+    elif model_type in ("ministral", "qwen2", "qwen3"):
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+        windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types[:num_layers])
+    else:
+        windows = (None,) * num_layers
+    for index, layer_window in enumerate(windows):
+        if layer_window is not None and (not isinstance(layer_window, int) or layer_window < 1):
+            raise UnsupportedModelError(
+                f"layer {index}: sliding_window={layer_window!r} is not a number of keys >= 1; fix the config's "
+                "sliding_window (null for full attention)")
+    return windows if any(w is not None for w in windows) else ()
 
 
 class HFAdapter:
@@ -67,6 +89,7 @@ class HFAdapter:
             vocab_size=config.vocab_size,
             scaling=float(first_attn.scaling),
             dtype=next(model.parameters()).dtype,
+            layer_windows=layer_windows(config, len(self.layers)),
         )
         self.device = next(model.parameters()).device
         self.rope_spec = RopeSpec.from_hf(model).to(self.device)

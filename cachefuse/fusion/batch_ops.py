@@ -31,7 +31,8 @@ def run_ops(ops: list[Any], adapter: Any, attend_one: Callable[..., torch.Tensor
     """
     first = ops[0]
     if isinstance(first, Attend):
-        return _attend_many(ops, attend_one, varlen_rows_attention, adapter.shape.scaling, block_rows)
+        return _attend_many(ops, attend_one, varlen_rows_attention, adapter.shape.scaling, block_rows,
+                            adapter.shape.window(first.layer))
     counts = [_rows_of(op) for op in ops]
     if isinstance(first, Embed):
         return split_rows(adapter.embed(_cat([op.token_ids for op in ops])), counts)
@@ -53,14 +54,14 @@ def run_ops(ops: list[Any], adapter: Any, attend_one: Callable[..., torch.Tensor
 
 def _attend_many(ops: list[Attend], attend_one: Callable[..., torch.Tensor],
                  varlen_rows_attention: Callable[..., torch.Tensor], scale: float,
-                 block_rows: int) -> list[torch.Tensor]:
-    """Each request's rows over its own merged K/V. Requests on the fusor's own attention whose rows are
-    selected go in one varlen call; a backend with `attend_many` (vLLM's paged kernel) takes its requests
-    in one call; anything else attends request by request."""
+                 block_rows: int, window: int | None) -> list[torch.Tensor]:
+    """Each request's rows over its own merged K/V (one layer: one sliding `window`, None: none). Requests
+    on the fusor's own attention whose rows are selected go in one varlen call; a backend with `attend_many`
+    (vLLM's paged kernel) takes its requests in one call; anything else attends request by request."""
     out: list[torch.Tensor | None] = [None] * len(ops)
     varlen = [i for i, op in enumerate(ops) if op.backend is None and op.query_rows is not None]
     if len(varlen) > 1:
-        attns = _varlen_rows([ops[i] for i in varlen], varlen_rows_attention, scale, block_rows)
+        attns = _varlen_rows([ops[i] for i in varlen], varlen_rows_attention, scale, block_rows, window)
         for i, attn in zip(varlen, attns, strict=True):
             out[i] = attn
     by_backend: dict[type, list[int]] = {}
@@ -78,15 +79,22 @@ def _attend_many(ops: list[Attend], attend_one: Callable[..., torch.Tensor],
 
 
 def _varlen_rows(ops: list[Attend], varlen_rows_attention: Callable[..., torch.Tensor], scale: float,
-                 block_rows: int) -> list[torch.Tensor]:
-    """Selected rows of several requests in one varlen call: request b's rows see only its own keys."""
+                 block_rows: int, window: int | None) -> list[torch.Tensor]:
+    """Selected rows of several requests in one varlen call: request b's rows see only its own keys (within
+    the layer's sliding `window`, None: none)."""
     device = ops[0].q.device
     cu_rows = torch.tensor([0, *itertools.accumulate(op.q.shape[0] for op in ops)], device=device)
     cu_keys = torch.tensor([0, *itertools.accumulate(op.k.shape[0] for op in ops)], device=device)
     attn = varlen_rows_attention(
         _cat([op.q for op in ops]), _cat([op.query_rows for op in ops]), cu_rows,
-        _cat([op.k for op in ops]), _cat([op.v for op in ops]), cu_keys, scale, block_rows)
+        _cat([op.k for op in ops]), _cat([op.v for op in ops]), cu_keys, scale, block_rows, **window_kwargs(window))
     return split_rows(attn, [op.q.shape[0] for op in ops])
+
+
+def window_kwargs(window: int | None) -> dict[str, int]:
+    """`window=` for an attention call of a layer with a sliding window, nothing otherwise: a full-attention
+    layer calls its attention function exactly as a model without windows does."""
+    return {} if window is None else {"window": window}
 
 
 def _rows_of(op: Any) -> int:

@@ -32,7 +32,7 @@ from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
 from cachefuse.fusion.batch import Attend, Embed, LayerDone, Logits, Output, PassSteps, Project, run_alone
-from cachefuse.fusion.batch_ops import run_ops
+from cachefuse.fusion.batch_ops import run_ops, window_kwargs
 from cachefuse.fusion.layers import LoadedLayers
 from cachefuse.fusion.plan import FuseRequest, FuseResult
 from cachefuse.fusion.probe import EntrySource, ProbeResult, ProbeSource, run_probe
@@ -100,14 +100,15 @@ class Fusor:
     Args:
         adapter: the model behind the ModelAdapter protocol.
         block_rows: selected rows per attention call.
-        attention_fn: rows attention (q, q_positions, k, v, scale, block_rows): ops.rows_attention, the
-            Triton sparse-query kernel on CUDA and its torch twin elsewhere; tests substitute it.
+        attention_fn: rows attention (q, q_positions, k, v, scale, block_rows, and `window=` for a layer with a
+            sliding window): ops.rows_attention, the Triton sparse-query kernel on CUDA and its torch twin
+            elsewhere; tests substitute it.
         reduce_scores: under tensor parallelism an all-reduce (sum) over the ranks, so every rank
             selects the same rows from scores over all heads; None on one rank.
         clock: time source of the layer and probe timings on a CPU (injectable: tests never read wall
             time); on a GPU the default clock gives way to CUDA events.
         varlen_attention_fn: rows attention of several requests in one call (q, q_positions, cu_rows, k,
-            v, cu_keys, scale, block_rows; ops.varlen_rows_attention): batched passes (cachefuse.fusion.batch).
+            v, cu_keys, scale, block_rows, and `window=` as attention_fn; ops.varlen_rows_attention): batched passes (cachefuse.fusion.batch).
 
     The attention backend is the request's (`FuseRequest.attention_backend`): it is bound to where that
     request's K/V go (vLLM's slots), so it travels with the request rather than living on the fusor.
@@ -223,11 +224,13 @@ class Fusor:
                 hole_kv[seg.start][0].append(k_merged[seg.start:seg.end].clone())
                 hole_kv[seg.start][1].append(v_merged[seg.start:seg.end].clone())
             rows_per_layer.append(rows)
+            window = adapter.shape.window(layer)
             if stats is not None:  # before q is cut down to the continuing rows
-                stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows)
+                stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, window)
             tracked = None  # the selector's narrowed rows after this layer (Cache-Craft's early termination)
             if question is not None and layer < num_layers - 1:
-                mass = question.mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, layout.ctx)
+                mass = question.mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, layout.ctx,
+                                     window)
                 tracked = selector.after_layer(layout.ctx, layer, mass)
 
             # Rows that continue to the next layer: only they need this layer's attention and MLP;
@@ -267,11 +270,11 @@ class Fusor:
     def _attend(self, backend, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V, through the
         request's attention backend (None: the fusor's own torch / Triton attention)."""
-        scale = self.adapter.shape.scaling
+        scale, window = self.adapter.shape.scaling, self.adapter.shape.window(layer)
         if query_rows is None:
-            return causal_attention(q, k, v, scale) if backend is None else backend.causal(layer, q, k, v)
+            return causal_attention(q, k, v, scale, window) if backend is None else backend.causal(layer, q, k, v)
         if backend is None:
-            return self.attention_fn(q, query_rows, k, v, scale, self.block_rows)
+            return self.attention_fn(q, query_rows, k, v, scale, self.block_rows, **window_kwargs(window))
         return backend.rows(layer, q, query_rows, k, v)
 
     @staticmethod
@@ -335,13 +338,13 @@ class _HoleStats:
         self.per_token = {h: torch.zeros(self.segments[h].length, len(self.segments), device=layout.device)
                           for h in self.holes}
 
-    def add_layer(self, q, row_positions, k_merged, scale, block_rows) -> None:
+    def add_layer(self, q, row_positions, k_merged, scale, block_rows, window=None) -> None:
         for h in self.holes:
             seg = self.segments[h]
             hole_rows = torch.arange(seg.start, seg.end, device=row_positions.device)
             index = torch.searchsorted(row_positions, hole_rows)  # holes are always rows
             mass = segment_attention_mass(q[index], row_positions[index], k_merged, self.segment_of_key,
-                                          len(self.segments), scale, block_rows, per_row=True)
+                                          len(self.segments), scale, block_rows, per_row=True, window=window)
             self.per_token[h] += mass.mean(dim=1)  # [tokens, segments], averaged over heads
 
     def result(self, num_layers: int) -> dict[int, list[list[float]]]:
@@ -367,11 +370,12 @@ class _QuestionAttention:
         start = max((s.end for s in segments if s.is_chunk), default=layout.num_tokens)
         return cls(segments, layout.num_tokens, start, layout.device) if start < layout.num_tokens else None
 
-    def mass(self, q, row_positions, k_merged, scale, block_rows, ctx: SelectionContext) -> torch.Tensor:
+    def mass(self, q, row_positions, k_merged, scale, block_rows, ctx: SelectionContext,
+             window: int | None = None) -> torch.Tensor:
         """[num_segments] fp32: summed over the question rows, averaged over heads (of every TP rank)."""
         index = torch.searchsorted(row_positions, self.rows)  # question rows are always computed
         mass = segment_attention_mass(q[index], self.rows, k_merged, self.segment_of_key,
-                                      self.num_segments, scale, block_rows)  # [num_heads, num_segments]
+                                      self.num_segments, scale, block_rows, window=window)  # [heads, segments]
         total = ctx.reduce(torch.cat([mass.sum(dim=0), mass.new_tensor([mass.shape[0]])]))  # one all-reduce
         return total[:-1] / total[-1]
 

@@ -196,7 +196,8 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
         view_k, view_v, all_k = context.layer(layer, view=not last, scored=layer in score_layers)
         if layer in score_layers:
             layer_score = _question_scores(q[question], forced_rows[question], k, forced_rows, all_k,
-                                           context.all_positions, num_tokens, shape.scaling, block_rows)
+                                           context.all_positions, num_tokens, shape.scaling, block_rows,
+                                           shape.window(layer))
             scores += layer_score
             if layer_scores is not None:
                 layer_scores[layer] = ctx.reduce(layer_score[ctx.candidate_rows])
@@ -204,7 +205,8 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
             break
         keys = torch.cat([view_k.to(k.dtype), k])[order] if view_k is not None else k
         values = torch.cat([view_v.to(v.dtype), v])[order] if view_v is not None else v
-        attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows)
+        attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows,
+                                 shape.window(layer))
         hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
     candidate_scores = ctx.reduce(scores[ctx.candidate_rows])
     return ProbeResult(candidate_scores, spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()),
@@ -212,7 +214,7 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
 
 
 def _question_scores(q_question, question_positions, fresh_k, forced_rows, loaded_k, loaded_positions,
-                     num_tokens: int, scale: float, block_rows: int) -> torch.Tensor:
+                     num_tokens: int, scale: float, block_rows: int, window: int | None) -> torch.Tensor:
     """[num_tokens] fp32: each key's attention probability from the question rows, summed over rows and heads."""
     k_full = fresh_k.new_empty((num_tokens, *fresh_k.shape[1:]))
     if loaded_k is not None:
@@ -220,5 +222,5 @@ def _question_scores(q_question, question_positions, fresh_k, forced_rows, loade
     k_full[forced_rows] = fresh_k  # every row is loaded or forced: k_full is fully written
     key_ids = torch.arange(num_tokens, device=fresh_k.device)  # every key is its own "segment"
     mass = segment_attention_mass(q_question, question_positions, k_full, key_ids, num_tokens,
-                                  scale, block_rows)  # [num_heads, num_tokens]
+                                  scale, block_rows, window=window)  # [num_heads, num_tokens]
     return mass.sum(dim=0)

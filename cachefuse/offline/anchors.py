@@ -48,11 +48,12 @@ def received_attention(adapter: ModelAdapter, token_ids: Sequence[int], chunk_st
         x, residual = adapter.attention_input(layer, hidden, residual)
         q_nope, k_nope, v = adapter.project_qkv(layer, x)
         q, k = adapter.rotate(layer, positions, q_nope, k_nope)
+        window = shape.window(layer)
         mass = segment_attention_mass(q[chunk_start:], chunk_rows, k, positions, num_tokens, shape.scaling,
-                                      block_rows)  # [num_heads, num_tokens]: every key its own segment
+                                      block_rows, window=window)  # [num_heads, num_tokens]: every key a segment
         received += mass.mean(dim=0)
         if layer < shape.num_layers - 1:
-            attn = causal_attention(q, k, v, shape.scaling)
+            attn = causal_attention(q, k, v, shape.scaling, window)
             hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
     viewers = (num_tokens - chunk_rows).float()  # chunk rows at or after each chunk token
     return (received[chunk_start:] / shape.num_layers / viewers).cpu()

@@ -9,7 +9,7 @@ are imported by the functions that need them.
 Families (`FAMILIES`):
 
 - `llama`: LlamaForCausalLM, default RoPE.
-- `mistral`: MistralForCausalLM with `sliding_window=None` (vLLM only windows through `layer_types`).
+- `mistral`: MistralForCausalLM with `sliding_window=None` (windowed families: `WINDOWED_FAMILIES` below).
 - `qwen2`: Qwen2ForCausalLM; q/k/v always carry a bias; `use_sliding_window=False`.
 - `qwen3`: Qwen3ForCausalLM; per-head q/k RMSNorm; no sliding window.
 - `llama31`: LlamaForCausalLM with Llama-3.1 scaled RoPE (`rope_type="llama3"`, factor 8) and a small
@@ -37,6 +37,22 @@ if TYPE_CHECKING:
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "llama31")
 
+WINDOWED_FAMILIES = ("mistral_swa", "mistral_alt", "qwen2_swa")
+"""Families with sliding windows shorter than the test prompts (TINY_WINDOW keys), kept apart from FAMILIES so
+the tests of every family do not double:
+
+- `mistral_swa`: MistralForCausalLM, every layer windowed; `layer_types` spells it out, since vLLM windows
+  only the layers `layer_types` names (transformers loads a Mistral config with `layer_types` as Ministral,
+  which windows the same layers);
+- `mistral_alt`: the same with `layer_types` alternating windowed and full layers (Ministral-style), which
+  vLLM and transformers both apply per layer;
+- `qwen2_swa`: Qwen2ForCausalLM with `use_sliding_window` and `max_window_layers=2`: layers 0-1 full, 2-3
+  windowed in transformers (vLLM 0.32's Qwen2 applies no window, and refuses such a mix).
+"""
+
+TINY_WINDOW = 16
+"""The windowed families' sliding window, in keys."""
+
 BUILDER_VERSION = 1
 """Bump when the bytes a build writes change, so that caches keyed on it rebuild."""
 
@@ -58,6 +74,9 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama31": "LlamaForCausalLM",
+    "mistral_swa": "MistralForCausalLM",
+    "qwen2_swa": "Qwen2ForCausalLM",
+    "mistral_alt": "MistralForCausalLM",
 }
 
 # Word lists for the tokenizer's training text: common English plus a RAG-flavoured vocabulary.
@@ -230,6 +249,14 @@ def _make_config(family: str, tok: PreTrainedTokenizerFast, p: dict[str, Any]):
         return Qwen2Config(**common, use_sliding_window=False, sliding_window=None)
     if family == "qwen3":
         return Qwen3Config(**common, use_sliding_window=False, sliding_window=None, attention_bias=False)
+    num_layers = p["num_layers"]
+    if family == "mistral_swa":
+        return MistralConfig(**common, sliding_window=TINY_WINDOW, layer_types=["sliding_attention"] * num_layers)
+    if family == "qwen2_swa":
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=2)
+    if family == "mistral_alt":
+        alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        return MistralConfig(**common, sliding_window=TINY_WINDOW, layer_types=alternating)
     raise ValueError(f"family={family!r}, expected one of {FAMILIES}")
 
 
@@ -259,8 +286,8 @@ def build_tiny_model(
     Returns:
         `out_dir` as a Path.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r}, expected one of {FAMILIES}")
+    if family not in FAMILIES + WINDOWED_FAMILIES:
+        raise ValueError(f"family={family!r}, expected one of {FAMILIES + WINDOWED_FAMILIES}")
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -3,7 +3,7 @@
 Imports torch and cachefuse.{adapters.base, errors, rope}; `vllm` itself only inside
 `check_vllm_version` (the model is read by duck typing, so importing this module loads no vLLM
 code). Mirrors adapters/hf.py over vLLM's own modules for the Llama, Mistral, Qwen2 and Qwen3
-families, as obtained in the worker (`model_runner.get_model()`), pinned to one vLLM API generation
+families (with each layer's sliding window as vLLM's attention layer applies it), as obtained in the worker (`model_runner.get_model()`), pinned to one vLLM API generation
 (`SUPPORTED_VLLM_VERSION`):
 
 - modules are called, weights never read: on CPU every linear layer's `.weight` is emptied after
@@ -63,7 +63,7 @@ class VLLMAdapter:
     Call it under `torch.inference_mode()` (the fusor does), in the worker that owns the model.
 
     Raises:
-        UnsupportedModelError: another architecture, sliding-window or non-causal attention,
+        UnsupportedModelError: another architecture, a malformed sliding window, non-causal attention,
             pipeline parallelism, a RoPE variant `RopeSpec.from_vllm` rejects, or a family
             extension the blend pass does not reproduce (Llama-4 query scaling, AdaRMSNorm,
             dual-chunk attention).
@@ -85,6 +85,7 @@ class VLLMAdapter:
             scaling=float(attn.scaling),
             # Norm weights are never emptied and carry the model dtype (linear weights may be empty).
             dtype=self.decoder.norm.weight.dtype,
+            layer_windows=layer_windows(self.layers),
         )
         self.device = self.decoder.norm.weight.device
         self.rope_spec = _rope_spec(self.layers).to(self.device)
@@ -153,16 +154,14 @@ def _check_supported(model: nn.Module):
         raise UnsupportedModelError(
             f"this rank holds layers {decoder.start_layer}..{decoder.end_layer - 1} of {num_layers}: "
             "pipeline parallelism is not supported; use pipeline_parallel_size=1")
-    layer_types = list(getattr(config, "layer_types", None) or ())
     for index, block in enumerate(decoder.layers):
         attn = block.self_attn
         window = getattr(attn.attn, "sliding_window", None)
-        if window is not None or (index < len(layer_types) and layer_types[index] == "sliding_attention"):
+        if window is not None and (not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(
-                f"layer {index} uses sliding-window attention (sliding_window={window!r}, "
-                f"layer_types[{index}]={layer_types[index] if index < len(layer_types) else None!r}): the "
-                "blend pass attends with a full causal mask; use a checkpoint without sliding windows, or "
-                "start vLLM with disable_sliding_window=True (which caps max_model_len at the window)")
+                f"layer {index} has sliding_window={window!r}: the blend pass applies a window of a number of "
+                "keys >= 1 (or none); fix the config's sliding_window, or start vLLM with "
+                "disable_sliding_window=True")
         attn_type = getattr(attn.attn, "attn_type", "decoder")
         if attn_type != "decoder":  # AttentionType is a str enum
             raise UnsupportedModelError(
@@ -177,6 +176,13 @@ def _check_supported(model: nn.Module):
             raise UnsupportedModelError(f"layer {index} uses ada_rms_norm_t_cond (time-conditioned norm): not "
                                         "reproduced by the blend pass; use a config without it")
     return config
+
+
+def layer_windows(layers: list[nn.Module]) -> tuple[int | None, ...]:
+    """Each layer's sliding window as vLLM's own attention layer applies it (`attn.sliding_window`: the
+    layer's `layer_types` entry or the model-wide window), () when no layer has one."""
+    windows = tuple(getattr(block.self_attn.attn, "sliding_window", None) for block in layers)
+    return windows if any(window is not None for window in windows) else ()
 
 
 def _rope_spec(layers: list[nn.Module]) -> RopeSpec:

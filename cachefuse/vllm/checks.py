@@ -43,18 +43,22 @@ def _check_scheduling(vllm_config: Any) -> None:
 
 
 def _check_model(vllm_config: Any) -> None:
-    """The model: an architecture the adapters know, full attention, no LoRA, text only."""
+    """The model: an architecture the adapters know, causal attention with or without sliding windows (the
+    blend pass applies each layer's window in its masks), no LoRA, text only."""
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config, "architectures", None) or [])
     if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {architectures!r} is not supported: expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
     window = model_config.get_sliding_window()
-    layer_types = getattr(model_config.hf_text_config, "layer_types", None) or ()
-    if window is not None or "sliding_attention" in layer_types:
+    if window is not None and (not isinstance(window, int) or window < 1):
         raise UnsupportedModelError(
-            f"sliding_window={window!r}: sliding-window attention is not supported by the blend pass; "
-            "serve a configuration without it (e.g. sliding_window: null)")
+            f"sliding_window={window!r}: the blend pass applies a sliding window of a number of keys >= 1; fix "
+            "the config's sliding_window (null for full attention)")
+    if getattr(model_config, "attention_chunk_size", None) is not None:
+        raise UnsupportedModelError(
+            f"attention_chunk_size={model_config.attention_chunk_size!r}: chunked local attention is not applied "
+            "by the blend pass's masks; serve a configuration without it")
     if vllm_config.lora_config is not None:
         raise UnsupportedModelError("LoRA is not supported with CacheFuseConnector: start vLLM without --enable-lora")
     if model_config.is_multimodal_model:

@@ -18,6 +18,11 @@ from cachefuse.chunks import Segment
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import VariantChoice
 
+NULL_BLOCK_ID = 0
+"""vLLM's null block (BlockPool takes its first block as it): what a block table holds for blocks that no
+attention will read, such as the blocks of a sliding-window model that fall out of every window. Shared by
+every request: never written, never reported as a load error."""
+
 
 @dataclass
 class BlendPlan:

@@ -39,8 +39,10 @@ import torch.nn.functional as F
 from cachefuse import ops
 from cachefuse.attention import causal_attention
 from cachefuse.fusion.batch import Attend
+from cachefuse.fusion.batch_ops import window_kwargs
 from cachefuse.vllm import kv_quant
 from cachefuse.vllm.cache_views import paged_kv_views
+from cachefuse.vllm.messages import NULL_BLOCK_ID
 
 
 def supports_paged_attention(layer: Any) -> bool:
@@ -56,9 +58,9 @@ def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
                    first_written: int = 0) -> None:
     """One layer's K/V [T, kv_heads, head_dim] into the slots of positions first_written..T-1 through the
     layer's own writer (an fp8 cache: quantized there with the layer's scales, as vLLM's own writes are;
-    see cachefuse.vllm.kv_quant). Positions before `first_written` are vLLM's own prefix-cache hit
-    (exact, shared with other requests: never written); positions past the slots (an asynchronous
-    load's last token, which vLLM computes) are not written either."""
+    see cachefuse.vllm.kv_quant). Positions before `first_written` are vLLM's own prefix-cache hit (exact,
+    shared with other requests) or vLLM's null block (`leading_unslotted`): never written; positions past
+    the slots (an asynchronous load's last token, which vLLM computes) are not written either."""
     dtype = kv_quant.write_dtype(layer)
     num_rows = min(k.shape[0], slot_mapping.shape[0])
     if num_rows <= first_written:
@@ -67,6 +69,19 @@ def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
     # reads T*kv_heads*head_dim*2, writes the same into the paged cache
     layer.impl.do_kv_cache_update(layer, k.to(dtype).contiguous(), v.to(dtype).contiguous(), layer.kv_cache,
                                   slot_mapping[first_written:num_rows])
+
+
+def leading_unslotted(block_ids: list[int], block_size: int) -> int:
+    """Positions at the prompt's start that have no slot of their own: vLLM's sliding-window cache manager
+    gives the external tokens that no later row's window reaches the null block. The blend pass still
+    computes and attends over them (its rows there need them), in memory: they are never written or read in
+    the paged cache. 0 for a model without windows (every block real)."""
+    num_null = 0
+    for block_id in block_ids:
+        if block_id != NULL_BLOCK_ID:
+            break
+        num_null += 1
+    return num_null * block_size
 
 
 @dataclass
@@ -84,33 +99,44 @@ class SlotWritingAttention:
     scale: float
     block_rows: int = 64
     rows_attention: Callable[..., torch.Tensor] = field(default=ops.rows_attention)
-    """(q, q_positions, k, v, scale, block_rows) over contiguous K/V, for caches not read in place."""
+    """(q, q_positions, k, v, scale, block_rows, and `window=` for a windowed layer) over contiguous K/V, for
+    caches not read in place."""
     slot_rows_attention: Callable[..., torch.Tensor] = field(default=ops.slot_rows_attention)
-    """(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows): the rows over the paged cache."""
+    """(q, q_positions, k_cache, v_cache, key_slots, scale, block_rows, and `window=`): the rows over the
+    paged cache."""
+    windows: tuple[int | None, ...] = ()
+    """Each model layer's sliding window (ModelShape.layer_windows; empty: none)."""
+    paged_from: int = 0
+    """Positions below it have no slot (`leading_unslotted`): written nowhere, attended in memory."""
     first_written: int = 0
     """Positions before it are vLLM's prefix-cache hit: read in place, never written (write_layer_kv)."""
     read_in_place: dict[str, bool] = field(default_factory=dict, init=False)
     """Per layer name, once it has attended: whether its rows read the paged cache in place."""
 
+    def _window(self, layer_index: int) -> dict[str, int]:
+        return window_kwargs(self.windows[layer_index] if self.windows else None)
+
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layers[self.layer_names[layer_index]]
-        write_layer_kv(layer, k, v, self.slot_mapping, self.first_written)
-        return causal_attention(q, *kv_quant.as_read_from_cache(layer, k, v), self.scale)
+        write_layer_kv(layer, k, v, self.slot_mapping, max(self.first_written, self.paged_from))
+        return causal_attention(q, *kv_quant.as_read_from_cache(layer, k, v), self.scale, **self._window(layer_index))
 
     def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
         name = self.layer_names[layer_index]
         layer = self.layers[name]
-        write_layer_kv(layer, k, v, self.slot_mapping, self.first_written)
+        write_layer_kv(layer, k, v, self.slot_mapping, max(self.first_written, self.paged_from))
         views = paged_kv_views(layer)
-        # keys past the slots (an asynchronous load's last token) live only in memory
-        in_place = views is not None and views[0].dtype == q.dtype and k.shape[0] <= self.slot_mapping.shape[0]
+        # keys past the slots (an asynchronous load's last token) or before them (the null block) live only in
+        # memory
+        in_place = (views is not None and views[0].dtype == q.dtype and k.shape[0] <= self.slot_mapping.shape[0]
+                    and self.paged_from == 0)
         self.read_in_place[name] = in_place
         if not in_place:  # over the K/V as the cache holds them (an fp8 cache: rounded to its codes)
             k, v = kv_quant.as_read_from_cache(layer, k, v)
-            return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows)
+            return self.rows_attention(q, q_positions, k, v, self.scale, self.block_rows, **self._window(layer_index))
         return self.slot_rows_attention(q, q_positions, views[0], views[1], self.slot_mapping[: k.shape[0]],
-                                        self.scale, self.block_rows)
+                                        self.scale, self.block_rows, **self._window(layer_index))
 
 
 @dataclass
@@ -127,6 +153,9 @@ class PagedAttention:
     """int64 [num_tokens]: the slot of every prompt position."""
     block_table: torch.Tensor
     """int32 [1, num_blocks]: the request's blocks."""
+    paged_from: int = 0
+    """Positions below it have no slot (`leading_unslotted`): written nowhere; rows whose window reaches them
+    attend in memory."""
     first_written: int = 0
     """Positions before it are vLLM's prefix-cache hit: the kernel reads them from the cache (vLLM's exact
     K/V), nothing writes them (write_layer_kv)."""
@@ -148,34 +177,39 @@ class PagedAttention:
         selected rows one single-token sequence each), so no row sees another request's keys."""
         first = attends[0].backend
         layer = first.layers[first.layer_names[attends[0].layer]]
+        window = layer.impl.sliding_window if layer.impl.sliding_window > 0 else None  # the CPU impl's -1: none
         width = max(op.backend.block_table.shape[1] for op in attends)
         query_lens, seq_lens, tables, paged_q, in_memory = [], [], [], [], []
         for index, op in enumerate(attends):
             backend = op.backend
-            write_layer_kv(layer, op.k, op.v, backend.slot_mapping, backend.first_written)
+            write_layer_kv(layer, op.k, op.v, backend.slot_mapping, max(backend.first_written, backend.paged_from))
             table = F.pad(backend.block_table, (0, width - backend.block_table.shape[1]))  # pad: never read
             num_slots = backend.slot_mapping.shape[0]
             positions = op.query_rows
-            if positions is None and op.q.shape[0] <= num_slots:  # one causal sequence of every row
-                query_lens.append(torch.tensor([op.q.shape[0]], dtype=torch.int32))
+            if positions is None and op.q.shape[0] <= num_slots and backend.paged_from == 0:
+                query_lens.append(torch.tensor([op.q.shape[0]], dtype=torch.int32))  # one causal sequence
                 seq_lens.append(torch.tensor([op.q.shape[0]], dtype=torch.int32))
                 tables.append(table)
                 paged_q.append(op.q)
                 continue
             if positions is None:
                 positions = torch.arange(op.q.shape[0], device=op.q.device)
-            # An asynchronous load's blocks stop at position N-2 (vLLM computes N-1 itself): a row past
-            # the slots attends over the layer's merged K/V in memory (as the cache would hold them), its
-            # key never written.
-            num_paged = int((positions < num_slots).sum())  # positions are sorted
-            query_lens.append(torch.ones(num_paged, dtype=torch.int32))
-            seq_lens.append((positions[:num_paged] + 1).to(torch.int32).cpu())
-            tables.append(table.expand(num_paged, -1))
-            paged_q.append(op.q[:num_paged])
-            if num_paged < op.q.shape[0]:
-                in_memory.append((index, num_paged, ops.rows_attention(
-                    op.q[num_paged:], positions[num_paged:], *kv_quant.as_read_from_cache(layer, op.k, op.v),
-                    layer.impl.scale)))
+            # Rows are paged from `begin` to `end` (positions are sorted); the others attend over the layer's
+            # merged K/V in memory (as the cache would hold them): an asynchronous load's blocks stop at position
+            # N-2 (vLLM computes N-1 itself), and a window that reaches the null block's positions would read
+            # keys never written.
+            num_rows = op.q.shape[0]
+            end = int((positions < num_slots).sum())
+            begin = min(_rows_reaching(positions, backend.paged_from, window), end)
+            query_lens.append(torch.ones(end - begin, dtype=torch.int32))
+            seq_lens.append((positions[begin:end] + 1).to(torch.int32).cpu())
+            tables.append(table.expand(end - begin, -1))
+            paged_q.append(op.q[begin:end])
+            if begin > 0 or end < num_rows:
+                rest = torch.cat([torch.arange(begin), torch.arange(end, num_rows)]).to(positions.device)
+                in_memory.append((index, begin, ops.rows_attention(
+                    op.q[rest], positions[rest], *kv_quant.as_read_from_cache(layer, op.k, op.v), layer.impl.scale,
+                    **window_kwargs(window))))
         query_start_loc = F.pad(torch.cat(query_lens).cumsum(0, dtype=torch.int32), (1, 0))
         q = paged_q[0] if len(paged_q) == 1 else torch.cat(paged_q)
         out = q.new_empty(q.shape)
@@ -183,9 +217,18 @@ class PagedAttention:
             out = paged_forward(layer, q, attends[0].k, attends[0].v, query_start_loc, torch.cat(seq_lens),
                                  torch.cat(tables).contiguous())
         outs = list(torch.split(out, [part.shape[0] for part in paged_q]))
-        for index, num_paged, rows in in_memory:
-            outs[index] = torch.cat([outs[index][:num_paged], rows])
+        for index, begin, rows in in_memory:  # rows: those before the paged ones, then those after
+            outs[index] = torch.cat([rows[:begin], outs[index], rows[begin:]])
         return outs
+
+
+def _rows_reaching(positions: torch.Tensor, paged_from: int, window: int | None) -> int:
+    """How many of the sorted `positions` see a key below `paged_from` (all of them without a window)."""
+    if paged_from == 0:
+        return 0
+    if window is None:
+        return int(positions.shape[0])
+    return int((positions - window + 1 < paged_from).sum())
 
 
 def paged_forward(layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,

@@ -43,7 +43,12 @@ from cachefuse.store.tiered import open_store
 from cachefuse.vllm.adapters import VLLMAdapter
 from cachefuse.vllm.messages import BlendPlan, CacheFuseMetadata, CacheFuseWorkerMeta, blend_budget_rows
 from cachefuse.vllm.metrics import CacheFuseConnectorStats
-from cachefuse.vllm.paged import PagedAttention, SlotWritingAttention, supports_paged_attention
+from cachefuse.vllm.paged import (
+    PagedAttention,
+    SlotWritingAttention,
+    leading_unslotted,
+    supports_paged_attention,
+)
 from cachefuse.vllm.plugin import captured_model
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class WorkerSide:
                 "run. Install cachefuse into vLLM's environment (its `vllm.general_plugins` entry point "
                 "registers it), and if VLLM_PLUGINS is set, include 'cachefuse' in it")
         self.adapter = VLLMAdapter(model)
+        self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_rank = tp_rank  # rank 0 reports saved keys and counts requests' figures (see their uses)
         fingerprint = model_fingerprint(resolve_model_dir(vllm_config.model_config))
         shape = self.adapter.shape
@@ -197,14 +203,15 @@ class WorkerSide:
         if self.paged_attention is None:
             self.paged_attention = all(supports_paged_attention(layers[name]) for name in self.layer_names)
         fusor = self.engine.fusor
+        paged_from = leading_unslotted(plan.block_ids, self.block_size)  # > 0 only under sliding windows
         if self.paged_attention:  # both write every layer's merged K/V into the slots as they attend
             backend = PagedAttention(layers, self.layer_names, slot_mapping,
                                      torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device),
-                                     first_written=plan.cached_prefix_tokens)
+                                     paged_from, first_written=plan.cached_prefix_tokens)
         else:
             backend = SlotWritingAttention(layers, self.layer_names, slot_mapping, self.adapter.shape.scaling,
-                                           fusor.block_rows, fusor.attention_fn,
-                                           first_written=plan.cached_prefix_tokens)
+                                           fusor.block_rows, fusor.attention_fn, windows=self.adapter.shape.layer_windows,
+                                           paged_from=paged_from, first_written=plan.cached_prefix_tokens)
         # A replay (the request's first blend ran before a preemption) saved its holes and counted its
         # reuses the first time.
         return self.engine.fuse_steps(FusePlan(

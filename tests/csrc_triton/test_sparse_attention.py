@@ -178,3 +178,43 @@ def test_ops_dispatch(device):
         torch.testing.assert_close(actual_varlen, expected_varlen, **TOL[torch.float32])
     else:
         assert torch.equal(actual, expected) and torch.equal(actual_varlen, expected_varlen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("size", [(1, 9), (7, 67), (65, 299)], ids=lambda s: f"r{s[0]}n{s[1]}")
+@pytest.mark.parametrize("window", [1, 5, 33, 400])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_attention_with_window_matches_twin(device, size, window, dtype):
+    """A sliding window (key j visible iff p - window < j <= p): windows shorter than a tile, longer than
+    a tile, and longer than the prompt; a window of 1 (each row sees itself only)."""
+    q, positions, k, v, scale = make_rows_case(*size, 3, dtype, device)
+    expected = attention.rows_attention(q, positions, k, v, scale, window=window)
+    actual = tri_attn.rows_attention(q, positions, k, v, scale, window)
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+    if window < size[1] - 1:  # negative control: the unwindowed kernel differs from the windowed twin
+        plain = tri_attn.rows_attention(q, positions, k, v, scale)
+        assert (plain - expected).float().abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_and_slot_rows_attention_with_window_match_twins(device):
+    from tests.csrc_triton.test_slot_attention import flash_layout_cache
+
+    window = 11
+    cases = [make_rows_case(r, n, 2, torch.float32, device, seed=i) for i, (r, n) in enumerate([(5, 37), (20, 131)])]
+    q = torch.cat([c[0] for c in cases])
+    positions = torch.cat([c[1] for c in cases])
+    k, v = torch.cat([c[2] for c in cases]), torch.cat([c[3] for c in cases])
+    cu_rows = torch.tensor([0, 5, 25], dtype=torch.int32, device=device)
+    cu_keys = torch.tensor([0, 37, 168], dtype=torch.int32, device=device)
+    scale = cases[0][4]
+    expected = attention.varlen_rows_attention(q, positions, cu_rows, k, v, cu_keys, scale, window=window)
+    actual = tri_attn.varlen_rows_attention(q, positions, cu_rows, k, v, cu_keys, scale, window)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+    q1, pos1, k1, v1, _ = cases[1]
+    k_cache, v_cache, key_slots = flash_layout_cache(k1, v1, page_size=16, num_pages=20)
+    expected = attention.slot_rows_attention(q1, pos1, k_cache, v_cache, key_slots, scale, window=window)
+    actual = tri_attn.slot_rows_attention(q1, pos1, k_cache, v_cache, key_slots, scale, window)
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="sliding window"):
+        tri_attn.rows_attention(q1, pos1, k1, v1, scale, 0)

@@ -17,13 +17,13 @@ def engine_config(**changes):
     """A stand-in VllmConfig with every field check_engine reads, valid unless changed."""
     values = dict(prefix_caching=False, policy="recompute", role="kv_both", architectures=["LlamaForCausalLM"],
                   window=None, layer_types=None, lora=None, multimodal=False, pp=1, cache_dtype="auto",
-                  async_scheduling=False)
+                  async_scheduling=False, chunk=None)
     values.update(changes)
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy=values["policy"], kv_role=values["role"]),
         cache_config=SimpleNamespace(enable_prefix_caching=values["prefix_caching"], cache_dtype=values["cache_dtype"]),
         model_config=SimpleNamespace(architectures=values["architectures"], get_sliding_window=lambda: values["window"],
-                                     dtype="float32",
+                                     dtype="float32", attention_chunk_size=values["chunk"],
                                      hf_text_config=SimpleNamespace(layer_types=values["layer_types"]),
                                      is_multimodal_model=values["multimodal"]),
         lora_config=values["lora"], parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]),
@@ -34,8 +34,8 @@ def engine_config(**changes):
     ({"policy": "fail"}, ConfigError, "\"kv_load_failure_policy\": \"recompute\""),
     ({"role": "kv_producer"}, ConfigError, "kv_both"),
     ({"architectures": ["GPT2LMHeadModel"]}, UnsupportedModelError, "GPT2LMHeadModel"),
-    ({"window": 4096}, UnsupportedModelError, "sliding_window=4096"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, UnsupportedModelError, "sliding"),
+    ({"window": 0}, UnsupportedModelError, "sliding_window=0"),
+    ({"chunk": 8192}, UnsupportedModelError, "attention_chunk_size=8192"),
     ({"lora": object()}, UnsupportedModelError, "--enable-lora"),
     ({"multimodal": True}, UnsupportedModelError, "multimodal"),
     ({"pp": 2}, UnsupportedModelError, "pipeline_parallel_size"),
@@ -51,6 +51,13 @@ def test_check_engine_names_the_fix(changes, error, words):
     with pytest.raises(error, match=None) as info:
         check_engine(engine_config(**changes))
     assert words in str(info.value)
+
+
+def test_sliding_windows_are_served():
+    """The blend pass applies each layer's window (tests/vllm/test_windows.py): a model-wide window and
+    per-layer windows start; the negative control is the table above (a window of 0 keys is refused)."""
+    check_engine(engine_config(window=4096))
+    check_engine(engine_config(window=4096, layer_types=["full_attention", "sliding_attention"]))
 
 
 def test_vllms_defaults_pass_the_checks():

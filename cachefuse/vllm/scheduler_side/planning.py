@@ -30,7 +30,7 @@ from cachefuse.chunks import KeyContext, chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.request import FusionRequest
-from cachefuse.vllm.messages import BlendPlan, blend_budget_rows, estimated_rows
+from cachefuse.vllm.messages import NULL_BLOCK_ID, BlendPlan, blend_budget_rows, estimated_rows
 from cachefuse.vllm.scheduler_side.gate import Gate
 from cachefuse.vllm.scheduler_side.outcomes import Outcomes, RequestOutcome
 
@@ -303,12 +303,15 @@ class Planner:
         slots = [block_ids[p // bs] * bs + p % bs for p in range(min(num_tokens, len(block_ids) * bs))]
         fusion = pending.request
         num_hit_blocks = (num_tokens - 1 + bs - 1) // bs
-        cached_blocks = pending.cached_prefix // bs  # vLLM's hit: shared, never reported as a load error
+        # vLLM's hit and its null block (a sliding-window model's blocks out of every window) are shared by
+        # other requests: never reported as load errors
+        cached_blocks = pending.cached_prefix // bs
         return BlendPlan(
             req_id=req_id, token_ids=pending.token_ids, segments=fusion.segments, chunk_keys=pending.chunk_keys,
             selector=fusion.selector,
             recompute_ratio=fusion.recompute_ratio, slot_mapping=slots,
-            block_ids=block_ids[: (num_tokens + bs - 1) // bs], error_block_ids=block_ids[cached_blocks:num_hit_blocks],
+            block_ids=block_ids[: (num_tokens + bs - 1) // bs],
+            error_block_ids=[b for b in block_ids[cached_blocks:num_hit_blocks] if b != NULL_BLOCK_ID],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
             sync_save=fusion.sync_save, replay=pending.replay, load_async=pending.load_async,
             estimated_rows=pending.estimated_rows, cached_prefix_tokens=pending.cached_prefix)

@@ -972,3 +972,16 @@ def test_under_async_scheduling_every_blend_is_an_asynchronous_load(make_side):
     assert side.get_num_new_matched_tokens(request("sync"), 0) == (99, False)
     side.planner.async_scheduling = True
     assert side.get_num_new_matched_tokens(request("async"), 0) == (99, True)
+
+
+def test_vllms_null_block_is_never_reported_as_a_load_error(make_side):
+    """A sliding-window model's blocks out of every window are vLLM's shared null block (id 0): a failed
+    blend must not report it (every request holding it would be recomputed, or worse)."""
+    side = make_side()
+    req = request("r1", 100)
+    matched, _ = side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 9, 10, 11, 12, 13],)), matched)
+    (plan,) = side.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r1", block_ids=([0, 0, 9, 10, 11, 12, 13],))],
+        scheduled_cached_reqs=step_output().scheduled_cached_reqs)).plans
+    assert plan.error_block_ids == [9, 10, 11, 12, 13]
