@@ -216,3 +216,15 @@ def test_prometheus_exposes_cachefuse_counters(cachefuse_server, tokenizer):
             return
         time.sleep(1.0)
     raise AssertionError("no vllm:cachefuse_requests_fused_total > 0 in /metrics:\n" + text[-2000:])
+
+
+def test_the_server_keeps_vllms_defaults(cachefuse_server, tokenizer):
+    """serve.sh adds the --kv-transfer-config and nothing else: vLLM's prefix cache stays on (vLLM logs its
+    engine config at start-up), and fused requests are served beside it."""
+    log = cachefuse_server.log_path.read_text(errors="replace")
+    assert "enable_prefix_caching=True" in log and "enable_prefix_caching=False" not in log
+    prompt = build_rag_prompt(tokenizer, SYSTEM, CHUNKS[2:4], "Question: how far is the garden?")
+    for _ in range(2):
+        status, body = post_json(cachefuse_server.base_url, "/v1/completions",
+                                 completion_body(prompt.token_ids, prompt.kv_transfer_params()))
+        assert status == 200 and body["kv_transfer_params"]["cachefuse"]["status"] == "fused", body
