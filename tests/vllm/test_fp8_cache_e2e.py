@@ -139,11 +139,11 @@ def test_negative_control_a_write_without_the_scales_differs(fp8, monkeypatch):
     _, llm, prompts, plain, _ = fp8
     write = paged.write_layer_kv
 
-    def write_unscaled(layer, k, v, slot_mapping):
+    def write_unscaled(layer, k, v, slot_mapping, first_written=0):
         k_scale, v_scale = layer._k_scale_float, layer._v_scale_float
         layer._k_scale_float = layer._v_scale_float = 1.0
         try:
-            write(layer, k, v, slot_mapping)
+            write(layer, k, v, slot_mapping, first_written)
         finally:
             layer._k_scale_float, layer._v_scale_float = k_scale, v_scale
 
