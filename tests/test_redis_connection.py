@@ -19,9 +19,9 @@ from tests.helpers.trickling_proxy import TestClock, TricklingProxy
 TIMEOUT_S = 2.0  # the socket timeout, real seconds: longer than any pause of the proxy's in a control
 BUDGET_S = 1.0  # the deadline, on the test clock
 VALUE = bytes(range(256)) * 16  # 4 KiB: many pieces
-PATTERNS = {  # (piece bytes, clock step per piece)
+PATTERNS = {  # (pieces per reply, clock step per piece)
     "trickled": (64, 0.05),  # 4 KiB in 64-byte pieces, 50 ms each: 3.2 s in all
-    "each read just inside the socket timeout": (1024, 0.95 * TIMEOUT_S),
+    "each read just inside the socket timeout": (4, 0.95 * TIMEOUT_S),
 }
 
 
@@ -39,16 +39,16 @@ def proxied(redis_server: RedisServer, redis_namespace: str):
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_a_slow_reply_is_cut_at_the_deadline_and_its_connection_dropped(proxied, redis_namespace, pattern):
     client, proxy, clock, key = proxied
-    piece_bytes, step_s = PATTERNS[pattern]
+    pieces, step_s = PATTERNS[pattern]
     client.set(f"{redis_namespace}:other", b"other")
-    proxy.trickle(piece_bytes, step_s, hold_s=10.0)
+    proxy.trickle(pieces, step_s, hold_s=10.0)
     with calls_within(BUDGET_S, clock) as deadline, pytest.raises(redis.TimeoutError):
         client.get(key)
     assert deadline.cut and proxy.settled(1) and proxy.cut_replies == 1 and proxy.whole_replies == 0
     proxy.forward()
     assert client.get(f"{redis_namespace}:other") == b"other"  # not the rest of VALUE's reply
 
-    proxy.trickle(piece_bytes, step_s, hold_s=0.2)  # control: no deadline, the reply arrives whole
+    proxy.trickle(pieces, step_s, hold_s=0.2)  # control: no deadline, the reply arrives whole
     start = clock()
     assert client.get(key) == VALUE
     assert clock() - start > BUDGET_S and proxy.settled(2) and proxy.whole_replies == 1
@@ -56,7 +56,7 @@ def test_a_slow_reply_is_cut_at_the_deadline_and_its_connection_dropped(proxied,
 
 def test_a_call_that_ends_in_time_is_untouched(proxied):
     client, proxy, clock, key = proxied
-    proxy.trickle(1024, 0.1, hold_s=0.2)  # 5 pieces: 0.5 s, well inside the deadline
+    proxy.trickle(5, 0.1, hold_s=0.2)  # 5 pieces: 0.5 s, well inside the deadline
     with calls_within(10 * BUDGET_S, clock) as deadline:
         assert client.get(key) == VALUE
     assert not deadline.cut and proxy.settled(1) and proxy.whole_replies == 1
@@ -76,7 +76,7 @@ def test_a_connection_opened_inside_a_deadline_scope_is_bounded_too(redis_server
     clock = TestClock()
     with TricklingProxy(redis_server.port, clock) as proxy, contextlib.closing(
             redis_client(proxy.url(), TIMEOUT_S)) as client:
-        proxy.trickle(1, 0.2, hold_s=10.0)  # the handshake's replies trickle too
+        proxy.trickle(8, 0.2, hold_s=10.0)  # the handshake's replies trickle too
         with calls_within(BUDGET_S, clock) as deadline, pytest.raises(redis.TimeoutError):
             client.get(f"{redis_namespace}:absent")
         assert deadline.cut and proxy.settled(1) and proxy.cut_replies == 1

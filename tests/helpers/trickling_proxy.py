@@ -1,7 +1,7 @@
 """A TCP proxy in front of a real redis-server that delivers replies slowly, and the test clock it drives.
 
 Imports the standard library only. `TricklingProxy` forwards requests at once; while `trickle` is set,
-it cuts each whole reply (framed by `reply_end`, RESP2 and RESP3) into pieces and, before sending each,
+it cuts each whole reply (framed by `reply_end`, RESP2 and RESP3) into `pieces` and, before sending each,
 advances a `TestClock` by `step_s`: a reply that "takes" many steps on the clock a client's deadline is
 read on, spread over many socket reads, the pattern redis-py's per-read timeout never ends. Before a
 reply's last piece the proxy waits up to `hold_s` (real time) for the client to hang up; a client that
@@ -62,7 +62,7 @@ def reply_end(buf: bytes, pos: int = 0) -> int | None:
 
 @dataclass
 class _Trickle:
-    piece_bytes: int
+    pieces: int
     step_s: float
     hold_s: float
 
@@ -92,9 +92,10 @@ class TricklingProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def trickle(self, piece_bytes: int, step_s: float, hold_s: float = 2.0) -> None:
-        """From now on every reply comes `piece_bytes` at a time, the clock advanced `step_s` before each piece."""
-        self._trickle = _Trickle(piece_bytes, step_s, hold_s)
+    def trickle(self, pieces: int, step_s: float, hold_s: float = 2.0) -> None:
+        """From now on every reply comes in `pieces` (fewer when it is shorter), the clock advanced `step_s`
+        before each; before the last, the proxy waits up to `hold_s` for the client to hang up."""
+        self._trickle = _Trickle(pieces, step_s, hold_s)
 
     def forward(self) -> None:
         """Replies pass at once again."""
@@ -165,7 +166,8 @@ class TricklingProxy:
 
     def _send_trickled(self, client: socket.socket, reply: bytes, trickle: _Trickle) -> bool:
         """One reply in pieces; False when the client hung up before its last piece."""
-        pieces = [reply[i:i + trickle.piece_bytes] for i in range(0, len(reply), trickle.piece_bytes)]
+        size = -(-len(reply) // trickle.pieces)  # bytes per piece, rounded up
+        pieces = [reply[i:i + size] for i in range(0, len(reply), size)]
         for index, piece in enumerate(pieces):
             last = index == len(pieces) - 1
             try:
