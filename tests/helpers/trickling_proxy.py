@@ -65,6 +65,7 @@ class _Trickle:
     pieces: int
     step_s: float
     hold_s: float
+    hold_from: float
 
 
 class TricklingProxy:
@@ -92,10 +93,12 @@ class TricklingProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def trickle(self, pieces: int, step_s: float, hold_s: float = 2.0) -> None:
+    def trickle(self, pieces: int, step_s: float, hold_s: float = 2.0, hold_from: float = float("-inf")) -> None:
         """From now on every reply comes in `pieces` (fewer when it is shorter), the clock advanced `step_s`
-        before each; before the last, the proxy waits up to `hold_s` for the client to hang up."""
-        self._trickle = _Trickle(pieces, step_s, hold_s)
+        before each; before the last, the proxy waits up to `hold_s` for the client to hang up, once the
+        clock reads `hold_from` or later (the client's deadline: a reply that ends before it is sent whole
+        at once, so a call in time never waits out the hold)."""
+        self._trickle = _Trickle(pieces, step_s, hold_s, hold_from)
 
     def forward(self) -> None:
         """Replies pass at once again."""
@@ -171,7 +174,8 @@ class TricklingProxy:
         for index, piece in enumerate(pieces):
             last = index == len(pieces) - 1
             try:
-                if _hangs_up(client, trickle.hold_s if last else 0.0):
+                hold = last and self.clock() >= trickle.hold_from
+                if _hangs_up(client, trickle.hold_s if hold else 0.0):
                     return self._count(cut=True)
                 self.clock.advance(trickle.step_s)  # before the piece: a client that reads it sees the time taken
                 client.sendall(piece)
