@@ -4,8 +4,9 @@ Imports the standard library and cachefuse.errors; no torch (the scheduler's met
 redis only inside `redis_client` (it is an optional extra, and `redact_url` serves every process). Both
 Redis users, the K/V tier (`cachefuse.store.redis`) and the metadata store (`cachefuse.metadata.redis`),
 get their clients here, so a shared cache behaves the same everywhere: every call fails within about
-the timeout, an outage costs two timeouts a second at most (OutageBackoff), and no message or log line
-carries a password.
+the timeout, and by the calling thread's deadline where one is open (cachefuse.call_deadline, through
+cachefuse.redis_connection's connections), an outage costs two timeouts a second at most (OutageBackoff),
+and no message or log line carries a password.
 """
 
 from __future__ import annotations
