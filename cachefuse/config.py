@@ -89,7 +89,9 @@ class CacheFuseConfig:
     pass computes beside its reads, and compute is never charged); a chunk not read once it is spent is
     computed in full (miss reason "load_timeout"). A slow tier (a Redis answering each call just inside
     `redis_timeout_s`, a cold network disk) otherwise holds the step for every request for as many calls
-    as the request makes. None: no bound."""
+    as the request makes. A Redis call in flight is cut once it would outlast what is left (a reply
+    trickled in over many socket reads), and the blend's metadata calls (pins, reuse records) are charged
+    and bounded alike. None: no bound."""
     metadata_wait_s: float | None = 0.05
     """Seconds one request may wait, in all its calls, for a busy metadata store (a meta.sqlite locked by
     another process); past it the call is refused as a store failure: its variants are not pinned (their
@@ -161,7 +163,9 @@ class CacheFuseConfig:
     """Byte budget of the Redis tier over its namespace (LRU); 0: only Redis's own maxmemory applies (under
     noeviction; allkeys-* policies are refused at start-up)."""
     redis_timeout_s: float = 0.5
-    """Socket connect/read timeout of every Redis call: a slow or unreachable Redis is a miss after this."""
+    """Socket connect timeout, and timeout of each socket read, of every Redis call: a slow or unreachable
+    Redis is a miss after this. Within a blend a call also ends by what is left of `load_timeout_s`,
+    however many reads its reply takes (cachefuse.call_deadline)."""
     index_refresh_interval_s: float = 1.0
     """How often the scheduler's background thread re-reads the variant index (other engines' saves)."""
     max_blend_tokens_per_step: int = 16384

@@ -4,8 +4,9 @@ Imports the standard library and cachefuse.errors; no torch (the scheduler's met
 redis only inside `redis_client` (it is an optional extra, and `redact_url` serves every process). Both
 Redis users, the K/V tier (`cachefuse.store.redis`) and the metadata store (`cachefuse.metadata.redis`),
 get their clients here, so a shared cache behaves the same everywhere: every call fails within about
-the timeout, an outage costs two timeouts a second at most (OutageBackoff), and no message or log line
-carries a password.
+the timeout, and by the calling thread's deadline where one is open (cachefuse.call_deadline, through
+cachefuse.redis_connection's connections), an outage costs two timeouts a second at most (OutageBackoff),
+and no message or log line carries a password.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def require_redis_package(what: str) -> None:
 
 
 def redis_client(url: str, timeout_s: float, *, decode_responses: bool = False) -> redis.Redis:
-    """A client whose every call fails within about `timeout_s` (connect and each reply), never retried.
+    """A client whose every call fails within about `timeout_s` (connect and each reply), never retried,
+    and ends by the calling thread's deadline where one is open (cachefuse.call_deadline: a blend's load
+    budget), however its reply is spread over socket reads (cachefuse.redis_connection).
 
     NOTE: redis-py retries failed calls by default (with backoff); a shared cache must answer "miss"
     after one timeout instead, so the retry policy is set to none.
@@ -97,12 +100,15 @@ def redis_client(url: str, timeout_s: float, *, decode_responses: bool = False) 
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    from cachefuse.redis_connection import deadline_connection_class
+
     if not timeout_s > 0:
         raise ConfigError(f"redis timeout_s={timeout_s!r}, expected > 0")
     try:
         return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                     retry_on_timeout=False, retry=Retry(NoBackoff(), 0),
-                                    decode_responses=decode_responses)
+                                    decode_responses=decode_responses,
+                                    connection_class=deadline_connection_class(url))
     except ValueError as exc:
         expected = "redis://host:port/db or rediss://..."
         raise ConfigError(f"redis_url={redact_url(url)!r}: {exc}; expected {expected}") from None

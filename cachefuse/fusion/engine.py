@@ -165,17 +165,19 @@ class FusionEngine:
         keys = [self.meta_key(token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments]
         return self._plan_variants(segments, keys)
 
-    def _plan_variants(self, segments: Sequence[Segment], meta_keys: Sequence[str],
-                       wait: WaitBudget | None = None) -> list[VariantChoice | None]:
+    def _plan_variants(self, segments: Sequence[Segment], meta_keys: Sequence[str], wait: WaitBudget | None = None,
+                       budget: LoadBudget | None = None) -> list[VariantChoice | None]:
         """`plan_variants` of the declared `segments` whose metadata keys are `meta_keys`, the metadata
-        store's calls within `wait` (a chunk whose call is refused is a miss)."""
+        store's calls within `wait` (a chunk whose call is refused is a miss), the store calls within
+        `budget` (the prefill's load budget; None: unbounded)."""
+        budget = LoadBudget(None) if budget is None else budget
         index = VariantIndex()
         queued: dict[str, list[VariantRecord]] = {}  # rows a background save has not written yet
         for record in [] if self.saver is None else self.saver.pending_records():
             queued.setdefault(record.chunk_key, []).append(record)
         for key in dict.fromkeys(meta_keys):
             try:
-                with waiting_within(self.metastore, wait):
+                with budget.bounding(self.clock), waiting_within(self.metastore, wait):
                     records = self.metastore.variants(key)
             except StoreError as exc:
                 logger.warning("cachefuse: variant metadata unavailable (%s): chunk %s is a miss", exc, key)
@@ -184,8 +186,11 @@ class FusionEngine:
             records += [r for r in queued.get(key, ()) if r.variant_id not in known]
             for record in records:
                 index.add(record)
-            if not records and self.key_context == self.meta_key_context and self.store.contains(key):
-                index.add_plain_keys([key])
+            if not records and self.key_context == self.meta_key_context:
+                with budget.bounding(self.clock):
+                    stored = self.store.contains(key)
+                if stored:
+                    index.add_plain_keys([key])
         return plan_variants(index, list(meta_keys), [s.is_system for s in segments], [s.length for s in segments],
                              self.config.cachecraft_alpha, Admission.from_config(self.config),
                              self.config.max_variant_prefix_chunks)
@@ -217,20 +222,21 @@ class FusionEngine:
         chunk_indices = [i for i, s in enumerate(segments) if s.is_chunk]
         keys, meta_keys = self._chunk_keys(plan, chunk_indices)
         wait = None if self.config.metadata_wait_s is None else WaitBudget(self.config.metadata_wait_s)
+        budget = LoadBudget(self.config.load_timeout_s)  # this prefill's store time, whoever shares the step
         choices = plan.variants
         if choices is None:
             choices = self._plan_variants([segments[i] for i in chunk_indices], [meta_keys[i] for i in chunk_indices],
-                                          wait)
+                                          wait, budget)
         if len(choices) != len(chunk_indices):
             raise ValueError(f"{len(choices)} variant choices for {len(chunk_indices)} declared chunks")
         chosen = {i: c for i, c in zip(chunk_indices, choices, strict=True) if c is not None}
         load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
         reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
         start = self.clock()
-        budget = LoadBudget(self.config.load_timeout_s)  # this prefill's store time, whoever shares the step
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
-        with self.store.pinned(list(load_keys.values())), self._pinned_variants(chosen.values(), wait) as metadata_ok:
+        pinned_variants = self._pinned_variants(chosen.values(), wait, budget)
+        with self.store.pinned(list(load_keys.values())), pinned_variants as metadata_ok:
             if not metadata_ok:  # unpinned, an entry is read whole before the first layer: an eviction
                 plan = dataclasses.replace(plan, preload_depth=0)  # meanwhile is a miss, never a pass dropped
             result, loaded, more_misses, bytes_loaded = yield from self._fuse(
@@ -238,7 +244,7 @@ class FusionEngine:
         miss_reasons += more_misses
         blend_time = self.clock() - start
         if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
-            self._record_uses(chosen, loaded, wait)
+            self._record_uses(chosen, loaded, wait, budget)
         saved = (self._save_holes(result, segments, keys, meta_keys, plan.ratio, plan.save_inline,
                                   None if plan.save_inline else wait)
                  if plan.save_holes else SaveReport())
@@ -267,9 +273,9 @@ class FusionEngine:
         return keys, meta_keys
 
     @contextlib.contextmanager
-    def _pinned_variants(self, choices: Iterable[VariantChoice], wait: WaitBudget | None):
+    def _pinned_variants(self, choices: Iterable[VariantChoice], wait: WaitBudget | None, budget: LoadBudget):
         """Pins the chosen variants' metadata for the pass (an eviction must not pick them meanwhile); yields
-        whether the metadata store answered within `wait`. One call for all of them (`pin_many`): a stalled
+        whether the metadata store answered within `wait` and what is left of the load `budget`. One call for all of them (`pin_many`): a stalled
         Redis costs its whole timeout per call, and one call per chunk (up to `max_chunks_per_request`)
         would hold the step for minutes. Unpinned, a variant may be evicted meanwhile: the caller then
         reads entries whole before the pass, so its K/V load decides (a miss, then a hole)."""
@@ -278,7 +284,7 @@ class FusionEngine:
         try:
             if wanted:
                 try:  # one call: a variant gone since planning is skipped, its K/V load decides
-                    with waiting_within(self.metastore, wait):
+                    with budget.bounding(self.clock), waiting_within(self.metastore, wait):
                         pinned = self.metastore.pin_many(wanted)
                 except StoreError as exc:
                     logger.warning("cachefuse: variant metadata unavailable (%s): this request pins and "
@@ -289,8 +295,10 @@ class FusionEngine:
             for variant_id in pinned:
                 self.metastore.unpin(variant_id)
 
-    def _record_uses(self, chosen: dict[int, VariantChoice], loaded: dict, wait: WaitBudget | None) -> None:
-        """f_r += 1/CFO for every variant reused, in one metadata transaction. A chosen variant whose K/V
+    def _record_uses(self, chosen: dict[int, VariantChoice], loaded: dict, wait: WaitBudget | None,
+                     budget: LoadBudget) -> None:
+        """f_r += 1/CFO for every variant reused, in one metadata transaction, within `wait` and what is left
+        of the load `budget` (spent: not sent, the reuses not recorded). A chosen variant whose K/V
         turned out missing keeps its row (`cachefuse inspect` lists it as stale): the hole computed
         instead is saved as the variant for this prefix, a re-save of the same pair restores it, and an
         unused row has the lowest f_r."""
@@ -302,7 +310,7 @@ class FusionEngine:
         if not uses:
             return
         try:
-            with waiting_within(self.metastore, wait):
+            with budget.bounding(self.clock), waiting_within(self.metastore, wait):
                 self.metastore.record_uses(uses)
         except StoreError as exc:
             logger.warning("cachefuse: reuse of %d variants not recorded (%s)", len(uses), exc)

@@ -1,8 +1,8 @@
 """Reading a prompt's declared chunks from the store for one blend pass: whole entries before the pass,
 or layer by layer during it, with why each miss missed and the time and bytes each tier served.
 
-Imports `cachefuse.{chunks, errors, loading.loader, store.base}`; never torch's kernels, the fusor or vllm
-(FusionEngine drives it). Under tensor parallelism the ranks agree on the hits before the pass
+Imports `cachefuse.{call_deadline, chunks, errors, loading.loader, store.base}`; never torch's kernels, the
+fusor or vllm (FusionEngine drives it). Under tensor parallelism the ranks agree on the hits before the pass
 (`EntryReader.read_agreed`): a chunk one rank missed is a hole on every rank, and a failure on any rank
 makes every rank fall back, so no rank recomputes rows the others do not and the model's collectives
 stay in step.
@@ -10,12 +10,15 @@ stay in step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from cachefuse import call_deadline
+from cachefuse.call_deadline import CallDeadline
 from cachefuse.chunks import Segment
 from cachefuse.errors import CacheFuseError
 from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable
@@ -31,9 +34,10 @@ MISS_LOAD_TIMEOUT = "load_timeout"
 @dataclass
 class LoadBudget:
     """The seconds one blend may spend in store calls (config `load_timeout_s`), shared by every reader of
-    the blend: the serial reads, the loader thread's layer fetches, the question probe's reads. Only the
-    calls' own time is charged: a pipelined pass computes beside its reads, and a slow machine's compute
-    must not turn a blend's hits into holes."""
+    the blend: the serial reads, the loader thread's layer fetches, the question probe's reads, the
+    metadata calls of its variants. Only the calls' own time is charged: a pipelined pass computes beside
+    its reads, and a slow machine's compute must not turn a blend's hits into holes. A call is bounded by
+    what is left when it starts (`bounding`): a Redis reply trickled over many socket reads is cut there."""
 
     seconds: float | None
     """None: no bound."""
@@ -42,8 +46,32 @@ class LoadBudget:
     def exhausted(self) -> bool:
         return self.seconds is not None and self.spent >= self.seconds
 
+    def left_s(self) -> float | None:
+        """Seconds left; None: no bound."""
+        return None if self.seconds is None else self.seconds - self.spent
+
     def charge(self, seconds: float) -> None:
         self.spent += seconds  # one float add: the loader thread and the pass's thread may both charge
+
+    @contextlib.contextmanager
+    def bounding(self, clock: Callable[[], float]) -> Iterator[CallDeadline | None]:
+        """The store calls this thread makes inside the block end by what is left of the budget now (a Redis
+        call is cut mid-reply: cachefuse.call_deadline), and their time on `clock` is charged. Yields the
+        deadline in force (None: no bound), whose `cut` says whether it ended a call; a call it cut spends
+        the budget whole, since the budget is what the cut call was given."""
+        start = clock()
+        with call_deadline.calls_within(self.left_s(), clock) as deadline:
+            try:
+                yield deadline
+            finally:
+                self.charge(clock() - start)
+                if deadline is not None and deadline.cut and self.seconds is not None:
+                    self.spent = max(self.spent, self.seconds)
+
+
+def was_cut(deadline: CallDeadline | None) -> bool:
+    """Whether `deadline` (LoadBudget.bounding's) ended a call: its miss is "load_timeout", not the store's."""
+    return deadline is not None and deadline.cut
 
 RankAgreement = Callable[[list[bool], bool], tuple[list[bool], bool]]
 """(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed): a collective."""
@@ -81,19 +109,23 @@ class EntryReader:
     """The blend's store time: no read starts once it is spent."""
 
     def timed_call(self, call: Callable[[], T]) -> T:
-        """`call()` (one store call), its time charged to the budget."""
-        start = self.clock()
-        try:
+        """`call()` (one store call) within what is left of the budget, its time charged to it."""
+        with self.budget.bounding(self.clock):
             return call()
-        finally:
-            self.budget.charge(self.clock() - start)
 
     def budgeted_call(self, key: str, layer: int, call: Callable[[], T]) -> T:
         """`timed_call` of a read of `key` at `layer` during the pass; once the budget is spent, none:
-        LayerUnavailable("load_timeout"), which reruns the pass with that chunk as a hole."""
+        LayerUnavailable("load_timeout"), which reruns the pass with that chunk as a hole. A read the
+        budget's deadline cut mid-reply is that miss too."""
         if self.budget.exhausted():
             raise LayerUnavailable(key, layer, MISS_LOAD_TIMEOUT)
-        return self.timed_call(call)
+        with self.budget.bounding(self.clock) as deadline:
+            try:
+                return call()
+            except LayerUnavailable as exc:
+                if was_cut(deadline):
+                    raise LayerUnavailable(exc.key, exc.layer, MISS_LOAD_TIMEOUT) from None
+                raise
 
     def timed(self, fetch: FetchLayer, figures: LoadFigures, keys: list[str]) -> FetchLayer:
         """`fetch` of `keys`, recording time and bytes by serving tier (on the loader thread; read after the
@@ -114,10 +146,11 @@ class EntryReader:
         if self.budget.exhausted():
             miss_reasons[MISS_LOAD_TIMEOUT] += 1
             return False
-        if not self.timed_call(lambda: self.store.contains(key)):
-            miss_reasons["not_stored"] += 1
-            return False
-        return True
+        with self.budget.bounding(self.clock) as deadline:
+            found = self.store.contains(key)
+        if not found:
+            miss_reasons[MISS_LOAD_TIMEOUT if was_cut(deadline) else "not_stored"] += 1
+        return found
 
     def read(self, segments: list[Segment], keys: dict[int, str], figures: LoadFigures
              ) -> tuple[dict[int, ChunkKV], Counter]:
@@ -131,11 +164,12 @@ class EntryReader:
                 continue
             before = dict(self.store.stats.misses)
             start = self.clock()
-            entry = self.timed_call(lambda key=key: self.store.get(key))
+            with self.budget.bounding(self.clock) as deadline:
+                entry = self.store.get(key)
             if entry is None:
                 after = self.store.stats.misses
                 new = [r for r in after if after[r] > before.get(r, 0) and r != "absent"]
-                miss_reasons[new[0] if new else "absent"] += 1
+                miss_reasons[MISS_LOAD_TIMEOUT if was_cut(deadline) else new[0] if new else "absent"] += 1
                 continue
             tier = serving_tier(self.store)
             figures.seconds[tier] += self.clock() - start

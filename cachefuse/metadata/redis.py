@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import redis
 
+from cachefuse import call_deadline
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata import redis_scripts, scores
 from cachefuse.metadata.base import POLICIES, PinCounts, VariantRecord
@@ -190,18 +191,23 @@ class RedisMetaStore:
     def _redis(self, op: str) -> Iterator[None]:
         """Turn any Redis failure (network, timeout, server error) into StoreError. While Redis has stopped
         answering (redis_client.OutageBackoff), no call is sent: each raises at once (a request's pin and
-        reuse calls had each waited out the timeout across a partition)."""
+        reuse calls had each waited out the timeout across a partition). Inside a deadline scope (a blend's
+        load budget, cachefuse.call_deadline) a call ends by it, cut mid-reply if need be, and none is sent
+        once it has passed."""
         if self.read_only and op in _WRITES:
             raise StoreError(f"redis metastore {op}: opened read-only")
         if self._outage.blocked():
             raise StoreError(f"redis metastore {op}: not sent, Redis has not answered for a while "
                              f"({self._outage.backoff_s:g} s backoff)")
+        if call_deadline.passed():
+            raise StoreError(f"redis metastore {op}: not sent, the call's deadline has passed")
         try:
             if not self._layout_checked and op != "open":  # Redis was down when this store was opened
                 self._check_layout()
             yield
         except (redis.RedisError, ValueError, TypeError) as exc:  # also a counter holding garbage
-            self._outage.failed(exc)
+            if not call_deadline.cut_by_deadline():  # a call our deadline cut says nothing of the server
+                self._outage.failed(exc)
             raise StoreError(f"redis metastore {op}: {exc!r}") from exc
         self._outage.answered()
 

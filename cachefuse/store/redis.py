@@ -34,7 +34,10 @@ than the whole entry's recorded size is dropped by the read script before any by
 unless a put replaced it meanwhile.
 Any Redis error (connection refused or reset, timeout, a server error reply) is "io_error" and keeps
 the entry. Nothing raises out of get / get_layer / contains / put / remove / keys / nbytes: every call
-returns within about `timeout_s` per round trip (redis_client never retries).
+returns within about `timeout_s` per round trip (redis_client never retries), and by the calling thread's
+deadline where one is open (a blend's load budget, cachefuse.call_deadline): a reply trickled in past it
+is cut mid-way, its connection dropped, and the read is an "io_error" miss that the blend counts as
+"load_timeout".
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from collections.abc import Callable
 import redis
 import torch
 
+from cachefuse import call_deadline
 from cachefuse.chunks import dtype_name
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.redis_client import OUTAGE_BACKOFF_S, OutageBackoff, redact_url, redis_client
@@ -357,14 +361,21 @@ class RedisKVStore(base.PinnedKeysMixin, base.LayerReadsMixin):
         return False
 
     def _guard(self) -> None:
-        """Raises _Skipped (a redis.ConnectionError, handled as any) during an outage backoff."""
+        """Raises _Skipped (a redis.ConnectionError, handled as any) during an outage backoff, and
+        redis.TimeoutError when the calling thread's deadline (a blend's load budget) has already passed."""
         if self._outage.blocked():
             raise _Skipped(f"not sent: Redis has not answered for a while ({self._outage.backoff_s:g} s backoff)")
+        if call_deadline.passed():
+            raise redis.TimeoutError("not sent: the call's deadline has passed")
 
     def _io_error(self, op: str, exc: Exception) -> None:
         """Log the first failure of an outage at WARNING, the rest at DEBUG (a down Redis is not news); a
         timeout counts towards the outage backoff, an error reply as an answer (a refused or reset
-        connection fails at once: neither)."""
+        connection fails at once: neither). A call the thread's deadline cut says nothing of the server:
+        it is logged at DEBUG and counts towards nothing."""
+        if call_deadline.cut_by_deadline():
+            logger.debug("redis %s cut at the call's deadline, treating as a miss: %r", op, exc)
+            return
         self._outage.failed(exc)
         with self._lock:
             first, self._unreachable = not self._unreachable, True
