@@ -16,6 +16,14 @@ A row's result depends only on its own row (norms, projections, RoPE, MLP) or, f
 own request's keys (the varlen op), so every request gets the rows it would get alone. Each pass also
 yields `LayerDone` after every layer: the points where `advance` may stop within a budget of rows and
 resume in a later engine step (a split blend), with no timer running while it waits.
+
+Under tensor parallelism every rank runs the same passes in the same order, and the model's ops hold
+collectives (the row-parallel all-reduces of `Output`, the embedding's, the logits' gather). A pass that
+fails on one rank only must fail on all before any of them enters the next collective, or the others
+wait in it for good. With `agree` set, a pass that fails or ends here is only marked; before every op
+group that may lead to a collective (`AGREED_STAGES`) and at the end of `advance`, one `agree` call (an
+all-reduce of a flag per pass) makes a failure anywhere a failure everywhere (`OtherRankFailed`), and
+only then are passes retired. Ops that never communicate (attention, a layer's end) run without it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,17 @@ import torch
 
 # The stages of one layer, in the order a pass yields them (`PassOp.key` orders a batch by them).
 EMBED, PROJECT, ATTEND, OUTPUT, LAYER_DONE, LOGITS = range(6)
+AGREED_STAGES = frozenset({EMBED, PROJECT, OUTPUT, LOGITS})
+"""Op groups the ranks agree before: each is, or is followed by pass code that reaches, a collective
+(`Project`'s result feeds a check layer's score all-reduce) before the next agreement."""
+
+Agreement = Callable[[list[bool]], list[bool]]
+"""(whether each pass failed on this rank) -> (whether it failed on any rank): a collective, called with
+the same passes in the same order on every rank."""
+
+
+class OtherRankFailed(RuntimeError):
+    """The pass failed on another tensor-parallel rank: this rank's copy stops too (all fall back)."""
 
 
 @dataclass
@@ -129,6 +148,8 @@ class _Job:
     last_advance: int = -1
     batch_size: int = 1
     """The most passes its ops ran with."""
+    settled: tuple[str, Any] | None = None
+    """("finished", result) or ("failed", exception) awaiting the ranks' agreement (with `agree` only)."""
 
 
 @dataclass
@@ -153,8 +174,11 @@ class PassBatch:
     entries read, its probe run) only when its cohort starts.
     """
 
-    def __init__(self, execute: ExecuteOps) -> None:
+    def __init__(self, execute: ExecuteOps, agree: Agreement | None = None) -> None:
         self.execute = execute
+        self.agree = agree
+        self.agreements = 0
+        """`agree` calls made (each one collective: its cost is this count times one small all-reduce)."""
         self.jobs: list[_Job] = []
         self._advances = 0
 
@@ -186,9 +210,9 @@ class PassBatch:
         layers: a layer is never cut). None: no budget, every pass ends in this call."""
         self._advances += 1
         done = Advanced()
-        while self.jobs:
+        while self._live():
             over = budget_rows is not None and done.rows >= budget_rows
-            oldest = self.jobs[0]
+            oldest = self._live()[0]
             if oldest.op is None or isinstance(oldest.op, Embed):
                 if over:
                     break
@@ -199,16 +223,42 @@ class PassBatch:
                 if over and isinstance(oldest.op, LayerDone):
                     break
                 key = op_key(oldest.op)
-                group = [job for job in self.jobs if job.op is not None and op_key(job.op) == key]
+                group = [job for job in self._live() if job.op is not None and op_key(job.op) == key]
+            if self.agree is not None and group[0].op.stage in AGREED_STAGES:
+                self._agree(done)
+                group = [job for job in group if job.settled is None]
+                if not group:
+                    continue
             self._run(group, done)
+        if self.agree is not None:
+            self._agree(done)
         return done
+
+    def _live(self) -> list[_Job]:
+        """Passes still running here (with `agree`, settled ones wait in `jobs` for the agreement)."""
+        return [job for job in self.jobs if job.settled is None]
+
+    def _agree(self, done: Advanced) -> None:
+        """One agreement over every pass here: a pass failed on any rank fails on all; settled passes retire."""
+        if not self.jobs:
+            return
+        self.agreements += 1
+        failed_anywhere = self.agree([job.settled is not None and job.settled[0] == "failed" for job in self.jobs])
+        for job, failed in zip(list(self.jobs), failed_anywhere, strict=True):
+            if failed and (job.settled is None or job.settled[0] != "failed"):
+                job.steps.close()
+                job.settled = ("failed", OtherRankFailed("the blend pass failed on another tensor-parallel rank"))
+            if job.settled is not None:
+                kind, value = job.settled
+                self._retire(job, done)
+                (done.finished if kind == "finished" else done.failed)[job.job_id] = value
 
     def _cohort(self, budget_left: float | None, done: Advanced) -> list[_Job]:
         """Starts the oldest waiting pass and those behind it that fit `budget_left`; those at their
         embedding are the cohort."""
         cohort: list[_Job] = []
         rows = 0.0
-        for job in list(self.jobs):
+        for job in self._live():
             if job.op is not None and not isinstance(job.op, Embed):
                 continue  # mid-pass, in a cohort ahead
             if cohort and budget_left is not None and rows + job.estimated_rows > budget_left:
@@ -216,7 +266,7 @@ class PassBatch:
             if job.op is None:
                 self._mark_worked(job)
                 self._send(job, None, done)
-            if job in self.jobs and isinstance(job.op, Embed):
+            if job.settled is None and job in self.jobs and isinstance(job.op, Embed):
                 cohort.append(job)
                 rows += job.estimated_rows
         return cohort
@@ -250,15 +300,21 @@ class PassBatch:
             if isinstance(job.op, LayerDone):  # the layer is charged to the call that computed it
                 done.rows += job.op.rows
         except StopIteration as finished:
+            if self.agree is not None:  # another rank may yet have failed it
+                job.settled = ("finished", finished.value)
+                return
             self._retire(job, done)
             done.finished[job.job_id] = finished.value
         except Exception as exc:  # noqa: BLE001 - the pass's own failure is its request's, not the batch's
             self._fail(job, exc, done)
 
     def _fail(self, job: _Job, exc: BaseException, done: Advanced) -> None:
-        if job in self.jobs:
-            self._retire(job, done)
+        if job in self.jobs and job.settled is None:
             job.steps.close()
+            if self.agree is not None:  # retired at the next agreement, on every rank at once
+                job.settled = ("failed", exc)
+                return
+            self._retire(job, done)
             done.failed[job.job_id] = exc
 
     def _retire(self, job: _Job, done: Advanced) -> None:

@@ -210,47 +210,52 @@ class Fusor:
             loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
             row_positions = positions if rows is None else rows
             q, k, k_nope, v, residual = yield Project(layer, hidden, residual, row_positions)
-            if rows is None:
-                # Kept to the pass's end (keep_all_kv): their own memory, not views into the projection's
-                # [T, q + 2 kv] output and the rotation's [T, q + kv] (6x and 5x the bytes on Llama-3-8B)
-                k_merged, v_merged = (k.contiguous(), v.contiguous()) if keep_all_kv else (k, v)
-            else:
-                k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
-                k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
-            if keep_all_kv:
-                out_k.append(k_merged)
-                out_v.append(v_merged)
-            for seg in hole_spans:  # the only rows saving reads after the pass
-                hole_kv[seg.start][0].append(k_merged[seg.start:seg.end].clone())
-                hole_kv[seg.start][1].append(v_merged[seg.start:seg.end].clone())
-            rows_per_layer.append(rows)
-            window = adapter.shape.window(layer)
-            if stats is not None:  # before q is cut down to the continuing rows
-                stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, window)
-            tracked = None  # the selector's narrowed rows after this layer (Cache-Craft's early termination)
-            if question is not None and layer < num_layers - 1:
-                mass = question.mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, layout.ctx,
-                                     window)
-                tracked = selector.after_layer(layout.ctx, layer, mass)
+            agreements = getattr(self.reduce_scores, "calls", None)  # under tensor parallelism (see below)
+            try:
+                if rows is None:
+                    # Kept to the pass's end (keep_all_kv): their own memory, not views into the projection's
+                    # [T, q + 2 kv] output and the rotation's [T, q + kv] (6x and 5x the bytes on Llama-3-8B)
+                    k_merged, v_merged = (k.contiguous(), v.contiguous()) if keep_all_kv else (k, v)
+                else:
+                    k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
+                    k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
+                if keep_all_kv:
+                    out_k.append(k_merged)
+                    out_v.append(v_merged)
+                for seg in hole_spans:  # the only rows saving reads after the pass
+                    hole_kv[seg.start][0].append(k_merged[seg.start:seg.end].clone())
+                    hole_kv[seg.start][1].append(v_merged[seg.start:seg.end].clone())
+                rows_per_layer.append(rows)
+                window = adapter.shape.window(layer)
+                if stats is not None:  # before q is cut down to the continuing rows
+                    stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, window)
+                tracked = None  # the selector's narrowed rows after this layer (Cache-Craft's early termination)
+                if question is not None and layer < num_layers - 1:
+                    mass = question.mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows,
+                                         layout.ctx, window)
+                    tracked = selector.after_layer(layout.ctx, layer, mass)
 
-            # Rows that continue to the next layer: only they need this layer's attention and MLP;
-            # every row's K/V is already merged above.
-            next_rows = rows
-            if layer == num_layers - 1:
-                next_rows = row_positions[-1:]  # only the last row feeds the logits
-            elif layer in check_layers:
-                chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v)
-                next_rows, num_selected = layout.with_forced_disjoint(chosen), chosen.numel()
-            elif layer + 1 == num_full:
-                initial = selector.initial_rows(layout.ctx)
-                assert initial is not None, f"{selector.name}: full layers end without a selection"
-                next_rows, num_selected = layout.with_forced(initial), initial.numel()
-            elif tracked is not None:
-                assert rows is not None, f"{selector.name}: after_layer narrowed rows in a full layer"
-                next_rows, num_selected = layout.with_forced(tracked), tracked.numel()
-            if next_rows is not None and next_rows is not rows:
-                keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
-                q, residual = q[keep], residual[keep]
+                # Rows that continue to the next layer: only they need this layer's attention and MLP;
+                # every row's K/V is already merged above.
+                next_rows = rows
+                if layer == num_layers - 1:
+                    next_rows = row_positions[-1:]  # only the last row feeds the logits
+                elif layer in check_layers:
+                    chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v)
+                    next_rows, num_selected = layout.with_forced_disjoint(chosen), chosen.numel()
+                elif layer + 1 == num_full:
+                    initial = selector.initial_rows(layout.ctx)
+                    assert initial is not None, f"{selector.name}: full layers end without a selection"
+                    next_rows, num_selected = layout.with_forced(initial), initial.numel()
+                elif tracked is not None:
+                    assert rows is not None, f"{selector.name}: after_layer narrowed rows in a full layer"
+                    next_rows, num_selected = layout.with_forced(tracked), tracked.numel()
+                if next_rows is not None and next_rows is not rows:
+                    keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
+                    q, residual = q[keep], residual[keep]
+            except Exception:
+                self._announce_failure(layer in check_layers, agreements)
+                raise
             attn = yield Attend(layer, request.attention_backend, q, next_rows, k_merged, v_merged)
             hidden, residual = yield Output(layer, attn.flatten(1), residual)
             timer.stop()
@@ -266,6 +271,15 @@ class Fusor:
             num_forced=layout.forced_rows.numel(), hole_segments=layout.hole_segments,
             layer_seconds=timer.seconds(), hole_token_mass={} if stats is None else stats.result(num_layers),
             hole_kv=hole_kv)
+
+    def _announce_failure(self, at_check_layer: bool, agreements_before: int | None) -> None:
+        """This layer's code failed before its check-layer score sum (a collective the pass calls itself):
+        the other tensor-parallel ranks are told in the agreement that precedes that sum, so they do not
+        wait in it (`reduce_scores.announce_failure`; cachefuse.vllm.worker_side.AgreedScoreSum). Failures
+        anywhere else are agreed by the PassBatch before the next collective op."""
+        if (at_check_layer and agreements_before is not None
+                and getattr(self.reduce_scores, "calls", None) == agreements_before):
+            self.reduce_scores.announce_failure()
 
     def _attend(self, backend, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V, through the

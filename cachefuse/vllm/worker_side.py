@@ -28,7 +28,7 @@ from cachefuse.chunks import (
 )
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
-from cachefuse.fusion.batch import PassBatch
+from cachefuse.fusion.batch import Agreement, OtherRankFailed, PassBatch
 from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.plan import FusePlan
 from cachefuse.loading.figures import FigureRecorder
@@ -85,13 +85,15 @@ class WorkerSide:
         # Rank 0 owns the variant metadata (in rank 0's keys, so the scheduler's plan names them); every
         # rank keeps its own K/V under its own keys.
         ranks = RankGroup(meta_key_context=dataclasses.replace(key_context, tp_rank=0), writes_metadata=tp_rank == 0)
+        self.pass_agreement: Agreement | None = None
         if tp_size > 1:
-            from vllm.distributed import tensor_model_parallel_all_reduce
-
+            device = next(model.parameters()).device
             # Every rank scores only its own heads; summing makes all ranks pick the same rows. Every rank
-            # loads its own heads: they agree on the hits (and on any failure) before the pass.
-            ranks = dataclasses.replace(ranks, reduce_scores=tensor_model_parallel_all_reduce,
-                                        rank_agreement=_rank_agreement(tp_size, next(model.parameters()).device))
+            # loads its own heads: they agree on the hits (and on any failure) before the pass, on any
+            # failure during it before each collective (PassBatch), and before each score sum.
+            ranks = dataclasses.replace(ranks, reduce_scores=AgreedScoreSum(device),
+                                        rank_agreement=_rank_agreement(tp_size, device))
+            self.pass_agreement = _pass_agreement(device)
         self.engine = FusionEngine(self.adapter, store, key_context, config, metastore=_open_metastore(config),
                                    ranks=ranks)
         if config.save_holes and config.save_queue_bytes > 0:  # fsyncs and metadata writes leave the request's path
@@ -108,7 +110,8 @@ class WorkerSide:
         self.figures = FigureRecorder()
         self._prefill_step: tuple[int, float] | None = None  # (plain prefill tokens, start) of this step
         self._load_errors: set[int] = set()  # blocks of synchronous loads whose blend failed
-        self.passes = PassBatch(self.engine.fusor.execute_ops)  # the blends waiting or running, oldest first
+        # the blends waiting or running, oldest first
+        self.passes = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement)
         self._running: dict[str, _Running] = {}
         self._finished_loads: set[str] = set()  # asynchronous loads done (or failed) since the last step
         self._failed_loads: set[str] = set()
@@ -125,7 +128,7 @@ class WorkerSide:
         for req_id in metadata.finished_req_ids:
             self._cancel(req_id)
         layers = forward_context.no_compile_layers
-        now = PassBatch(self.engine.fusor.execute_ops)
+        now = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement)
         for plan in metadata.plans:
             self._start(plan, layers, self.passes if plan.load_async else now)
         spent = self._advance(now, None).rows if len(now) else 0
@@ -343,3 +346,45 @@ def _rank_agreement(tp_size: int, device: Any) -> Any:
         return [count == tp_size for count in total[1:]], total[0] > 0
 
     return agree
+
+
+def _pass_agreement(device: Any) -> Agreement:
+    """PassBatch's agreement over vLLM's tensor-parallel group: one all-reduce (sum) of a failed flag per
+    pass; a pass failed on any rank fails on all (cachefuse.fusion.batch)."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    def agree(failed: list[bool]) -> list[bool]:
+        flags = torch.tensor([float(f) for f in failed], dtype=torch.float32, device=device)
+        return [count > 0 for count in tensor_model_parallel_all_reduce(flags).tolist()]
+
+    return agree
+
+
+class AgreedScoreSum:
+    """The check layer's score sum over the tensor-parallel ranks, preceded by an agreement that no rank's
+    pass failed on its way to it: the score all-reduce is called from inside the pass's own code, so a
+    rank whose selection raised before it (`announce_failure`, called by the fusor) would otherwise leave
+    the others in it. A failure anywhere raises OtherRankFailed on every rank, before the sum."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.calls = 0
+        """Agreements entered (the fusor compares it across a check layer's selection)."""
+
+    def _any_failed(self, failed: bool) -> bool:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        self.calls += 1
+        flag = torch.tensor([float(failed)], dtype=torch.float32, device=self.device)
+        return tensor_model_parallel_all_reduce(flag).item() > 0
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        if self._any_failed(False):
+            raise OtherRankFailed("the blend pass failed on another tensor-parallel rank before its score sum")
+        return tensor_model_parallel_all_reduce(scores)
+
+    def announce_failure(self) -> None:
+        """This rank's selection failed before its score sum: the other ranks learn it in their agreement."""
+        self._any_failed(True)

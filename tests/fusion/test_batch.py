@@ -20,7 +20,7 @@ import torch
 from cachefuse import attention
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusion.batch import Embed, PassBatch, Project
+from cachefuse.fusion.batch import Embed, LayerDone, OtherRankFailed, Output, PassBatch, Project
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FusePlan
 from tests.helpers.fusion import make_case, make_engine, precompute_case
@@ -198,3 +198,85 @@ def test_a_failing_pass_fails_alone_and_a_failing_op_fails_its_group(engine):
     batch.add(1, engine.fuse_steps(plans[1]))
     advanced = batch.advance()
     assert set(advanced.failed) == {0, 1} and not advanced.finished and not len(batch)
+
+
+class _TwoRankGroup:
+    """An all-reduce (sum) between two threads standing for two tensor-parallel ranks. Each call names
+    what it is (the model's all-reduce or the ranks' agreement); calls that pair up mismatched, or a rank
+    left waiting for a partner that never comes (`wait_s`: a deadlock fails, it does not hang), are
+    recorded in `errors`."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.barrier = threading.Barrier(2, timeout=wait_s)
+        self.slots: list = [None, None]
+        self.errors: list[str] = []
+
+    def all_reduce(self, rank: int, kind: str, values: list[float]) -> list[float]:
+        self.slots[rank] = (kind, values)
+        try:
+            self.barrier.wait()
+            mine, theirs = self.slots[rank], self.slots[1 - rank]
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            self.errors.append(f"rank {rank} left waiting in {kind}")
+            raise
+        if mine[0] != theirs[0] or len(mine[1]) != len(theirs[1]):
+            self.errors.append(f"rank {rank}: {mine[0]} met {theirs[0]}")
+            raise RuntimeError("mismatched collectives")
+        return [a + b for a, b in zip(mine[1], theirs[1], strict=True)]
+
+
+def _raising_after_layer(steps, layer: int):
+    """The pass, raising when resumed after `layer` (a fault between layers: its loader, its merge)."""
+    op = next(steps)
+    while True:
+        value = yield op
+        if isinstance(op, LayerDone) and op.layer == layer:
+            steps.close()
+            raise RuntimeError(f"injected fault after layer {layer}")
+        try:
+            op = steps.send(value)
+        except StopIteration as done:
+            return done.value
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_a_pass_failing_on_one_rank_fails_on_every_rank_before_the_next_collective(engine, agreed):
+    """Two ranks run the same two passes; the model's `Output` op holds an all-reduce. Rank 1's first pass
+    raises after layer 1. With the agreement, both ranks fail that pass together before the next
+    all-reduce, and both finish the other one with its answer alone. Negative control (no agreement):
+    rank 0 meets a collective rank 1 never enters, or pairs it with another one."""
+    plans = [plan(engine.cases[0]), plan(engine.cases[1])]
+    expected = alone(engine, plans)
+    group = _TwoRankGroup(wait_s=10.0)
+    outcomes: dict[int, object] = {}
+
+    def run_rank(rank: int) -> None:
+        def execute(ops):
+            if isinstance(ops[0], Output):  # the row-parallel o_proj / MLP all-reduce, of the batch's rows
+                group.all_reduce(rank, "model", [0.0] * sum(int(op.attn.shape[0]) for op in ops))
+            return Fusor.execute_ops(engine.fusor, ops)
+
+        def agree(failed: list[bool]) -> list[bool]:
+            return [total > 0 for total in group.all_reduce(rank, "agreement", [float(f) for f in failed])]
+
+        batch = PassBatch(execute, agree if agreed else None)
+        first = engine.fuse_steps(plans[0])
+        batch.add(0, _raising_after_layer(first, 1) if rank == 1 else first)
+        batch.add(1, engine.fuse_steps(plans[1]))
+        outcomes[rank] = batch.advance()
+
+    threads = [threading.Thread(target=run_rank, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if not agreed:
+        assert group.errors  # the control: without the agreement the ranks' collectives come apart
+        return
+    assert not group.errors, group.errors
+    for rank in (0, 1):
+        advanced = outcomes[rank]
+        assert set(advanced.failed) == {0} and set(advanced.finished) == {1}, (rank, advanced)
+        assert isinstance(advanced.failed[0], OtherRankFailed if rank == 0 else RuntimeError)
+        assert_same(advanced.finished[1][0], expected[1][0])

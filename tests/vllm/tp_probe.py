@@ -1,10 +1,14 @@
 """Runs one fused workload on an engine of a given tensor-parallel size; prints JSON results.
 
 A script (not a test module) because TP > 1 spawns worker processes, which re-import __main__.
-    python tests/vllm/tp_probe.py MODEL_DIR STORE_DIR TP_SIZE [MODE]
+    python tests/vllm/tp_probe.py MODEL_DIR STORE_DIR TP_SIZE [MODE [DUMP_DIR]]
 
 MODE "all" (default) stores chunks a and c and runs the prompt at ratio 1.0 and 0.15; "skip_a" never
 stores a (a hole on every rank); "fault_rank1" stores both, then corrupts rank 1's entry of a only.
+"midpass_loader" and "midpass_select" make rank 1 alone raise in the middle of the ratio-0.15 pass (its
+layer 2's loaded K/V; its check layer's selection, before the score sum), then run the prompt again;
+"midpass_unagreed" is "midpass_loader" with the ranks' agreement during the pass switched off. With
+DUMP_DIR, the workers write their stacks there (rank<r>.txt) while the fault is armed.
 """
 
 import json
@@ -15,6 +19,7 @@ import sys
 def main() -> None:
     model_dir, store_dir, tp_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     mode = sys.argv[4] if len(sys.argv) > 4 else "all"  # a damaged file is then read, not a memory copy
+    dump_dir = sys.argv[5] if len(sys.argv) > 5 else None
     import torch
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -37,10 +42,15 @@ def main() -> None:
             ("ratio_15", system + c + a + question, [[0, 12], [12, 42], [42, 82]], 0.15)]
     if mode == "skip_a":
         runs = [runs[1], runs[3]]
+    if mode.startswith("midpass"):
+        runs.append(("again", *runs[3][1:]))
     for name, ids, chunks, ratio in runs:
         if name == "ratio_1" and mode == "fault_rank1":
             corrupt_rank_entry(model_dir, store_dir, a, tp_size, rank=1)
             continue
+        if mode.startswith("midpass"):
+            armed = name == "ratio_15"
+            llm.collective_rpc(arm_fault, args=(mode if armed else None, dump_dir if armed else None))
         params = {"cachefuse": {"chunks": chunks, "recompute_ratio": ratio}}
         if name.startswith("precompute"):  # written before the answer, as `cachefuse precompute` asks: a
             params["cachefuse"]["sync_save"] = True  # fault mode then damages a file that is there
@@ -53,6 +63,46 @@ def main() -> None:
     index = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.index
     results["index_keys"] = sorted(set(index._plain) | {r.store_key for r in index.records()})
     print("RESULT " + json.dumps(results), flush=True)
+
+
+def arm_fault(worker, mode, dump_dir) -> None:
+    """In a worker process: rank 1's next blend pass raises mid-pass (`mode`), once; None disarms. With
+    `dump_dir`, every rank writes its threads' stacks there every 30 s until disarmed."""
+    import faulthandler
+
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from cachefuse.fusion import layers
+    from cachefuse.select import cacheblend
+
+    if dump_dir:  # where each rank's threads stand, every 30 s while armed: a deadlock names its collective
+        stacks = open(f"{dump_dir}/rank{get_tensor_model_parallel_rank()}.txt", "a")  # noqa: SIM115 - kept open
+        faulthandler.dump_traceback_later(30, repeat=True, file=stacks)
+    else:
+        faulthandler.cancel_dump_traceback_later()
+    state = {"armed": mode is not None and get_tensor_model_parallel_rank() == 1}
+    original_rotated = getattr(layers.LoadedLayers, "_unfaulted_rotated", layers.LoadedLayers.rotated)
+    original_deviation = getattr(cacheblend, "_unfaulted_kv_deviation", cacheblend.kv_deviation)
+    layers.LoadedLayers._unfaulted_rotated, cacheblend._unfaulted_kv_deviation = original_rotated, original_deviation
+
+    def rotated(self, layer):
+        if state["armed"] and mode in ("midpass_loader", "midpass_unagreed") and layer == 2:
+            state["armed"] = False
+            raise RuntimeError("injected: rank 1's loaded K/V of layer 2 unavailable")
+        return original_rotated(self, layer)
+
+    def kv_deviation(kv, metric, reduce=None):
+        if state["armed"] and mode == "midpass_select":
+            state["armed"] = False
+            raise RuntimeError("injected: rank 1's selection failed before its score sum")
+        return original_deviation(kv, metric, reduce)
+
+    layers.LoadedLayers.rotated, cacheblend.kv_deviation = rotated, kv_deviation
+    if mode == "midpass_unagreed":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        get_kv_transfer_group()._worker.pass_agreement = None
+        get_kv_transfer_group()._worker.passes.agree = None
 
 
 def corrupt_rank_entry(model_dir: str, store_dir: str, ids: list[int], tp_size: int, rank: int) -> None:
