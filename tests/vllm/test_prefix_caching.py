@@ -119,3 +119,25 @@ def test_a_prompt_vllm_holds_whole_runs_plain(llm):
     stats = out.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fallback" and stats["fallback_reason"] == "local_prefix_hit"
     assert out.num_cached_tokens == 4 * BLOCK
+
+
+def test_the_generic_attention_path_keeps_the_hit_too(llm):
+    """The path GPU backends take (SlotWritingAttention), forced on the CPU: it writes from the hit on as
+    well, and ratio 1.0 still equals plain vLLM."""
+    from tests.helpers.vllm_engines import worker_side
+
+    pieces = fresh_pieces(llm)
+    generate(llm, [named_prompt(pieces, ("system", "a", "question"))[0]], [None])
+    before = cached_block_bytes(llm, pieces["system"][:BLOCK])
+    ids, params = named_prompt(pieces, ("system", "c", "a", "question"), selector="cacheblend", recompute_ratio=1.0)
+    reference = plain_reference(llm, ids)
+    worker = worker_side()
+    worker.paged_attention = False
+    try:
+        (fused,) = generate(llm, [ids], [params])
+    finally:
+        worker.paged_attention = None
+    assert fused.kv_transfer_params["cachefuse"]["prefix_cache_tokens"] == BLOCK
+    after = cached_block_bytes(llm, pieces["system"][:BLOCK])
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert max_logprob_diff(reference, first_logprobs(fused)) < 1e-4
