@@ -115,6 +115,8 @@ def test_a_prompt_vllm_holds_whole_runs_plain(llm):
     ids, params = named_prompt(pieces, ("system", "a", "c", "question"), selector="full_reuse")
     ids = ids + ids[:BLOCK * 4 - len(ids) + 1]  # one token past four full blocks
     generate(llm, [ids], [None])
+    (plain,) = generate(llm, [ids], [None])
+    assert plain.num_cached_tokens == 4 * BLOCK  # plain requests: vLLM's prefix cache as without the connector
     (out,) = generate(llm, [ids], [params])
     stats = out.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fallback" and stats["fallback_reason"] == "local_prefix_hit"
