@@ -39,6 +39,18 @@ START_TIMEOUT_S = 180
 IDLE_WAIT_S = 60
 
 
+def model_cache() -> Path:
+    """Where tiny checkpoints are cached: $CACHEFUSE_TEST_MODEL_CACHE (as the tests read it) or .cache/test-models."""
+    return Path(os.environ.get("CACHEFUSE_TEST_MODEL_CACHE") or REPO / ".cache" / "test-models")
+
+
+def bench_model(model_size: str) -> Path:
+    """The checkpoint of MODELS[model_size], built once and cached (cachefuse.testing.tiny_models)."""
+    from cachefuse.testing.tiny_models import cached_tiny_model
+
+    return cached_tiny_model("llama", model_cache(), **MODELS[model_size][0])
+
+
 def allocator_library(name: str) -> str | None:
     """The shared library to LD_PRELOAD for `name`, or None for glibc's malloc; a missing library fails here."""
     library = ALLOCATORS[name]
