@@ -1,14 +1,17 @@
 """benchmarks/chat_load.py's pure parts: chat sessions whose turns grow one shared prefix, and the mixed
-schedule (the chat share, sessions kept in order, the same requests for every configuration). No server."""
+schedule (the chat share, sessions kept in order, the same requests for every configuration); and, on a
+real plain vLLM server (marker vllm), that the open loop sends a turn only once its session's previous turn
+ended while RAG requests go at their arrival."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 
 import pytest
-from chat_load import CHAT_SYSTEM_TOKENS, Arrival, ChatWorkload, MixedLoad, mixed_schedule
-from rag_load import RagWorkload
+from chat_load import CHAT_SYSTEM_TOKENS, Arrival, ChatWorkload, MixedLoad, mixed_open_loop, mixed_schedule
+from rag_load import RagWorkload, Target
 
 USER_LENGTHS = (20, 40)
 REPLY_TOKENS = 8
@@ -115,3 +118,46 @@ def test_a_bad_mix_is_refused(chat, rag, load):
 def test_a_session_without_turns_is_refused():
     with pytest.raises(ValueError, match="turns_per_session"):
         ChatWorkload(USER_LENGTHS, REPLY_TOKENS, turns_per_session=0)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model_dir, tmp_path_factory):
+    """A plain vLLM server (vLLM's defaults, no connector) on the tiny model, as the benchmarks start it."""
+    pytest.importorskip("vllm")
+    import vllm_server
+
+    log = tmp_path_factory.mktemp("chat-load-server") / "server.log"
+    process, port = vllm_server.start_server(tiny_model_dir("llama"), log, 64 << 20,
+                                             ["--max-model-len", "1024", "--max-num-seqs", "8"])
+    yield f"http://127.0.0.1:{port}/v1/completions"
+    vllm_server.stop_server(process)
+
+
+def ended(output) -> float:
+    """When a request's last streamed chunk came (perf_counter)."""
+    return output.start_time + output.latency
+
+
+@pytest.mark.vllm
+def test_a_turn_is_sent_once_its_session_s_previous_turn_ended_and_rag_does_not_wait(plain_server, chat, rag):
+    turns = chat.session(random.Random(5), session=0)
+    # 64 tokens: a turn runs far longer than the 1 ms between arrivals, even with the client starved of
+    # CPU by the server's threads
+    targets = {kind: Target(plain_server, "tiny", fused=False, output_len=64) for kind in ("chat", "rag")}
+    arrivals = [Arrival(0.0, "chat", turns[0]), Arrival(0.001, "chat", turns[1], after=0),
+                Arrival(0.002, "rag", rag.prompt(random.Random(6), hit=True))]
+    mixed = asyncio.run(mixed_open_loop(targets, arrivals, drain_s=120.0))
+    first, second, rag_request = (sent.output for sent in mixed.run.sent)
+    assert first.success and second.success and rag_request.success, (first.error, second.error, rag_request.error)
+    assert second.start_time >= ended(first)
+    assert mixed.held_s[1] > 0 and mixed.held_s[0] == mixed.held_s[2] == 0.0
+    assert rag_request.start_time < ended(first)  # sent at its arrival, beside the running turn
+
+    # negative control: a fresh session's second turn without its `after` is sent at its arrival, before
+    # the first ended
+    turns = chat.session(random.Random(7), session=1)
+    unordered = asyncio.run(mixed_open_loop(targets, [Arrival(0.0, "chat", turns[0]), Arrival(0.001, "chat", turns[1])],
+                                            120.0))
+    first, second = (sent.output for sent in unordered.run.sent)
+    assert first.success and second.success
+    assert second.start_time < ended(first) and unordered.held_s == [0.0, 0.0]
