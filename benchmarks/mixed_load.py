@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {f"{name}_over_plain": class_ratios(summaries, name) for name in summaries if name != "plain"}
     result = {
         "benchmark": "mixed_load", "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": serving_load.machine(), "model_size": args.model_size, "model": model_dir.name,
+        "machine": vllm_server.machine(), "model_size": args.model_size, "model": model_dir.name,
         "kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "allocator": args.allocator,
         "duration_s": args.duration, "warmup_s": args.warmup, "drain_s": args.drain,

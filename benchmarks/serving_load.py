@@ -53,8 +53,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import random
 import shlex
 import shutil
@@ -283,17 +281,6 @@ def configuration_summary(run: ConfigurationRun, slo_ttft_ms: float, args) -> di
     }
 
 
-def machine() -> dict:
-    import torch
-    import vllm
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"machine": platform.machine(), "cpu": cpu, "cpus_online": os.cpu_count(),
-            "server_threads_bound": vllm_server.CPU_BIND, "python": platform.python_version(),
-            "vllm": vllm.__version__, "torch": torch.__version__, "platform": platform.platform()}
-
-
 # ------------------------------------------------------------------------------------------ the command
 
 
@@ -403,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {name: configuration_summary(run, slo_ttft_ms, args) for name, run in runs.items()}
     result = {
         "benchmark": "serving_load", "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": machine(), "model_size": args.model_size, "model": model_dir.name,
+        "machine": vllm_server.machine(), "model_size": args.model_size, "model": model_dir.name,
         "kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "allocator": args.allocator,
         "duration_s": args.duration, "warmup_s": args.warmup, "drain_s": args.drain,
