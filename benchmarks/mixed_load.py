@@ -15,8 +15,12 @@ times (seeded per rate).
 Per rate and class (chat, RAG), vLLM's own figures (benchmarks/load_metrics.py): completed, errors, TTFT,
 ITL and end-to-end latency p50/p99, throughput; the chat turns that waited for their session's previous
 turn (a sign the server fell behind; the wait is not in their TTFT); the server's counter deltas (prefix
-cache hits, cachefuse's counters). Ratios over plain per rate and class (TTFT and ITL p50/p99) and the
-targets: chat TTFT p50 and p99 within --tolerance (10%) of plain's, RAG TTFT p50 below plain's.
+cache hits, cachefuse's counters). After the rates, on the idle server, a chat probe: one fresh session
+turn after turn, non-streamed, each response saying how many prompt tokens vLLM's prefix cache held (every
+server runs with --enable-prompt-tokens-details, which only adds that to responses); server-wide counters
+cannot say which class a hit went to. Ratios over plain per rate and class (TTFT and ITL p50/p99) and the
+targets: chat TTFT p50 and p99 within --tolerance (10%) of plain's, RAG TTFT p50 below plain's, the chat
+probe's hits turn by turn equal to plain's.
 
     python benchmarks/mixed_load.py [--quick] [--model-size bench|tiny] [--rates 1,2,3,4] [--duration 60]
         [--chat-share 0.5] [--chat-sessions 8] [--turns 6] [--hit-rate 1.0] [--configs plain,cachefuse]
@@ -30,7 +34,9 @@ arguments) and mixed_load.png under --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import shlex
 import shutil
 import statistics
@@ -45,9 +51,10 @@ import rag_load  # noqa: E402
 import serving_load  # noqa: E402
 import vllm_server  # noqa: E402
 from load_metrics import point_metrics  # noqa: E402
-from mixed_report import CLASSES, class_ratios, plot, print_summary, verdicts  # noqa: E402
+from mixed_report import CLASSES, class_ratios, plot, print_summary, probe_as_plain, verdicts  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
+PROMPT_TOKENS_DETAILS = "--enable-prompt-tokens-details"  # responses say how many prompt tokens vLLM's cache held
 QUICK = dict(model_size="tiny", rates="2,4", duration=8.0, warmup=2.0, drain=10.0, chat_sessions=4, turns=4)
 
 
@@ -80,6 +87,28 @@ def mixed_point(port: int, targets: dict[str, rag_load.Target], chat: chat_load.
     return point_summary(rate, arrivals, mixed, args.warmup, server)
 
 
+def cached_tokens(response: dict) -> int | None:
+    """The prompt tokens vLLM's prefix cache held for a completion (its usage's prompt_tokens_details,
+    present under PROMPT_TOKENS_DETAILS), or None if the response does not say."""
+    details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
+
+
+def chat_probe(port: int, chat: chat_load.ChatWorkload, output_len: int) -> list[int | None]:
+    """One fresh chat session on the idle server, turn after turn: the prompt tokens vLLM's prefix cache
+    held for each. A turn's hit is the previous turn's prompt up to its last full block wherever the chat
+    turns keep vLLM's prefix cache; every configuration draws the same session."""
+    cached = []
+    for turn in chat.session(random.Random("chat-probe"), session=-1):
+        status, raw = vllm_server.request(port, "POST", "/v1/completions", {
+            "model": vllm_server.SERVED_MODEL_NAME, "prompt": turn.ids, "max_tokens": output_len,
+            "temperature": 0.0, "ignore_eos": True})
+        if status != 200:
+            raise RuntimeError(f"chat probe turn {turn.turn}: {status} {raw[:300]!r}")
+        cached.append(cached_tokens(json.loads(raw)))
+    return cached
+
+
 def run_configuration(configuration: serving_load.Configuration, model_dir: Path, chat: chat_load.ChatWorkload,
                       rag: rag_load.RagWorkload, args, progress: tqdm) -> dict:
     """Starts the configuration's server, stores the RAG documents, measures every rate, and stops it."""
@@ -94,7 +123,15 @@ def run_configuration(configuration: serving_load.Configuration, model_dir: Path
             points.append(mixed_point(port, targets, chat, rag, rate, args))
             progress.update()
         return {"server_args": configuration.server_args, "points": points,
+                "chat_probe_cached_tokens": chat_probe(port, chat, args.output_len),
                 "server_metrics": vllm_server.server_counters(port)}
+
+
+def server_configurations(args, store_dir: Path) -> list[serving_load.Configuration]:
+    """serving_load's configurations, each server also saying in every response how many prompt tokens its
+    prefix cache held (for the chat probe)."""
+    return [dataclasses.replace(c, server_args=[*c.server_args, PROMPT_TOKENS_DETAILS])
+            for c in serving_load.configurations(args, store_dir)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     chat = chat_load.ChatWorkload(chat_load.USER_LENGTHS[args.model_size], args.output_len, args.turns, args.seed)
     args.max_model_len = max(2048, max(rag.max_prompt_tokens(), chat.max_prompt_tokens()) + args.output_len)
     store_dir = Path(tempfile.mkdtemp(prefix="cachefuse-mixed-load-store-"))
-    chosen = serving_load.configurations(args, store_dir)
+    chosen = server_configurations(args, store_dir)
     summaries = {}
     try:
         with tqdm(total=len(chosen) * len(args.rates), desc="mixed load") as progress:
@@ -152,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         "configurations": summaries, "ratios": ratios,
         "targets": {"tolerance": args.tolerance, "per_configuration": {
             key: verdicts(summaries, rows, key.removesuffix("_over_plain"), args.tolerance)
-            for key, rows in ratios.items()}},
+            for key, rows in ratios.items()}, "chat_probe_as_plain": {
+            key: probe_as_plain(summaries, key.removesuffix("_over_plain")) for key in ratios}},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mixed_load.json").write_text(json.dumps(result, indent=1) + "\n")

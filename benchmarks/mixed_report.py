@@ -1,6 +1,7 @@
 """What benchmarks/mixed_load.py derives from its result and shows of it: per rate and class (chat, RAG)
 each configuration's TTFT and ITL over plain's, whether the targets hold (chat turns' TTFT within a
-tolerance of plain's, RAG requests' TTFT p50 below plain's), the figure (one column per class, TTFT p50,
+tolerance of plain's, RAG requests' TTFT p50 below plain's, the chat probe's prefix cache hits equal to
+plain's), the figure (one column per class, TTFT p50,
 TTFT p99 and ITL p99 against the rate, one line per configuration) and the printed summary. Reads only the
 result dict that mixed_load.json holds. Not a script.
 """
@@ -52,6 +53,11 @@ def verdicts(summaries: dict[str, dict], rows: list[dict], name: str, tolerance:
     return verdict_rows
 
 
+def probe_as_plain(summaries: dict[str, dict], name: str) -> bool:
+    """Whether `name`'s chat probe found in vLLM's prefix cache exactly what plain's found, turn by turn."""
+    return summaries[name]["chat_probe_cached_tokens"] == summaries["plain"]["chat_probe_cached_tokens"]
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -85,7 +91,7 @@ def class_line(point: dict, kind: str) -> str:
 
 def print_summary(result: dict) -> None:
     for name, summary in result["configurations"].items():
-        print(f"{name}:")
+        print(f"{name}: chat probe, prompt tokens from vLLM's prefix cache per turn {summary['chat_probe_cached_tokens']}")
         for point in summary["points"]:
             print(f"  {point['rate']:g} req/s: {point['chat_turns_held']} chat turns waited for their previous "
                   f"turn (at most {point['chat_held_max_s']:.1f} s)")
@@ -93,7 +99,7 @@ def print_summary(result: dict) -> None:
                 print(class_line(point, kind))
     tolerance = result["targets"]["tolerance"]
     for name, rows in result["ratios"].items():
-        print(f"{name}:")
+        print(f"{name}: chat probe as plain's: {result['targets']['chat_probe_as_plain'][name]}")
         for row, verdict in zip(rows, result["targets"]["per_configuration"][name], strict=True):
             print(f"  {row['rate']:g} req/s: chat TTFT p50 {times(row['chat']['ttft_p50'])} p99 "
                   f"{times(row['chat']['ttft_p99'])} (within {1 + tolerance:.2f}x: "

@@ -4,6 +4,7 @@ over plain, the targets, and the report drawn from a result. No server."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mixed_load
 import mixed_report
@@ -69,7 +70,8 @@ def summaries() -> dict:
              point(2.0, class_figures(100.0, 200.0), class_figures(400.0, 900.0))]
     cachefuse = [point(1.0, class_figures(110.0, 219.0), class_figures(100.0, 200.0, itl=5.0)),  # within 10%
                  point(2.0, class_figures(111.0, 200.0), class_figures(None, None, errors=10))]  # p50 just over
-    return {"plain": {"points": plain, "server_args": []}, "cachefuse": {"points": cachefuse, "server_args": []}}
+    return {"plain": {"points": plain, "server_args": [], "chat_probe_cached_tokens": [0, 128, 256]},
+            "cachefuse": {"points": cachefuse, "server_args": [], "chat_probe_cached_tokens": [0, 128, 256]}}
 
 
 def test_ratios_divide_each_class_by_plain_at_the_same_rate():
@@ -104,7 +106,8 @@ def result_of(every: dict) -> dict:
             "workload": {"chat_share": 0.5, "chat_sessions": 4, "turns": 4, "hit_rate": 1.0, "output_len": 8},
             "configurations": every, "ratios": {"cachefuse_over_plain": rows},
             "targets": {"tolerance": 0.1, "per_configuration": {
-                "cachefuse_over_plain": mixed_report.verdicts(every, rows, "cachefuse", 0.1)}}}
+                "cachefuse_over_plain": mixed_report.verdicts(every, rows, "cachefuse", 0.1)},
+                "chat_probe_as_plain": {"cachefuse_over_plain": mixed_report.probe_as_plain(every, "cachefuse")}}}
 
 
 def test_the_report_prints_and_draws_a_result_as_json_holds_it(tmp_path, capsys):
@@ -113,5 +116,26 @@ def test_the_report_prints_and_draws_a_result_as_json_holds_it(tmp_path, capsys)
     printed = capsys.readouterr().out
     assert "chat TTFT p50 1.10x p99 1.09x (within 1.10x: True/True)" in printed
     assert "RAG TTFT p50 0.33x" in printed and "RAG TTFT p50 -" in printed
+    assert "cachefuse_over_plain: chat probe as plain's: True" in printed
     mixed_report.plot(result, tmp_path / "mixed_load.png")
     assert (tmp_path / "mixed_load.png").stat().st_size > 10_000
+
+
+def test_the_chat_probe_must_match_plain_turn_by_turn():
+    every = summaries()
+    assert mixed_report.probe_as_plain(every, "cachefuse")
+    every["cachefuse"]["chat_probe_cached_tokens"] = [0, 128, 128]  # the last turn missed a block plain hit
+    assert not mixed_report.probe_as_plain(every, "cachefuse")
+
+
+def test_cached_tokens_are_read_from_the_usage_s_prompt_tokens_details():
+    assert mixed_load.cached_tokens({"usage": {"prompt_tokens": 300, "prompt_tokens_details": {"cached_tokens": 256}}}) == 256
+    assert mixed_load.cached_tokens({"usage": {"prompt_tokens": 300, "prompt_tokens_details": None}}) is None
+    assert mixed_load.cached_tokens({"choices": []}) is None
+
+
+def test_every_server_reports_its_prefix_cache_hits_per_response():
+    args = mixed_load.parse_args([])
+    args.max_model_len = 2048
+    for configuration in mixed_load.server_configurations(args, Path("/tmp/store")):
+        assert configuration.server_args[-1] == mixed_load.PROMPT_TOKENS_DETAILS
