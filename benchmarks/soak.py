@@ -103,9 +103,9 @@ class Workload:
 
 
 def max_model_len(workload: Workload) -> int:
-    """The longest prompt and its output, rounded up to a power of two, at least 512 (2,048 on the bench
-    model). Never more than the small KV cache holds: on the tiny model 2,048 would not fit (vLLM refuses
-    to start when one request of max_model_len cannot)."""
+    """The longest prompt and its output, rounded up to a power of two, at least 512: 2,048 on the bench
+    model, 512 on the tiny one, whose 4 MiB KV cache cannot hold one request of 2,048 tokens (vLLM then
+    refuses to start)."""
     return max(512, 1 << (workload.max_prompt_tokens() + MAX_TOKENS - 1).bit_length())
 
 
