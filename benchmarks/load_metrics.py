@@ -27,17 +27,18 @@ PERCENTILES = (50.0, 99.0)
 MAX_ERROR_SAMPLES = 3
 
 
-def point_metrics(outputs: list[RequestFuncOutput], duration_s: float, slo_ttft_ms: float) -> dict:
+def point_metrics(outputs: list[RequestFuncOutput], duration_s: float, slo_ttft_ms: float | None) -> dict:
     """A load point's figures, in ms and per second.
 
     Args:
         outputs: the records of the point's measured requests, failed ones included.
         duration_s: the point's window (the denominator of throughput and goodput).
-        slo_ttft_ms: the TTFT a request must not exceed to count towards goodput.
+        slo_ttft_ms: the TTFT a request must not exceed to count towards goodput; None: no goodput.
 
     Returns:
         requests, completed, errors, error_samples, duration_s, requests_per_s, output_tokens_per_s,
-        goodput_requests_per_s and {ttft,itl,e2el}_{p50,p99}_ms (None when no request completed).
+        goodput_requests_per_s (None without an SLO) and {ttft,itl,e2el}_{p50,p99}_ms (None when no
+        request completed).
     """
     from vllm.benchmarks.serve import calculate_metrics
 
@@ -46,13 +47,14 @@ def point_metrics(outputs: list[RequestFuncOutput], duration_s: float, slo_ttft_
         warnings.simplefilter("ignore")
         metrics, _ = calculate_metrics(input_requests=[], outputs=outputs, dur_s=duration_s, tokenizer=None,
                                        selected_percentiles=list(PERCENTILES),
-                                       goodput_config_dict={"ttft": slo_ttft_ms})
+                                       goodput_config_dict={} if slo_ttft_ms is None else {"ttft": slo_ttft_ms})
     figures = {
         "requests": len(outputs), "completed": metrics.completed, "errors": metrics.failed,
         "error_samples": sorted({o.error.strip().splitlines()[-1][:200] for o in outputs
                                  if not o.success and o.error.strip()})[:MAX_ERROR_SAMPLES],
         "duration_s": duration_s, "requests_per_s": metrics.request_throughput,
-        "output_tokens_per_s": metrics.output_throughput, "goodput_requests_per_s": metrics.request_goodput,
+        "output_tokens_per_s": metrics.output_throughput,
+        "goodput_requests_per_s": None if slo_ttft_ms is None else metrics.request_goodput,
     }
     for name, percentiles in (("ttft", metrics.percentiles_ttft_ms), ("itl", metrics.percentiles_itl_ms),
                               ("e2el", metrics.percentiles_e2el_ms)):

@@ -22,15 +22,11 @@ def plot(result: dict, path: Path) -> None:
     for column, hit_rate in enumerate(hit_rates):
         for row, (metric, label) in enumerate(PANELS):
             ax = axes[row][column]
-            for name, summary in result["configurations"].items():
-                points = [p for p in summary["poisson"][str(hit_rate)] if p[metric] is not None]
-                ax.plot([p["rate"] for p in points], [p[metric] for p in points], marker="o", label=name)
+            rate_panel(ax, {name: [(p["rate"], p[metric]) for p in summary["poisson"][str(hit_rate)]]
+                            for name, summary in result["configurations"].items()},
+                       f"hit rate {hit_rate:g}", "arrival rate (requests/s, Poisson)", label)
             if metric == "ttft_p99_ms":
                 ax.axhline(slo, color="grey", linestyle="--", label=f"SLO {slo:.0f} ms")
-            ax.set_title(f"hit rate {hit_rate:g}", fontsize=10)
-            ax.set_xlabel("arrival rate (requests/s, Poisson)")
-            ax.set_ylabel(label)
-            ax.set_yscale("log")
             ax.legend(fontsize=8)
     workload = result["workload"]
     fig.suptitle(f"Serving under load: model {result['model_size']}, {workload['docs_per_prompt']} of "
@@ -39,6 +35,18 @@ def plot(result: dict, path: Path) -> None:
                  f"{result['machine']['server_threads_bound']}, {result['allocator']} malloc", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def rate_panel(ax, lines: dict[str, list[tuple[float, float | None]]], title: str, xlabel: str, ylabel: str) -> None:
+    """One panel: a line per configuration through its (rate, figure) points, those without a figure left
+    out; log scale. The caller adds the legend (after anything else it draws)."""
+    for name, points in lines.items():
+        shown = [(rate, value) for rate, value in points if value is not None]
+        ax.plot([rate for rate, _ in shown], [value for _, value in shown], marker="o", label=name)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
 
 
 def ms(value: float | None) -> str:

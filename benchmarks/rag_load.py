@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,7 +146,8 @@ def client_session() -> aiohttp.ClientSession:
 
 async def send(session: aiohttp.ClientSession, target: Target, prompt: RagPrompt,
                pbar: tqdm | None = None) -> RequestFuncOutput:
-    """One streamed completion through vLLM's benchmark client (greedy, ignore_eos)."""
+    """One streamed completion through vLLM's benchmark client (greedy, ignore_eos). Only a fused target
+    reads `prompt.chunks`: any prompt with `ids` goes to a plain one (benchmarks/chat_load.py's turns)."""
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput, async_request_openai_completions
 
     extra_body: dict = {"temperature": 0.0}
@@ -180,15 +181,24 @@ async def open_loop(target: Target, prompts: list[RagPrompt], arrivals: list[flo
                     pbar: tqdm | None = None) -> Run:
     """Sends prompts[i] at arrivals[i] seconds whatever is still running, then waits at most `drain_s` for
     the stragglers; those still running are cancelled and recorded as failed."""
+    return await scheduled(arrivals, lambda session, i, _: send(session, target, prompts[i], pbar), drain_s)
+
+
+async def scheduled(arrivals: list[float], start: Callable[[aiohttp.ClientSession, int, list[asyncio.Task]],
+                                                           Awaitable[RequestFuncOutput]], drain_s: float) -> Run:
+    """The open loop: at arrivals[i] seconds, whatever is still running, starts the task `start(session, i,
+    tasks)` (`tasks`: those started so far, by index; one may wait for an earlier one, as a chat session's
+    turns keep their order), then waits at most `drain_s` for the stragglers; those still running are
+    cancelled and recorded as failed. Run.sent is in arrival order."""
     async with client_session() as session:
-        start = time.perf_counter()
-        tasks = []
-        for at, prompt in zip(arrivals, prompts, strict=True):
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(send(session, target, prompt, pbar)))
+        begin = time.perf_counter()
+        tasks: list[asyncio.Task] = []
+        for index, at in enumerate(arrivals):
+            await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(start(session, index, tasks)))
         await wait_until(tasks, time.perf_counter() + drain_s)
-        elapsed_s = time.perf_counter() - start
-    sent = [Sent(at, unfinished(start + at) if task.cancelled() else task.result())
+        elapsed_s = time.perf_counter() - begin
+    sent = [Sent(at, unfinished(begin + at) if task.cancelled() else task.result())
             for at, task in zip(arrivals, tasks, strict=True)]
     return Run(sent, elapsed_s)
 

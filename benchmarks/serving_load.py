@@ -1,14 +1,19 @@
-"""Serving under load: vLLM's OpenAI server plain, with prefix caching, and with cachefuse, under Poisson
-arrivals and a closed loop of clients, measured the way `vllm bench serve` measures serving.
+"""Serving under load: vLLM's OpenAI server plain and with cachefuse, both with vLLM's defaults (prefix
+caching on), under Poisson arrivals and a closed loop of clients, measured the way `vllm bench serve`
+measures serving.
 
 Configurations, one server each, started one after another in one run, alike but for these flags:
 
-    plain               --no-enable-prefix-caching
-    plain_prefix_cache  --enable-prefix-caching
-    cachefuse           --no-enable-prefix-caching (the connector requires it) --kv-transfer-config for
-                        CacheFuseConnector; its extra config is DEFAULT_CACHEFUSE, a temporary store_dir, and
-                        --cachefuse-config '{json}' merged over them (unknown keys pass through to the
-                        connector, which rejects those it does not know)
+    plain                   none: vLLM's defaults, prefix caching on (a deployment before cachefuse)
+    plain_no_prefix_cache   --no-enable-prefix-caching (a reference: what vLLM's own cache gives)
+    cachefuse               --kv-transfer-config for CacheFuseConnector, prefix caching on as in plain; its
+                            extra config is DEFAULT_CACHEFUSE, a temporary store_dir, and --cachefuse-config
+                            '{json}' merged over them (unknown keys pass through to the connector, which
+                            rejects those it does not know)
+
+Results written before prefix caching and cachefuse ran together named the configurations differently
+(plain without prefix caching, plain_prefix_cache with it, cachefuse without it); each result's
+server_args say which flags its servers had, and the report reads both.
 
 Workload (benchmarks/rag_load.py): a 24-token system prompt, --docs-per-prompt documents of a pool of
 --num-docs (lengths set by --model-size) in a random order, a 10-token question, token-id prompts; with
@@ -46,19 +51,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
-import platform
 import random
 import shlex
 import shutil
 import statistics
 import sys
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -71,7 +75,8 @@ from tqdm.auto import tqdm  # noqa: E402
 if TYPE_CHECKING:
     from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
 
-CONFIGURATIONS = ("plain", "plain_prefix_cache", "cachefuse")
+RunT = TypeVar("RunT")
+CONFIGURATIONS = ("plain", "plain_no_prefix_cache", "cachefuse")
 DEFAULT_CACHEFUSE = {
     "selector": "cacheblend", "recompute_ratio": 0.15,
     "memory_capacity_bytes": 256 << 20,  # the bench model's 12 documents take ~75 MiB: they stay while misses come and go
@@ -116,10 +121,11 @@ class ConfigurationRun:
 def configurations(args, store_dir: Path) -> list[Configuration]:
     common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs)]
     connector = {**DEFAULT_CACHEFUSE, "store_dir": str(store_dir), **args.cachefuse_config}
-    every = {
-        "plain": Configuration("plain", [*common, "--no-enable-prefix-caching"], fused=False),
-        "plain_prefix_cache": Configuration("plain_prefix_cache", [*common, "--enable-prefix-caching"], fused=False),
-        "cachefuse": Configuration("cachefuse", [*common, "--no-enable-prefix-caching", "--kv-transfer-config",
+    every = {  # plain and cachefuse leave prefix caching to vLLM's default (on)
+        "plain": Configuration("plain", common, fused=False),
+        "plain_no_prefix_cache": Configuration("plain_no_prefix_cache", [*common, "--no-enable-prefix-caching"],
+                                               fused=False),
+        "cachefuse": Configuration("cachefuse", [*common, "--kv-transfer-config",
                                                  vllm_server.kv_transfer_config(connector)], fused=True),
     }
     return [every[name] for name in args.configs]
@@ -164,13 +170,21 @@ def measured(run: rag_load.Run, warmup_s: float) -> tuple[list[RequestFuncOutput
     return [sent.output for sent in run.sent if sent.at_s >= warmup_s], run.elapsed_s - warmup_s
 
 
+def run_counted(port: int, load: Coroutine[Any, Any, RunT]) -> tuple[RunT, dict[str, float]]:
+    """Runs `load` against the server: what it returns and the server's counter deltas over it; returns
+    once the server is idle again."""
+    before = vllm_server.server_counters(port)
+    run = asyncio.run(load)
+    deltas = vllm_server.counter_deltas(before, vllm_server.server_counters(port))
+    vllm_server.wait_until_idle(port)
+    return run, deltas
+
+
 def measure(port: int, point: PointRun, load: Coroutine[Any, Any, rag_load.Run], warmup_s: float) -> PointRun:
     """Runs `load` against the server and fills `point` with its measured requests, window and the server's
-    counter deltas; returns once the server is idle again."""
-    before = vllm_server.server_counters(port)
-    point.outputs, point.duration_s = measured(asyncio.run(load), warmup_s)
-    point.server = vllm_server.counter_deltas(before, vllm_server.server_counters(port))
-    vllm_server.wait_until_idle(port)
+    counter deltas."""
+    run, point.server = run_counted(port, load)
+    point.outputs, point.duration_s = measured(run, warmup_s)
     return point
 
 
@@ -203,17 +217,29 @@ def idle_ttft(target: rag_load.Target, workload: rag_load.RagWorkload, args) -> 
     return [o.ttft for o in outputs]
 
 
+@contextlib.contextmanager
+def serving(configuration: Configuration, model_dir: Path, args) -> Iterator[tuple[int, str]]:
+    """The configuration's server with the run's model, KV cache and allocator: (port, completions URL);
+    stopped on the way out, its log named if the body failed."""
+    log = Path(tempfile.mkdtemp(prefix=f"cachefuse-serving-load-{configuration.name}-")) / "server.log"
+    process, port = vllm_server.start_server(model_dir, log, args.kv_cache_bytes, configuration.server_args,
+                                             args.allocator_library)
+    try:
+        yield port, f"http://127.0.0.1:{port}/v1/completions"
+    except Exception:
+        print(f"{configuration.name}: server log {log}", file=sys.stderr)
+        raise
+    finally:
+        vllm_server.stop_server(process)
+
+
 def run_configuration(configuration: Configuration, model_dir: Path, workload: rag_load.RagWorkload, args,
                       progress: tqdm) -> ConfigurationRun:
     """Starts the configuration's server, stores the documents, runs (a), (b), (c), and stops it."""
-    log = Path(tempfile.mkdtemp(prefix=f"cachefuse-serving-load-{configuration.name}-")) / "server.log"
     progress.set_description(f"{configuration.name}: starting")
-    process, port = vllm_server.start_server(model_dir, log, args.kv_cache_bytes, configuration.server_args,
-                                             args.allocator_library)
     result = ConfigurationRun(configuration)
-    target = rag_load.Target(f"http://127.0.0.1:{port}/v1/completions", vllm_server.SERVED_MODEL_NAME,
-                             configuration.fused, args.output_len)
-    try:
+    with serving(configuration, model_dir, args) as (port, url):
+        target = rag_load.Target(url, vllm_server.SERVED_MODEL_NAME, configuration.fused, args.output_len)
         store_documents(port, workload, configuration.fused)
         progress.set_description(f"{configuration.name}: idle TTFT")
         result.idle_ttft_s = idle_ttft(target, workload, args)
@@ -228,11 +254,6 @@ def run_configuration(configuration: Configuration, model_dir: Path, workload: r
         progress.update()
         result.server_metrics = vllm_server.server_counters(port)
         result.response_stats = response_stats(port, workload, configuration.fused, args.output_len)
-    except Exception:
-        print(f"{configuration.name}: server log {log}", file=sys.stderr)
-        raise
-    finally:
-        vllm_server.stop_server(process)
     return result
 
 
@@ -260,17 +281,6 @@ def configuration_summary(run: ConfigurationRun, slo_ttft_ms: float, args) -> di
     }
 
 
-def machine() -> dict:
-    import torch
-    import vllm
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"machine": platform.machine(), "cpu": cpu, "cpus_online": os.cpu_count(),
-            "server_threads_bound": vllm_server.CPU_BIND, "python": platform.python_version(),
-            "vllm": vllm.__version__, "torch": torch.__version__, "platform": platform.platform()}
-
-
 # ------------------------------------------------------------------------------------------ the command
 
 
@@ -289,19 +299,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--quick", action="store_true", help=f"a smoke run's defaults: {QUICK}")
+    add_load_arguments(parser, rates="1,2,4,6,8,12")
+    add("--hit-rates", default="1.0,0.5", help="fractions of requests whose documents are all stored")
+    add("--clients", type=int, default=16, help="clients of the closed loop")
+    add("--idle-requests", type=int, default=5, help="single requests of the idle TTFT measurement")
+    add("--slo-factor", type=float, default=3.0, help="TTFT SLO = this x plain's idle TTFT median")
+    add("--out", type=Path, default=vllm_server.REPO / "docs" / "benchmarks" / "serving_load")
+    return parser
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, rates: str) -> None:
+    """The arguments every load benchmark shares (this one and benchmarks/mixed_load.py): model, servers,
+    the RAG workload, the Poisson points."""
+    add = parser.add_argument
     add("--model-size", choices=sorted(vllm_server.MODELS), default="bench",
         help="bench: benchmarks/vllm_ttft.py's 12-layer model (default); tiny: the test model")
     add("--configs", default=",".join(CONFIGURATIONS), help="which of them, comma-separated; plain is required "
-        "(its idle TTFT sets the SLO)")
-    add("--rates", default="1,2,4,6,8,12", help="Poisson arrival rates, requests/s")
-    add("--hit-rates", default="1.0,0.5", help="fractions of requests whose documents are all stored")
+        "(the others are measured against it)")
+    add("--rates", default=rates, help="Poisson arrival rates, requests/s")
     add("--duration", type=float, default=60.0, help="measured seconds per load point")
     add("--warmup", type=float, default=5.0, help="seconds of load before each point's measured window")
     add("--drain", type=float, default=30.0, help="seconds after a point's last arrival before stragglers are "
         "cancelled (counted as errors)")
-    add("--clients", type=int, default=16, help="clients of the closed loop")
-    add("--idle-requests", type=int, default=5, help="single requests of the idle TTFT measurement")
-    add("--slo-factor", type=float, default=3.0, help="TTFT SLO = this x plain's idle TTFT median")
     add("--num-docs", type=int, default=12, help="documents in the stored pool")
     add("--docs-per-prompt", type=int, default=3)
     add("--output-len", type=int, default=8, help="generated tokens per request (ignore_eos)")
@@ -312,43 +331,50 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allocator", choices=sorted(vllm_server.ALLOCATORS), default="tcmalloc",
         help="the servers' malloc, the same for all (default tcmalloc, as vLLM's CPU guide deploys it)")
     add("--seed", type=int, default=0)
-    add("--out", type=Path, default=vllm_server.REPO / "docs" / "benchmarks" / "serving_load")
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
+    args = parse_load_arguments(parser, argv, QUICK)
+    args.hit_rates = floats(args.hit_rates)
+    if any(not 0 <= h <= 1 for h in args.hit_rates):
+        parser.error("--hit-rates must be within 0..1")
+    return args
+
+
+def parse_load_arguments(parser: argparse.ArgumentParser, argv: list[str] | None, quick: dict) -> argparse.Namespace:
+    """Parses and checks add_load_arguments' arguments; with --quick, `quick` replaces the defaults (flags
+    given on the command line still win)."""
     args = parser.parse_args(argv)
-    if args.quick:  # QUICK replaces the defaults; flags given on the command line still win
-        parser.set_defaults(**QUICK)
+    if args.quick:
+        parser.set_defaults(**quick)
         args = parser.parse_args(argv)
-    args.rates, args.hit_rates = floats(args.rates), floats(args.hit_rates)
+    args.rates = floats(args.rates)
     named = set(args.configs.split(","))
     if named - set(CONFIGURATIONS):
         parser.error(f"--configs: unknown {sorted(named - set(CONFIGURATIONS))}, expected some of {CONFIGURATIONS}")
-    args.configs = [name for name in CONFIGURATIONS if name in named]  # plain first: its idle TTFT sets the SLO
+    args.configs = [name for name in CONFIGURATIONS if name in named]  # plain first: the others need its figures
     if "plain" not in args.configs:
-        parser.error("--configs must include plain: its idle TTFT sets the SLO")
-    if not args.rates or any(r <= 0 for r in args.rates) or any(not 0 <= h <= 1 for h in args.hit_rates):
-        parser.error("--rates must be > 0 and --hit-rates within 0..1")
+        parser.error("--configs must include plain: the others are measured against it")
+    if not args.rates or any(r <= 0 for r in args.rates):
+        parser.error("--rates must be > 0")
     if args.kv_cache_bytes is None:
         args.kv_cache_bytes = KV_CACHE_BYTES[args.model_size]
     return args
 
 
-def model_cache() -> Path:
-    """Where tiny checkpoints are cached: $CACHEFUSE_TEST_MODEL_CACHE (as the tests read it) or .cache/test-models."""
-    return Path(os.environ.get("CACHEFUSE_TEST_MODEL_CACHE") or vllm_server.REPO / ".cache" / "test-models")
+def model_and_workload(args) -> tuple[Path, rag_load.RagWorkload]:
+    """The run's checkpoint and RAG workload (and its allocator library, set on args: a missing one fails
+    here, before any server starts)."""
+    args.allocator_library = vllm_server.allocator_library(args.allocator)
+    workload = rag_load.RagWorkload(vllm_server.MODELS[args.model_size][1], args.num_docs, args.docs_per_prompt,
+                                    seed=args.seed)
+    return vllm_server.bench_model(args.model_size), workload
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.allocator_library = vllm_server.allocator_library(args.allocator)
-    from cachefuse.testing.tiny_models import cached_tiny_model
-
-    model_config, doc_lengths = vllm_server.MODELS[args.model_size]
-    model_dir = cached_tiny_model("llama", model_cache(), **model_config)
-    workload = rag_load.RagWorkload(doc_lengths, args.num_docs, args.docs_per_prompt, seed=args.seed)
+    model_dir, workload = model_and_workload(args)
     args.max_model_len = max(2048, workload.max_prompt_tokens() + args.output_len)
     store_dir = Path(tempfile.mkdtemp(prefix="cachefuse-serving-load-store-"))
     chosen = configurations(args, store_dir)
@@ -364,12 +390,12 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {name: configuration_summary(run, slo_ttft_ms, args) for name, run in runs.items()}
     result = {
         "benchmark": "serving_load", "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": machine(), "model_size": args.model_size, "model": model_dir.name,
+        "machine": vllm_server.machine(), "model_size": args.model_size, "model": model_dir.name,
         "kv_cache_bytes": args.kv_cache_bytes, "max_num_seqs": args.max_num_seqs,
         "max_model_len": args.max_model_len, "allocator": args.allocator,
         "duration_s": args.duration, "warmup_s": args.warmup, "drain_s": args.drain,
         "workload": {"num_docs": args.num_docs, "docs_per_prompt": args.docs_per_prompt,
-                     "doc_lengths": list(doc_lengths), "system_tokens": rag_load.SYSTEM_TOKENS,
+                     "doc_lengths": list(workload.doc_lengths), "system_tokens": rag_load.SYSTEM_TOKENS,
                      "question_tokens": rag_load.QUESTION_TOKENS, "output_len": args.output_len,
                      "rates": args.rates, "hit_rates": args.hit_rates, "clients": args.clients,
                      "idle_requests": args.idle_requests, "seed": args.seed},

@@ -3,23 +3,31 @@ plain vLLM under the same load.
 
 Each phase starts one server on 127.0.0.1 (loopback only; nothing else is contacted) with a KV cache
 small enough that vLLM preempts, then runs `--clients` threads for `--duration` seconds (and at most
-`--max-requests` requests). Every client loops over a mix of requests:
+`--max-requests` requests). Both phases keep vLLM's prefix caching on (its default; `--prefix-caching
+off` turns it off in both). Every client loops over a mix of requests:
 
-    hit       system + 3 of 12 stored documents in a new order + a question, streamed (TTFT measured)
-    miss      the same with one never-seen document (a hole: computed, saved), streamed
-    plain     no cachefuse parameters, streamed
-    exact     one of 16 fixed prompts at recompute ratio 1.0, not streamed: its tokens must equal plain
-              vLLM's for the same prompt (taken from the plain phase)
-    hostile   malformed kv_transfer_params (wrong types, 100 KB strings, deep nesting, null): must be a
-              200 with plain output and a fallback reason
-    abort     streamed, the client hangs up after the first token
+    hit         system + 3 of 12 stored documents in a new order + a question, streamed (TTFT measured)
+    miss        the same with one never-seen document (a hole: computed, saved), streamed
+    plain       no cachefuse parameters, streamed
+    exact       one of 16 fixed prompts at recompute ratio 1.0, not streamed: its tokens must equal plain
+                vLLM's for the same prompt (taken from the plain phase)
+    exact_after_blend
+                one of the 16 fixed prompts blended at the default ratio (inexact by design; the blend
+                writes its blocks), then the same prompt without cachefuse parameters: that answer must
+                equal plain vLLM's. With prefix caching on it would not if vLLM's cache served the
+                blended blocks to a plain request
+    hostile     malformed kv_transfer_params (wrong types, 100 KB strings, deep nesting, null): must be a
+                200 with plain output and a fallback reason
+    abort       streamed, the client hangs up after the first token
 
 Reported per phase: requests and errors by kind (an error is anything but the expected answer; the
-client's own hang-ups are not), wrong exact outputs, TTFT p50/p99 of the streamed kinds, requests/s,
-the server's RSS after warm-up and at the end, the store's bytes against its cap, fallbacks by reason
-and preemptions (from /metrics). Threads are pinned alike in both phases (VLLM_CPU_OMP_THREADS_BIND).
+client's own hang-ups are not), wrong exact outputs (by kind), TTFT p50/p99 of the streamed kinds,
+requests/s, the server's RSS after warm-up and at the end, the store's bytes against its cap, fallbacks
+by reason and preemptions (from /metrics). Threads are pinned alike in both phases
+(VLLM_CPU_OMP_THREADS_BIND).
 
-    python benchmarks/soak.py [--duration 600] [--clients 64] [--model-size bench|tiny] [--allocator tcmalloc|glibc|jemalloc] [--out docs/benchmarks]
+    python benchmarks/soak.py [--duration 600] [--clients 64] [--model-size bench|tiny] [--prefix-caching on|off]
+        [--allocator tcmalloc|glibc|jemalloc] [--out docs/benchmarks]
 
 The server runs under tcmalloc by default (LD_PRELOAD, as vLLM's CPU guide deploys it; Debian: libtcmalloc-minimal4).
 
@@ -35,7 +43,6 @@ import platform
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,9 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_server  # noqa: E402
 from vllm_server import ALLOCATORS, REPO, allocator_library, kv_transfer_config, request, scrape, stop_server  # noqa: E402
 
-from cachefuse.testing.tiny_models import cached_tiny_model  # noqa: E402
-
-KINDS = {"hit": 0.45, "miss": 0.1, "plain": 0.1, "exact": 0.15, "hostile": 0.1, "abort": 0.1}
+KINDS = {"hit": 0.4, "miss": 0.1, "plain": 0.1, "exact": 0.1, "exact_after_blend": 0.1, "hostile": 0.1, "abort": 0.1}
+EXACT_KINDS = ("exact", "exact_after_blend")
 MAX_TOKENS = 8
 KV_CACHE_BYTES = {  # small enough that 64 clients preempt
     "tiny": 4 << 20,  # 4 layers x 128: 2,048 tokens of KV cache
@@ -83,6 +89,10 @@ class Workload:
     def _ids(self, n: int, rng: random.Random | None = None) -> list[int]:
         return [(rng or self.rng).randrange(3, 1000) for _ in range(n)]
 
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt: system, 3 documents, a miss's extra document, a question."""
+        return len(self.system) + 3 * self.doc_lengths[1] + self.doc_lengths[0] + 10
+
     def prompt(self, doc_ids: list[int], question: list[int], extra: list[int] | None = None):
         """(token ids, chunk offsets): [system][docs...][extra?][question]."""
         ids, chunks = list(self.system), [[0, len(self.system)]]
@@ -92,13 +102,23 @@ class Workload:
         return ids + question, chunks
 
 
-def start_server(model_dir: Path, store: Path | None, log: Path, kv_cache_bytes: int,
-                 allocator: str | None = None) -> tuple[subprocess.Popen, int]:
-    args = ["--no-enable-prefix-caching", "--max-model-len", "2048", "--max-num-seqs", "64"]
+def max_model_len(workload: Workload) -> int:
+    """The longest prompt and its output, rounded up to a power of two, at least 512: 2,048 on the bench
+    model, 512 on the tiny one, whose 4 MiB KV cache cannot hold one request of 2,048 tokens (vLLM then
+    refuses to start)."""
+    return max(512, 1 << (workload.max_prompt_tokens() + MAX_TOKENS - 1).bit_length())
+
+
+def server_args(store: Path | None, max_len: int, prefix_caching: bool) -> list[str]:
+    """The api_server arguments of a phase: cachefuse's connector when it has a store; prefix caching left to
+    vLLM's default (on) unless it is off."""
+    args = ["--max-model-len", str(max_len), "--max-num-seqs", "64"]
+    if not prefix_caching:
+        args.append("--no-enable-prefix-caching")
     if store is not None:
         extra = {"store_dir": str(store), "disk_capacity_bytes": DISK_CAP_BYTES, "memory_capacity_bytes": 8 << 20}
         args += ["--kv-transfer-config", kv_transfer_config(extra)]
-    return vllm_server.start_server(model_dir, log, kv_cache_bytes, args, allocator)
+    return args
 
 
 def streamed(port: int, body: dict, hang_up: bool) -> tuple[int, float | None]:
@@ -132,7 +152,7 @@ class Phase:
         self.counts: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.ttft: list[float] = []
-        self.wrong_exact = 0
+        self.wrong_exact: Counter[str] = Counter()
         self.exact_outputs: dict[int, str] = {}
 
     def body(self, ids: list[int], params: dict | None) -> dict:
@@ -154,18 +174,8 @@ class Phase:
             if ok and kind != "abort":
                 with self.lock:
                     self.ttft.append(ttft)
-        elif kind == "exact":
-            index = rng.randrange(len(w.exact))
-            ids, chunks = w.exact[index]
-            status, raw = request(self.port, "POST", "/v1/completions", self.body(
-                ids, {"cachefuse": {"chunks": chunks, "recompute_ratio": 1.0}}))
-            ok = status == 200
-            if ok:
-                text = json.loads(raw)["choices"][0]["text"]  # greedy: equal text, equal answer
-                with self.lock:
-                    self.exact_outputs.setdefault(index, text)
-                    if index in self.reference and self.reference[index] != text:
-                        self.wrong_exact += 1
+        elif kind in EXACT_KINDS:
+            ok = self.exact(kind, rng)
         else:
             params = rng.choice(HOSTILE)
             status, raw = request(self.port, "POST", "/v1/completions", self.body(w.exact[0][0], params))
@@ -181,6 +191,28 @@ class Phase:
             self.counts[kind] += 1
             if not ok:
                 self.errors[kind] += 1
+
+    def exact(self, kind: str, rng: random.Random) -> bool:
+        """One of the fixed prompts, fused at ratio 1.0 (`exact`) or plain after a blend of the same prompt
+        at the default ratio (`exact_after_blend`); its answer checked against plain vLLM's. False if the
+        server refused a request."""
+        index = rng.randrange(len(self.workload.exact))
+        ids, chunks = self.workload.exact[index]
+        params: dict | None = {"cachefuse": {"chunks": chunks, "recompute_ratio": 1.0}}
+        if kind == "exact_after_blend":
+            status, _ = request(self.port, "POST", "/v1/completions", self.body(ids, {"cachefuse": {"chunks": chunks}}))
+            if status != 200:
+                return False
+            params = None
+        status, raw = request(self.port, "POST", "/v1/completions", self.body(ids, params))
+        if status != 200:
+            return False
+        text = json.loads(raw)["choices"][0]["text"]  # greedy: equal text, equal answer
+        with self.lock:
+            self.exact_outputs.setdefault(index, text)
+            if index in self.reference and self.reference[index] != text:
+                self.wrong_exact[kind] += 1
+        return True
 
     def run(self, clients: int, duration: float, max_requests: int) -> float:
         deadline = time.monotonic() + duration
@@ -222,15 +254,17 @@ def rss_bytes(pid: int) -> int:
 def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: dict) -> tuple[dict, Phase]:
     root = Path(tempfile.mkdtemp(prefix=f"cachefuse-soak-{name}-"))
     store = root / "store" if name == "cachefuse" else None
-    process, port = start_server(model_dir, store, root / "server.log", args.kv_cache_bytes,
-                                 args.allocator_library)
+    process, port = vllm_server.start_server(
+        model_dir, root / "server.log", args.kv_cache_bytes,
+        server_args(store, max_model_len(workload), args.prefix_caching == "on"), args.allocator_library)
     try:
         phase = Phase(port, workload, name == "cachefuse", reference)
-        if store is not None:  # the 12 documents stored once, as `cachefuse precompute` would
-            for i in range(12):
-                ids, chunks = workload.prompt([i], [5])
-                request(port, "POST", "/v1/completions", phase.body(ids, {"cachefuse": {
-                    "chunks": chunks, "selector": "full_prefill"}}))
+        # the 12 documents stored once, as `cachefuse precompute` would; plain vLLM gets the same requests
+        # (without cachefuse parameters), so both phases start with the same prefix cache
+        for i in range(12):
+            ids, chunks = workload.prompt([i], [5])
+            request(port, "POST", "/v1/completions", phase.body(ids, {"cachefuse": {
+                "chunks": chunks, "selector": "full_prefill"}}))
         samples: list[tuple[float, int]] = []
         sampler_stop = threading.Event()
 
@@ -252,8 +286,11 @@ def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: d
     ttft = sorted(phase.ttft)
     done = sum(phase.counts.values())
     result = {
-        "requests": dict(phase.counts), "errors": dict(phase.errors), "wrong_exact_outputs": phase.wrong_exact,
-        "exact_checked": phase.counts["exact"] if reference else 0, "server_alive_at_end": alive,
+        "requests": dict(phase.counts), "errors": dict(phase.errors),
+        "wrong_exact_outputs": sum(phase.wrong_exact.values()), "wrong_exact_by_kind": dict(phase.wrong_exact),
+        "exact_checked": sum(phase.counts[kind] for kind in EXACT_KINDS) if reference else 0,
+        "exact_checked_by_kind": {kind: phase.counts[kind] for kind in EXACT_KINDS} if reference else {},
+        "server_alive_at_end": alive,
         "elapsed_s": elapsed, "requests_per_s": done / elapsed if elapsed else 0.0,
         "ttft_p50_s": statistics.median(ttft) if ttft else None,
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
@@ -289,13 +326,14 @@ def plot(result: dict, path: Path) -> None:
     right.set_ylabel("server RSS (MiB)")
     right.legend(fontsize=8)
     fig.suptitle(f"Soak: {result['clients']} clients, {result['duration_s']:.0f} s per phase, model "
-                 f"{result['model_size']}, {result.get('allocator', 'glibc')} malloc, KV cache {result['kv_cache_bytes'] >> 20} MiB (preempting), 2 CPU threads",
+                 f"{result['model_size']}, {result.get('allocator', 'glibc')} malloc, KV cache {result['kv_cache_bytes'] >> 20} MiB "
+                 f"(preempting), prefix caching {result.get('prefix_caching', 'off')}, 2 CPU threads",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load per phase")
     parser.add_argument("--clients", type=int, default=64)
@@ -305,11 +343,17 @@ def main() -> None:
     parser.add_argument("--allocator", choices=sorted(ALLOCATORS), default="tcmalloc",
                         help="the server's malloc, the same for both phases (default tcmalloc, as vLLM's CPU "
                              "guide deploys it)")
+    parser.add_argument("--prefix-caching", choices=("on", "off"), default="on",
+                        help="vLLM's prefix caching in both phases (default on, vLLM's default)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.allocator_library = allocator_library(args.allocator)
-    config, doc_lengths, args.kv_cache_bytes = MODELS[args.model_size]
-    model_dir = cached_tiny_model("llama", REPO / ".cache" / "test-models", **config)
+    _, doc_lengths, args.kv_cache_bytes = MODELS[args.model_size]
+    model_dir = vllm_server.bench_model(args.model_size)
     workload = Workload(doc_lengths)
     plain, plain_phase = run_phase("plain", model_dir, workload, args, reference={})
     reference = plain_phase.exact_outputs  # plain vLLM's answers to the fixed prompts
@@ -317,6 +361,7 @@ def main() -> None:
     result = {"benchmark": "soak", "clients": args.clients, "duration_s": args.duration, "threads": 2,
               "machine": platform.machine(), "model_size": args.model_size, "model": str(model_dir.name),
               "kv_cache_bytes": args.kv_cache_bytes, "allocator": args.allocator,
+              "prefix_caching": args.prefix_caching, "max_model_len": max_model_len(workload), "mix": KINDS,
               "phases": {"plain": plain, "cachefuse": fused},
               "ratios": {"ttft_p50_plain_over_cachefuse": (plain["ttft_p50_s"] or 0) / (fused["ttft_p50_s"] or 1),
                          "requests_per_s_cachefuse_over_plain":
@@ -326,7 +371,7 @@ def main() -> None:
     plot(result, args.out / "soak.png")
     for name, phase in result["phases"].items():
         print(f"{name}: {sum(phase['requests'].values())} requests, errors {phase['errors']}, wrong exact "
-              f"{phase['wrong_exact_outputs']}/{phase['exact_checked']}, TTFT p50 {phase['ttft_p50_s']}, "
+              f"{phase['wrong_exact_outputs']}/{phase['exact_checked']} {phase['wrong_exact_by_kind']}, TTFT p50 {phase['ttft_p50_s']}, "
               f"p99 {phase['ttft_p99_s']}, {phase['requests_per_s']:.2f} req/s, RSS growth {phase['rss_growth']}, "
               f"fallbacks {phase['fallbacks_by_reason']}, preemptions {phase['preemptions']}")
     print("ratios", result["ratios"])

@@ -1,5 +1,6 @@
 """vLLM's OpenAI server as the serving benchmarks run it: the bench models, start and stop, plain HTTP
-calls and /metrics, shared by benchmarks/soak.py and benchmarks/serving_load.py.
+calls and /metrics, the machine as a result records it; shared by benchmarks/soak.py,
+benchmarks/serving_load.py and benchmarks/mixed_load.py.
 
 A server listens on 127.0.0.1 only, runs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with its
 OpenMP threads pinned to CPUs 0-1 (VLLM_CPU_OMP_THREADS_BIND), so every configuration a benchmark
@@ -14,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -37,6 +39,30 @@ ALLOCATORS = {"glibc": None, "tcmalloc": "libtcmalloc_minimal.so.4", "jemalloc":
 CPU_BIND = "0-1"
 START_TIMEOUT_S = 180
 IDLE_WAIT_S = 60
+
+
+def machine() -> dict:
+    """What a serving benchmark's result records of the machine: CPU, the servers' threads, versions."""
+    import torch
+    import vllm
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"machine": platform.machine(), "cpu": cpu, "cpus_online": os.cpu_count(),
+            "server_threads_bound": CPU_BIND, "python": platform.python_version(),
+            "vllm": vllm.__version__, "torch": torch.__version__, "platform": platform.platform()}
+
+
+def model_cache() -> Path:
+    """Where tiny checkpoints are cached: $CACHEFUSE_TEST_MODEL_CACHE (as the tests read it) or .cache/test-models."""
+    return Path(os.environ.get("CACHEFUSE_TEST_MODEL_CACHE") or REPO / ".cache" / "test-models")
+
+
+def bench_model(model_size: str) -> Path:
+    """The checkpoint of MODELS[model_size], built once and cached (cachefuse.testing.tiny_models)."""
+    from cachefuse.testing.tiny_models import cached_tiny_model
+
+    return cached_tiny_model("llama", model_cache(), **MODELS[model_size][0])
 
 
 def allocator_library(name: str) -> str | None:

@@ -22,16 +22,19 @@ def configurations(argv: list[str], tmp_path) -> dict[str, serving_load.Configur
     return {c.name: c for c in serving_load.configurations(args, tmp_path / "store")}
 
 
-def test_the_three_configurations_differ_only_in_prefix_caching_and_the_connector(tmp_path):
+def test_plain_and_cachefuse_keep_vllm_s_prefix_caching_and_differ_only_in_the_connector(tmp_path):
     chosen = configurations([], tmp_path)
-    assert list(chosen) == ["plain", "plain_prefix_cache", "cachefuse"]
-    assert "--no-enable-prefix-caching" in chosen["plain"].server_args
-    assert "--enable-prefix-caching" in chosen["plain_prefix_cache"].server_args
-    assert "--no-enable-prefix-caching" in chosen["cachefuse"].server_args
-    assert "--kv-transfer-config" not in chosen["plain"].server_args + chosen["plain_prefix_cache"].server_args
-    assert chosen["cachefuse"].fused and not chosen["plain"].fused
-    common = chosen["plain"].server_args[:-1]
-    assert chosen["plain_prefix_cache"].server_args[:-1] == common == chosen["cachefuse"].server_args[:len(common)]
+    assert list(chosen) == ["plain", "plain_no_prefix_cache", "cachefuse"]
+    for name in ("plain", "cachefuse"):  # vLLM's default (on) is left alone, as a deployment leaves it
+        assert not any("prefix-caching" in arg for arg in chosen[name].server_args)
+    assert chosen["plain_no_prefix_cache"].server_args[-1] == "--no-enable-prefix-caching"
+    assert "--kv-transfer-config" not in chosen["plain"].server_args + chosen["plain_no_prefix_cache"].server_args
+    assert chosen["cachefuse"].fused and not chosen["plain"].fused and not chosen["plain_no_prefix_cache"].fused
+    common = chosen["plain"].server_args
+    assert chosen["plain_no_prefix_cache"].server_args[:-1] == common
+    assert chosen["cachefuse"].server_args[:len(common)] == common
+    assert chosen["cachefuse"].server_args[len(common):][0] == "--kv-transfer-config"
+    assert len(chosen["cachefuse"].server_args) == len(common) + 2
 
 
 def test_cachefuse_config_is_merged_over_the_defaults_and_passed_through(tmp_path):
@@ -48,11 +51,13 @@ def test_quick_sets_small_defaults_and_given_flags_still_win():
     assert (args.model_size, args.duration, args.clients, args.hit_rates) == ("tiny", 8.0, 4, [1.0])
     assert args.rates == [1.0, 3.0]
     full = serving_load.parse_args([])
+    assert full.configs == ["plain", "plain_no_prefix_cache", "cachefuse"]
     assert (full.model_size, full.rates, full.hit_rates, full.clients) == ("bench", [1, 2, 4, 6, 8, 12], [0.5, 1.0], 16)
     assert full.out == vllm_server.REPO / "docs" / "benchmarks" / "serving_load"
 
 
 @pytest.mark.parametrize("argv", [["--configs", "cachefuse"], ["--configs", "plain,cachefuze"],
+                                  ["--configs", "plain,plain_prefix_cache"],
                                   ["--rates", "0,2"], ["--hit-rates", "1.5"], ["--cachefuse-config", "[1]"]])
 def test_bad_command_lines_are_refused(argv):
     with pytest.raises(SystemExit):
