@@ -21,9 +21,9 @@ Under tensor parallelism every rank runs the same passes in the same order, and 
 collectives (the row-parallel all-reduces of `Output`, the embedding's, the logits' gather). A pass that
 fails on one rank only must fail on all before any of them enters the next collective, or the others
 wait in it for good. With `agree` set, a pass that fails or ends here is only marked; before every op
-group that may lead to a collective (`AGREED_STAGES`) and at the end of `advance`, one `agree` call (an
-all-reduce of a flag per pass) makes a failure anywhere a failure everywhere (`OtherRankFailed`), and
-only then are passes retired. Ops that never communicate (attention, a layer's end) run without it.
+group is chosen (and after a cohort starts), one `agree` call (an all-reduce of a flag per pass) makes a
+failure anywhere a failure everywhere (`OtherRankFailed`), and only then are passes retired. So the ranks
+always choose the same group, passes at different layers included (a split blend beside a newer one).
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ import torch
 
 # The stages of one layer, in the order a pass yields them (`PassOp.key` orders a batch by them).
 EMBED, PROJECT, ATTEND, OUTPUT, LAYER_DONE, LOGITS = range(6)
-AGREED_STAGES = frozenset({EMBED, PROJECT, OUTPUT, LOGITS})
-"""Op groups the ranks agree before: each is, or is followed by pass code that reaches, a collective
-(`Project`'s result feeds a check layer's score all-reduce) before the next agreement."""
 
 Agreement = Callable[[list[bool]], list[bool]]
 """(whether each pass failed on this rank) -> (whether it failed on any rank): a collective, called with
@@ -210,13 +207,23 @@ class PassBatch:
         layers: a layer is never cut). None: no budget, every pass ends in this call."""
         self._advances += 1
         done = Advanced()
-        while self._live():
+        while True:
+            if self.agree is not None:
+                # Before choosing the next group: a pass failed on one rank only would otherwise leave the
+                # ranks choosing different groups (passes at different layers: a split blend beside a newer
+                # one), and their collectives would pair up wrong.
+                self._agree(done)
+            if not self._live():
+                break
             over = budget_rows is not None and done.rows >= budget_rows
             oldest = self._live()[0]
             if oldest.op is None or isinstance(oldest.op, Embed):
                 if over:
                     break
                 group = self._cohort(None if budget_rows is None else budget_rows - done.rows, done)
+                if self.agree is not None:  # starting them ran pass code that may have failed on one rank
+                    self._agree(done)
+                    group = [job for job in group if job.settled is None]
                 if not group:
                     continue  # every pass of it failed or ended on starting
             else:
@@ -224,14 +231,7 @@ class PassBatch:
                     break
                 key = op_key(oldest.op)
                 group = [job for job in self._live() if job.op is not None and op_key(job.op) == key]
-            if self.agree is not None and group[0].op.stage in AGREED_STAGES:
-                self._agree(done)
-                group = [job for job in group if job.settled is None]
-                if not group:
-                    continue
             self._run(group, done)
-        if self.agree is not None:
-            self._agree(done)
         return done
 
     def _live(self) -> list[_Job]:

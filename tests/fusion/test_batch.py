@@ -280,3 +280,50 @@ def test_a_pass_failing_on_one_rank_fails_on_every_rank_before_the_next_collecti
         assert set(advanced.failed) == {0} and set(advanced.finished) == {1}, (rank, advanced)
         assert isinstance(advanced.failed[0], OtherRankFailed if rank == 0 else RuntimeError)
         assert_same(advanced.finished[1][0], expected[1][0])
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_a_pass_failing_on_one_rank_mid_split_beside_a_pass_at_another_layer(engine, agreed):
+    """Pass 0 is split across two engine steps (a budget of rows), pass 1 starts in the second step: the two
+    are at different layers, so their op groups differ. Rank 1's pass 0 raises after layer 2, in the second
+    step. With the agreement before every op group both ranks drop pass 0 before they form the next group,
+    and finish pass 1 with its answer alone. Negative control: no agreement."""
+    plans = [plan(engine.cases[0]), plan(engine.cases[1])]
+    expected = alone(engine, plans)
+    group = _TwoRankGroup(wait_s=10.0)
+    outcomes: dict[int, list] = {0: [], 1: []}
+    first_step_rows = 1.5 * len(engine.cases[0].token_ids)  # pass 0 stops after its first layer or two
+
+    def run_rank(rank: int) -> None:
+        def execute(ops):
+            if isinstance(ops[0], Output):
+                group.all_reduce(rank, "model", [0.0] * sum(int(op.attn.shape[0]) for op in ops))
+            return Fusor.execute_ops(engine.fusor, ops)
+
+        def agree(failed: list[bool]) -> list[bool]:
+            return [total > 0 for total in group.all_reduce(rank, "agreement", [float(f) for f in failed])]
+
+        batch = PassBatch(execute, agree if agreed else None)
+        first = engine.fuse_steps(plans[0])
+        batch.add(0, _raising_after_layer(first, 2) if rank == 1 else first)
+        try:
+            outcomes[rank].append(batch.advance(first_step_rows))
+            batch.add(1, engine.fuse_steps(plans[1]))
+            outcomes[rank].append(batch.advance())
+        except (RuntimeError, threading.BrokenBarrierError):
+            pass  # the control's mismatched collective
+
+    threads = [threading.Thread(target=run_rank, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if not agreed:
+        assert group.errors
+        return
+    assert not group.errors, group.errors
+    for rank in (0, 1):
+        first_step, second_step = outcomes[rank]
+        assert not first_step.failed and not first_step.finished  # pass 0 split, still running
+        assert set(second_step.failed) == {0} and set(second_step.finished) == {1}, (rank, second_step)
+        assert_same(second_step.finished[1][0], expected[1][0])
