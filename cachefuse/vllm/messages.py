@@ -71,8 +71,9 @@ class BlendPlan:
     worker's cohorts fit into its step budget."""
     cached_prefix_tokens: int = 0
     """Positions [0, P) are vLLM's own prefix-cache hit (block-aligned, exact, shared with other requests):
-    the pass computes them in memory as ever but never writes their slots, and its paged attention reads
-    them from the cache. `error_block_ids` leaves their blocks out."""
+    the pass computes them in memory as ever, never writes their slots and never reads them (the request
+    computing them may be in this very step, its forward after the blend: paged.unwritten_prefix).
+    `error_block_ids` leaves their blocks out."""
 
 
 def blend_budget_rows(blend_step_tokens: int | None, max_num_batched_tokens: int, num_layers: int) -> int:

@@ -58,8 +58,8 @@ def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
                    first_written: int = 0) -> None:
     """One layer's K/V [T, kv_heads, head_dim] into the slots of positions first_written..T-1 through the
     layer's own writer (an fp8 cache: quantized there with the layer's scales, as vLLM's own writes are;
-    see cachefuse.vllm.kv_quant). Positions before `first_written` are vLLM's own prefix-cache hit (exact,
-    shared with other requests) or vLLM's null block (`leading_unslotted`): never written; positions past
+    see cachefuse.vllm.kv_quant). Positions before `first_written` (`unwritten_prefix`: vLLM's prefix-cache
+    hit, shared with other requests, or vLLM's null block) are never written; positions past
     the slots (an asynchronous load's last token, which vLLM computes) are not written either."""
     dtype = kv_quant.write_dtype(layer)
     num_rows = min(k.shape[0], slot_mapping.shape[0])
@@ -71,11 +71,24 @@ def write_layer_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
                                   slot_mapping[first_written:num_rows])
 
 
+def unwritten_prefix(block_ids: list[int], block_size: int, cached_prefix_tokens: int) -> int:
+    """Positions at the prompt's start that the blend pass computes and attends over in memory, never
+    writing or reading them in the paged cache:
+
+    - vLLM's prefix-cache hit (`BlendPlan.cached_prefix_tokens`): its blocks are shared with other requests,
+      and the request that computes them may be in this very step, its forward still to come when the
+      blend runs (vLLM caches a block's hash when it allocates it, before it is computed): read in place,
+      they could be stale;
+    - vLLM's null block: a sliding-window model's external tokens that no later row's window reaches
+      (`leading_unslotted`).
+    """
+    return max(leading_unslotted(block_ids, block_size), cached_prefix_tokens)
+
+
 def leading_unslotted(block_ids: list[int], block_size: int) -> int:
     """Positions at the prompt's start that have no slot of their own: vLLM's sliding-window cache manager
-    gives the external tokens that no later row's window reaches the null block. The blend pass still
-    computes and attends over them (its rows there need them), in memory: they are never written or read in
-    the paged cache. 0 for a model without windows (every block real)."""
+    gives the external tokens that no later row's window reaches the null block. 0 for a model without
+    windows (every block real)."""
     num_null = 0
     for block_id in block_ids:
         if block_id != NULL_BLOCK_ID:
@@ -107,9 +120,7 @@ class SlotWritingAttention:
     windows: tuple[int | None, ...] = ()
     """Each model layer's sliding window (ModelShape.layer_windows; empty: none)."""
     paged_from: int = 0
-    """Positions below it have no slot (`leading_unslotted`): written nowhere, attended in memory."""
-    first_written: int = 0
-    """Positions before it are vLLM's prefix-cache hit: read in place, never written (write_layer_kv)."""
+    """Positions below it are written nowhere and attended in memory (`unwritten_prefix`)."""
     read_in_place: dict[str, bool] = field(default_factory=dict, init=False)
     """Per layer name, once it has attended: whether its rows read the paged cache in place."""
 
@@ -118,14 +129,14 @@ class SlotWritingAttention:
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layer = self.layers[self.layer_names[layer_index]]
-        write_layer_kv(layer, k, v, self.slot_mapping, max(self.first_written, self.paged_from))
+        write_layer_kv(layer, k, v, self.slot_mapping, self.paged_from)
         return causal_attention(q, *kv_quant.as_read_from_cache(layer, k, v), self.scale, **self._window(layer_index))
 
     def rows(self, layer_index: int, q: torch.Tensor, q_positions: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
         name = self.layer_names[layer_index]
         layer = self.layers[name]
-        write_layer_kv(layer, k, v, self.slot_mapping, max(self.first_written, self.paged_from))
+        write_layer_kv(layer, k, v, self.slot_mapping, self.paged_from)
         views = paged_kv_views(layer)
         # keys past the slots (an asynchronous load's last token) or before them (the null block) live only in
         # memory
@@ -154,11 +165,8 @@ class PagedAttention:
     block_table: torch.Tensor
     """int32 [1, num_blocks]: the request's blocks."""
     paged_from: int = 0
-    """Positions below it have no slot (`leading_unslotted`): written nowhere; rows whose window reaches them
-    attend in memory."""
-    first_written: int = 0
-    """Positions before it are vLLM's prefix-cache hit: the kernel reads them from the cache (vLLM's exact
-    K/V), nothing writes them (write_layer_kv)."""
+    """Positions below it are written nowhere (`unwritten_prefix`); rows whose window reaches them attend in
+    memory."""
 
     def causal(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the whole prompt; q [T, heads, head_dim], k/v [T, kv_heads, head_dim]."""
@@ -182,7 +190,7 @@ class PagedAttention:
         query_lens, seq_lens, tables, paged_q, in_memory = [], [], [], [], []
         for index, op in enumerate(attends):
             backend = op.backend
-            write_layer_kv(layer, op.k, op.v, backend.slot_mapping, max(backend.first_written, backend.paged_from))
+            write_layer_kv(layer, op.k, op.v, backend.slot_mapping, backend.paged_from)
             table = F.pad(backend.block_table, (0, width - backend.block_table.shape[1]))  # pad: never read
             num_slots = backend.slot_mapping.shape[0]
             positions = op.query_rows

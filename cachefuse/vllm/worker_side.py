@@ -46,8 +46,8 @@ from cachefuse.vllm.metrics import CacheFuseConnectorStats
 from cachefuse.vllm.paged import (
     PagedAttention,
     SlotWritingAttention,
-    leading_unslotted,
     supports_paged_attention,
+    unwritten_prefix,
 )
 from cachefuse.vllm.plugin import captured_model
 
@@ -206,15 +206,15 @@ class WorkerSide:
         if self.paged_attention is None:
             self.paged_attention = all(supports_paged_attention(layers[name]) for name in self.layer_names)
         fusor = self.engine.fusor
-        paged_from = leading_unslotted(plan.block_ids, self.block_size)  # > 0 only under sliding windows
+        paged_from = unwritten_prefix(plan.block_ids, self.block_size, plan.cached_prefix_tokens)
         if self.paged_attention:  # both write every layer's merged K/V into the slots as they attend
             backend = PagedAttention(layers, self.layer_names, slot_mapping,
                                      torch.tensor([plan.block_ids], dtype=torch.int32, device=first_cache.device),
-                                     paged_from, first_written=plan.cached_prefix_tokens)
+                                     paged_from)
         else:
             backend = SlotWritingAttention(layers, self.layer_names, slot_mapping, self.adapter.shape.scaling,
                                            fusor.block_rows, fusor.attention_fn, windows=self.adapter.shape.layer_windows,
-                                           paged_from=paged_from, first_written=plan.cached_prefix_tokens)
+                                           paged_from=paged_from)
         # A replay (the request's first blend ran before a preemption) saved its holes and counted its
         # reuses the first time.
         return self.engine.fuse_steps(FusePlan(

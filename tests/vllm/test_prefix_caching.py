@@ -143,3 +143,28 @@ def test_the_generic_attention_path_keeps_the_hit_too(llm):
     after = cached_block_bytes(llm, pieces["system"][:BLOCK])
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert max_logprob_diff(reference, first_logprobs(fused)) < 1e-4
+
+
+@pytest.mark.parametrize("read_in_place", [False, True], ids=["hit_in_memory", "negative_control_hit_read_in_place"])
+def test_a_hit_on_blocks_computed_in_the_same_step(llm, read_in_place, monkeypatch):
+    """vLLM caches a block's hash when it allocates it, before its forward computes it: a fused request
+    scheduled in the same step as the plain one that computes its prefix hits blocks still empty when its
+    blend runs (before that forward). The blend computes the hit in memory, so ratio 1.0 still equals plain
+    vLLM; negative control: the blend's attention reads the hit from the paged cache, and it differs."""
+    from cachefuse.vllm import paged
+
+    if read_in_place:  # the hit still unwritten by the blend, but its rows sent to the paged kernel
+        monkeypatch.setattr(paged, "_rows_reaching", lambda *args: 0)
+    pieces = fresh_pieces(llm)
+    plain_ids = named_prompt(pieces, ("system", "a", "question"))[0]
+    ids, params = named_prompt(pieces, ("system", "a", "c", "question"), selector="cacheblend", recompute_ratio=1.0)
+    reference = plain_reference(llm, ids)
+    # Whatever a freed block last held would pass for the hit's K/V (the same tokens' blocks are often freed
+    # just before): every block holds garbage now, until something writes it.
+    for cache in llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.kv_caches:
+        cache.fill_(100.0)
+    _, fused = generate(llm, [plain_ids, ids], [None, params])  # one step: the plain one first
+    stats = fused.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused" and stats["prefix_cache_tokens"] == 2 * BLOCK, stats
+    diff = max_logprob_diff(reference, first_logprobs(fused))
+    assert (diff > 1e-3) if read_in_place else (diff < 1e-4), diff

@@ -127,8 +127,8 @@ def test_rows_reaching_the_null_block_attend_in_memory(family, fusing_llm, piece
     case = null_block_case(pieces)
     (plain,) = generate(llm, [case.token_ids], [None])
     seen = []
-    real = worker_side.leading_unslotted
-    monkeypatch.setattr(worker_side, "leading_unslotted", lambda *args: seen.append(real(*args)) or seen[-1])
+    real = worker_side.unwritten_prefix  # prefix caching off here: the null block's positions alone
+    monkeypatch.setattr(worker_side, "unwritten_prefix", lambda *args: seen.append(real(*args)) or seen[-1])
     (fused,) = generate(llm, [case.token_ids], [case.params(recompute_ratio=1.0)])
     assert fused.kv_transfer_params["cachefuse"]["status"] == "fused"
     assert max_logprob_diff(first_logprobs(plain), first_logprobs(fused)) < LOGPROB_TOL

@@ -14,8 +14,8 @@ rest. Without that plan vLLM would decode over blocks nothing wrote.
 
 vLLM's prefix cache (on by default): vLLM asks with its own hit, `num_computed_tokens` (block-aligned,
 exact K/V computed plain by vLLM and shared with other requests). The blend then holds [P, N-1) only: its
-pass computes the whole prompt in memory as ever, but never writes the hit's slots (`cached_prefix_tokens`),
-and its paged attention reads them from the cache. The hooks salt the request's block hashes from P on
+pass computes the whole prompt in memory as ever, but never writes or reads the hit's slots
+(`cached_prefix_tokens`, paged.unwritten_prefix). The hooks salt the request's block hashes from P on
 (block_hashes.py), so nobody else is ever served its blended blocks. A prompt vLLM holds whole (N-1 tokens
 or more) runs as plain vLLM; a resumed fused request that finds its own blended blocks resumes over them.
 """
