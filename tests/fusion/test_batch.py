@@ -226,6 +226,21 @@ class _TwoRankGroup:
         return [a + b for a, b in zip(mine[1], theirs[1], strict=True)]
 
 
+def _rank_batch(engine, group: _TwoRankGroup, rank: int, agreed: bool) -> PassBatch:
+    """One rank's PassBatch: its `Output` ops all-reduce the batch's rows (the row-parallel o_proj / MLP
+    all-reduce), and with `agreed` the ranks agree on failures over the same group."""
+
+    def execute(ops):
+        if isinstance(ops[0], Output):
+            group.all_reduce(rank, "model", [0.0] * sum(int(op.attn.shape[0]) for op in ops))
+        return Fusor.execute_ops(engine.fusor, ops)
+
+    def agree(failed: list[bool]) -> list[bool]:
+        return [total > 0 for total in group.all_reduce(rank, "agreement", [float(f) for f in failed])]
+
+    return PassBatch(execute, agree if agreed else None)
+
+
 def _raising_after_layer(steps, layer: int):
     """The pass, raising when resumed after `layer` (a fault between layers: its loader, its merge)."""
     op = next(steps)
@@ -252,15 +267,7 @@ def test_a_pass_failing_on_one_rank_fails_on_every_rank_before_the_next_collecti
     outcomes: dict[int, object] = {}
 
     def run_rank(rank: int) -> None:
-        def execute(ops):
-            if isinstance(ops[0], Output):  # the row-parallel o_proj / MLP all-reduce, of the batch's rows
-                group.all_reduce(rank, "model", [0.0] * sum(int(op.attn.shape[0]) for op in ops))
-            return Fusor.execute_ops(engine.fusor, ops)
-
-        def agree(failed: list[bool]) -> list[bool]:
-            return [total > 0 for total in group.all_reduce(rank, "agreement", [float(f) for f in failed])]
-
-        batch = PassBatch(execute, agree if agreed else None)
+        batch = _rank_batch(engine, group, rank, agreed)
         first = engine.fuse_steps(plans[0])
         batch.add(0, _raising_after_layer(first, 1) if rank == 1 else first)
         batch.add(1, engine.fuse_steps(plans[1]))
@@ -295,15 +302,7 @@ def test_a_pass_failing_on_one_rank_mid_split_beside_a_pass_at_another_layer(eng
     first_step_rows = 1.5 * len(engine.cases[0].token_ids)  # pass 0 stops after its first layer or two
 
     def run_rank(rank: int) -> None:
-        def execute(ops):
-            if isinstance(ops[0], Output):
-                group.all_reduce(rank, "model", [0.0] * sum(int(op.attn.shape[0]) for op in ops))
-            return Fusor.execute_ops(engine.fusor, ops)
-
-        def agree(failed: list[bool]) -> list[bool]:
-            return [total > 0 for total in group.all_reduce(rank, "agreement", [float(f) for f in failed])]
-
-        batch = PassBatch(execute, agree if agreed else None)
+        batch = _rank_batch(engine, group, rank, agreed)
         first = engine.fuse_steps(plans[0])
         batch.add(0, _raising_after_layer(first, 2) if rank == 1 else first)
         try:
