@@ -94,14 +94,19 @@ def test_question_first_and_reordered_chunks_ratio_one(tiny_adapter, family):
 
 
 def reference_full_reuse(adapter: HFAdapter, case) -> torch.Tensor:
-    """Independent of the fusor: transformers prefill per chunk, transformers RoPE shift, its own attention."""
+    """Independent of the fusor: transformers prefills each chunk after the system prompt, its RoPE shifts the
+    keys, its own masks (windowed where the model has windows) attend the hole and the question over the
+    assembled cache. Caches are plain DynamicCache layers, which keep every key (a model's own sliding-window
+    cache drops keys outside the window, and the hole's rows need keys the question's do not)."""
     model, rotary = adapter.model, adapter.decoder.rotary_emb
-    apply_rotary = sys.modules[type(adapter.layers[0].self_attn).__module__].apply_rotary_pos_emb  # the family's own
+    apply_rotary = sys.modules[type(adapter.layers[0].self_attn).__module__].apply_rotary_pos_emb
     system, (a, b, c), question = case.system, case.pieces, case.question
 
-    def prefill(ids: list[int]):
+    def prefill(ids: list[int]) -> DynamicCache:
+        cache = DynamicCache()
         with torch.inference_mode():
-            return model(torch.tensor([ids]), use_cache=True).past_key_values
+            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return cache
 
     def shifted(keys: torch.Tensor, delta: int) -> torch.Tensor:  # keys [1, H, T, d], post-RoPE
         cos, sin = rotary(keys, torch.full((1, keys.shape[2]), delta))
@@ -109,8 +114,7 @@ def reference_full_reuse(adapter: HFAdapter, case) -> torch.Tensor:
 
     s = len(system)
     cache_a, cache_c = prefill(system + a), prefill(system + c)
-    cache = DynamicCache(ddp_cache_data=[
-        (layer.keys.clone(), layer.values.clone()) for layer in cache_a.layers])  # system + A in place
+    cache = DynamicCache(ddp_cache_data=[(layer.keys.clone(), layer.values.clone()) for layer in cache_a.layers])
     with torch.inference_mode():
         pos_b = torch.arange(s + len(a), s + len(a) + len(b))[None]
         model(torch.tensor([b]), position_ids=pos_b, past_key_values=cache, use_cache=True)  # the hole

@@ -13,11 +13,9 @@ shape (every layer full causal) differs from the model's own forward.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
@@ -25,7 +23,7 @@ from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FuseRequest
 from cachefuse.select.registry import make_selector
 from cachefuse.testing.tiny_models import TINY_WINDOW, WINDOWED_FAMILIES
-from tests.fusion.test_fusor import LOGIT_TOL, model_logits
+from tests.fusion.test_fusor import LOGIT_TOL, model_logits, reference_full_reuse
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 
 EXPECTED_WINDOWS = {
@@ -102,39 +100,6 @@ def test_ratio_one_without_the_window_differs(windowed, family):
     without_windows(adapter)
     result, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=1.0, save_holes=False)
     assert (result.logits - expected).abs().max() > 100 * LOGIT_TOL["atol"]
-
-
-def reference_full_reuse(adapter, case) -> torch.Tensor:
-    """Independent of the fusor: transformers prefills each chunk after the system prompt, its RoPE shifts the
-    keys, its own windowed masks attend the hole and the question over the assembled cache. Caches are plain
-    DynamicCache layers, which keep every key (the model's own sliding-window cache drops keys outside the
-    window, and the hole's rows need keys the question's do not)."""
-    model, rotary = adapter.model, adapter.decoder.rotary_emb
-    apply_rotary = sys.modules[type(adapter.layers[0].self_attn).__module__].apply_rotary_pos_emb
-    system, (a, b, c), question = case.system, case.pieces, case.question
-
-    def prefill(ids: list[int]) -> DynamicCache:
-        cache = DynamicCache()
-        with torch.inference_mode():
-            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        return cache
-
-    def shifted(keys: torch.Tensor, delta: int) -> torch.Tensor:  # keys [1, H, T, d], post-RoPE
-        cos, sin = rotary(keys, torch.full((1, keys.shape[2]), delta))
-        return apply_rotary(keys, keys, cos, sin)[1]
-
-    s = len(system)
-    cache_a, cache_c = prefill(system + a), prefill(system + c)
-    cache = DynamicCache(ddp_cache_data=[(layer.keys.clone(), layer.values.clone()) for layer in cache_a.layers])
-    with torch.inference_mode():
-        pos_b = torch.arange(s + len(a), s + len(a) + len(b))[None]
-        model(torch.tensor([b]), position_ids=pos_b, past_key_values=cache, use_cache=True)  # the hole
-        for layer, source in zip(cache.layers, cache_c.layers, strict=True):
-            layer.update(shifted(source.keys[:, :, s:], len(a) + len(b)), source.values[:, :, s:])
-        start_q = s + len(a) + len(b) + len(c)
-        pos_q = torch.arange(start_q, start_q + len(question))[None]
-        out = model(torch.tensor([question]), position_ids=pos_q, past_key_values=cache, use_cache=True)
-    return out.logits[0, -1].float()
 
 
 @pytest.mark.parametrize("family", WINDOWED_FAMILIES)
