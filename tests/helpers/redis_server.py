@@ -149,60 +149,7 @@ class RedisServer:
         self.close()
 
 
-class LoopbackProxy:
-    """A TCP proxy on a free loopback port in front of `target_port`: accepts on its own thread, one pump
-    thread per connection (`_pump`, a subclass's); `close` (or leaving the `with` block) stops them all."""
-
-    _POLL_S = 0.02
-
-    def __init__(self, target_port: int, target_host: str = "127.0.0.1", name: str = "loopback-proxy") -> None:
-        self.target = (target_host, target_port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(self._POLL_S)
-        self.port = self._listener.getsockname()[1]
-        self._closed = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
-        self._accept_thread.start()
-
-    def url(self, password: str | None = None) -> str:
-        auth = f":{password}@" if password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def _pump(self, client: socket.socket) -> None:
-        raise NotImplementedError
-
-    def _accepted(self, client: socket.socket) -> None:
-        """A new connection: pumped on its own thread."""
-        thread = threading.Thread(target=self._pump, args=(client,), daemon=True)
-        thread.start()
-        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._accepted(client)
-
-    def close(self) -> None:
-        self._closed.set()
-        self._listener.close()
-        self._accept_thread.join(timeout=5)
-        for thread in self._threads:
-            thread.join(timeout=5)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class DroppingProxy(LoopbackProxy):
+class DroppingProxy:
     """A TCP proxy on a free loopback port: forwards to `target_port`, or drops every connection.
 
     `mode` is "forward" (pass bytes both ways), "close" (accept, then close: the client reads EOF) or
@@ -211,10 +158,22 @@ class DroppingProxy(LoopbackProxy):
     """
 
     MODES = ("forward", "close", "reset")
+    _POLL_S = 0.02
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
         self.mode = "forward"
-        super().__init__(target_port, target_host, name="dropping-proxy")
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(self._POLL_S)
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="dropping-proxy", daemon=True)
+        self._accept_thread.start()
+
+    def url(self, password: str | None = None) -> str:
+        auth = f":{password}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def set_mode(self, mode: str) -> None:
         if mode not in self.MODES:
@@ -228,11 +187,20 @@ class DroppingProxy(LoopbackProxy):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
             sock.close()
 
-    def _accepted(self, client: socket.socket) -> None:
-        if self.mode != "forward":
-            self._drop(client)
-            return
-        super()._accepted(client)
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if self.mode != "forward":
+                self._drop(client)
+                continue
+            thread = threading.Thread(target=self._pump, args=(client,), daemon=True)
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def _pump(self, client: socket.socket) -> None:
         """Copy bytes both ways until either side closes, the mode changes, or the proxy closes."""
@@ -256,6 +224,20 @@ class DroppingProxy(LoopbackProxy):
         finally:
             self._drop(client)
             self._drop(upstream)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self._accept_thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> DroppingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def delete_namespace(client: redis.Redis, namespace: str) -> None:
     """Delete every key under `namespace:` (SCAN, so a big shared server is not blocked)."""

@@ -19,8 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tests.helpers.redis_server import LoopbackProxy
-
 
 class TestClock:
     """A clock that moves only when told (seconds), safe to read and advance from several threads."""
@@ -70,12 +68,13 @@ class _Trickle:
     hold_from: float
 
 
-class TricklingProxy(LoopbackProxy):
+class TricklingProxy:
     """A TCP proxy on a free loopback port in front of `target_port` (see the module docstring)."""
 
     _POLL_S = 0.01
 
     def __init__(self, target_port: int, clock: TestClock) -> None:
+        self.target = ("127.0.0.1", target_port)
         self.clock = clock
         self.cut_replies = 0
         """Replies whose client hung up before their last piece (cut mid-reply)."""
@@ -83,7 +82,16 @@ class TricklingProxy(LoopbackProxy):
         """Replies trickled to the end."""
         self._trickle: _Trickle | None = None
         self._counted = threading.Condition()
-        super().__init__(target_port, name="trickling-proxy")
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(self._POLL_S)
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="trickling-proxy", daemon=True)
+        self._accept_thread.start()
+
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def trickle(self, pieces: int, step_s: float, hold_s: float = 2.0, hold_from: float = float("-inf")) -> None:
         """From now on every reply comes in `pieces` (fewer when it is shorter), the clock advanced `step_s`
@@ -101,6 +109,18 @@ class TricklingProxy(LoopbackProxy):
         after the client has moved on. False if they have not within `timeout_s` (a hung test, not a race)."""
         with self._counted:
             return self._counted.wait_for(lambda: self.cut_replies + self.whole_replies >= num_replies, timeout_s)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            thread = threading.Thread(target=self._pump, args=(client,), daemon=True)
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def _pump(self, client: socket.socket) -> None:
         """Requests upstream as they come; replies back whole (forwarding) or trickled, one at a time."""
@@ -172,6 +192,19 @@ class TricklingProxy(LoopbackProxy):
                 self.whole_replies += 1
             self._counted.notify_all()
         return not cut
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self._accept_thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> TricklingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _hangs_up(client: socket.socket, within_s: float) -> bool:
