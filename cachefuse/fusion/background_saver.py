@@ -1,6 +1,6 @@
 """Hole saves written behind the request: `BackgroundSaver` and `PendingReadsStore`.
 
-Imports torch, cachefuse.{errors, fusion.saving, metadata.base, store.base}; never vllm. A write costs a
+Imports torch, cachefuse.{errors, fusion.saving, metadata.base, store.base, torch_threads}; never vllm. A write costs a
 device-to-host copy, a serialisation, an fsync and a metadata transaction (a Redis round trip when
 shared). `BackgroundSaver` takes all of it off the request's path: a daemon thread drains a queue bounded
 in bytes; a hole that does not fit is skipped and counted, never waited for. Until written, a queued hole
@@ -9,7 +9,8 @@ recorded on its row once written (`defer_uses`), a save that then fails is repor
 for the scheduler's index to forget (unless the hole was queued again meanwhile), and one written is
 reported too (the index then trusts its snapshots for it again). A crash mid-write leaves no readable
 partial entry (the disk tier renames complete files only); `close()` flushes what is queued, within a
-bound.
+bound. The thread runs torch on one thread (`cachefuse.torch_threads`: with a team of its own, every
+decode step of the engine that shares the process ran ~1.7x slower).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from cachefuse.fusion.saving import HoleSave, HoleWriter, SaveReport
 from cachefuse.metadata.base import VariantRecord
 from cachefuse.store.base import ChunkKV, KVStore, select_rows
+from cachefuse.torch_threads import start_helper_thread
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,7 @@ class BackgroundSaver:
         self._pending_bytes = 0
         self._report = SaveReport()  # what the thread did since the last take_report
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="cachefuse-hole-writer", daemon=True)
-        self._thread.start()
+        self._thread = start_helper_thread(self._run, "cachefuse-hole-writer")
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @property

@@ -1,6 +1,6 @@
 """Layer-wise KV loading, serial or pipelined: layer i+1 is fetched while layer i computes.
 
-Imports threading and `cachefuse.store.base`; never vllm. Follows CacheBlend §5 and §6 ("two
+Imports threading, `cachefuse.store.base` and `cachefuse.torch_threads`; never vllm. Follows CacheBlend §5 and §6 ("two
 threads ... pipeline prefill_layer of layer i and fetch_kv of layer i+1"): a `PipelinedLoader` runs
 the per-layer fetch (and whatever the fetch does after reading, e.g. re-rotation) on one background
 thread, layers 0..L-1 in order, into a bounded buffer, while the caller computes.
@@ -14,7 +14,9 @@ layer the caller is computing on, so the loader holds O(depth) layers, never O(L
 NOTE: on CPU a read from the page cache is itself CPU work (memcpy, checksum, header parsing) and
 competes with compute for the same cores (and the GIL where the work is Python); real overlap exists
 for I/O waits (a cold disk, the network) and on GPU, where the copy and re-rotation run on a separate
-stream. The pipeline never changes the bytes: each layer is the same fetch, only earlier.
+stream. The pipeline never changes the bytes: each layer is the same fetch, only earlier. The loader
+thread runs torch on one thread (`cachefuse.torch_threads`: a second OpenMP team would slow every
+parallel region of the thread that computes).
 
     time ->   | load 0 | load 1 | load 2 |  ...
                        | compute 0 | compute 1 | compute 2 |
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from cachefuse.errors import StoreError
 from cachefuse.store.base import MISS_SHAPE_MISMATCH, ChunkKV, KVStore
+from cachefuse.torch_threads import start_helper_thread
 
 if TYPE_CHECKING:  # the annotation only: the fusor imports this module
     pass
@@ -215,8 +218,7 @@ class PipelinedLoader(Generic[T]):
         self._next = 0  # the layer the caller asks for next
         self._closed = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="cachefuse-loader", daemon=True)
-        self._thread.start()
+        self._thread = start_helper_thread(self._run, "cachefuse-loader")
 
     @property
     def buffered(self) -> int:
