@@ -211,6 +211,40 @@ def chunk_key(token_ids: Sequence[int], ctx: KeyContext, *, at_prompt_start: boo
     return h.hexdigest()[:32]
 
 
+_PLACE_VERSION = b"cachefuse-exact-place-v1"
+
+
+def place_hashes(token_ids: Sequence[int], starts: Sequence[int]) -> list[str]:
+    """For each offset in `starts`, the hash of exactly the tokens before it: `token_ids[:start]`.
+
+    A variant records the place its K/V were computed in (`VariantRecord.exact_after`) as this hash of
+    everything before the chunk in that prompt (system prompt, glue, earlier chunks); a prompt that puts
+    the chunk after the same tokens finds the same hash. One sha256 pass over the prompt however many
+    chunks (the scheduler calls it in `schedule()`): the running digest is copied at each start.
+
+    Args:
+        token_ids: the prompt's ids.
+        starts: offsets in 0..len(token_ids), ascending.
+
+    Returns:
+        32 hex characters per start.
+    """
+    h = hashlib.sha256(_PLACE_VERSION)
+    out, done = [], 0
+    for start in starts:
+        if start < done:
+            raise ValueError(f"starts must ascend: {start} after {done}")
+        h.update(struct.pack(f"<{start - done}q", *token_ids[done:start]))
+        out.append(h.copy().hexdigest()[:32])
+        done = start
+    return out
+
+
+def place_hash(prefix_ids: Sequence[int]) -> str:
+    """The hash of the place after exactly `prefix_ids` (`place_hashes` of one start)."""
+    return place_hashes(prefix_ids, [len(prefix_ids)])[0]
+
+
 # --------------------------------------------------------------------------- segments
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from cachefuse.adapters.base import ModelAdapter
-from cachefuse.chunks import KeyContext, Segment, chunk_key, segment_prompt
+from cachefuse.chunks import KeyContext, Segment, chunk_key, place_hash, place_hashes, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore, QueueDepth
@@ -35,8 +35,10 @@ from cachefuse.fusion.batch import PassSteps, run_alone
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FusePlan, FuseRequest, FuseResult
 from cachefuse.fusion.saving import (
+    HolePlaces,
     HoleWriter,
     SaveReport,
+    exact_rows_end,
     extract_chunk_kv,
     hole_saves,
     with_key_norm_anchors,
@@ -147,9 +149,9 @@ class FusionEngine:
                 entry = self.compute_chunk(chunk_ids, prefix_ids)
                 entry = annotate(chunk_ids, entry) if annotate is not None else with_key_norm_anchors(
                     entry, *self._anchors())
-                if self.store.put(key, entry):
+                if self.store.put(key, entry):  # a full prefill after exactly `prefix_ids`: exact there
                     record = VariantRecord.without_stats(key, (), len(chunk_ids), size_bytes=entry.nbytes,
-                                                         tier=self._home_tier())
+                                                         tier=self._home_tier(), exact_after=place_hash(prefix_ids))
                     for victim in self.metastore.put(record):
                         self.store.remove(victim.store_key)
             keys.append(key)
@@ -163,12 +165,12 @@ class FusionEngine:
         metadata store; the vLLM scheduler makes the same choice from its in-process index."""
         segments = [s for s in segment_prompt(len(token_ids), chunks) if s.is_chunk]
         keys = [self.meta_key(token_ids[s.start:s.end], at_prompt_start=s.is_system) for s in segments]
-        return self._plan_variants(segments, keys)
+        return self._plan_variants(token_ids, segments, keys)
 
-    def _plan_variants(self, segments: Sequence[Segment], meta_keys: Sequence[str], wait: WaitBudget | None = None,
-                       budget: LoadBudget | None = None) -> list[VariantChoice | None]:
-        """`plan_variants` of the declared `segments` whose metadata keys are `meta_keys`, the metadata
-        store's calls within `wait` (a chunk whose call is refused is a miss), the store calls within
+    def _plan_variants(self, token_ids: Sequence[int], segments: Sequence[Segment], meta_keys: Sequence[str],
+                       wait: WaitBudget | None = None, budget: LoadBudget | None = None) -> list[VariantChoice | None]:
+        """`plan_variants` of the declared `segments` of `token_ids` whose metadata keys are `meta_keys`, the
+        metadata store's calls within `wait` (a chunk whose call is refused is a miss), the store calls within
         `budget` (the prefill's load budget; None: unbounded)."""
         budget = LoadBudget(None) if budget is None else budget
         index = VariantIndex()
@@ -193,7 +195,8 @@ class FusionEngine:
                     index.add_plain_keys([key])
         return plan_variants(index, list(meta_keys), [s.is_system for s in segments], [s.length for s in segments],
                              self.config.cachecraft_alpha, Admission.from_config(self.config),
-                             self.config.max_variant_prefix_chunks)
+                             self.config.max_variant_prefix_chunks,
+                             place_hashes(token_ids, [s.start for s in segments]))
 
     # ------------------------------------------------------------------ fused prefill
 
@@ -225,13 +228,13 @@ class FusionEngine:
         budget = LoadBudget(self.config.load_timeout_s)  # this prefill's store time, whoever shares the step
         choices = plan.variants
         if choices is None:
-            choices = self._plan_variants([segments[i] for i in chunk_indices], [meta_keys[i] for i in chunk_indices],
-                                          wait, budget)
+            choices = self._plan_variants(token_ids, [segments[i] for i in chunk_indices],
+                                          [meta_keys[i] for i in chunk_indices], wait, budget)
         if len(choices) != len(chunk_indices):
             raise ValueError(f"{len(choices)} variant choices for {len(chunk_indices)} declared chunks")
         chosen = {i: c for i, c in zip(chunk_indices, choices, strict=True) if c is not None}
         load_keys = {i: self.own_store_key(keys[i], c) for i, c in chosen.items()}
-        reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id) for i, c in chosen.items()}
+        reuse = {i: ChunkReuse(c.cfo, c.ranked_tokens, c.variant_id, c.exact) for i, c in chosen.items()}
         start = self.clock()
         figures = LoadFigures()
         miss_reasons = Counter({"not_stored": len(chunk_indices) - len(chosen)})
@@ -245,8 +248,9 @@ class FusionEngine:
         blend_time = self.clock() - start
         if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
             self._record_uses(chosen, loaded, wait, budget)
-        saved = (self._save_holes(result, segments, keys, meta_keys, plan.ratio, plan.save_inline,
-                                  None if plan.save_inline else wait)
+        exact_loaded = {i for i in loaded if segments[i].is_system or reuse[i].exact}
+        saved = (self._save_holes(result, token_ids, segments, keys, meta_keys, exact_loaded, plan.ratio,
+                                  plan.save_inline, None if plan.save_inline else wait)
                  if plan.save_holes else SaveReport())
         stats = pass_stats(selector.name, plan.ratio, segments, chunk_indices, result, PassLoads(
             loaded=loaded, load_keys=load_keys, choices=list(choices), figures=figures, miss_reasons=miss_reasons,
@@ -392,13 +396,17 @@ class FusionEngine:
         `budget`, its prefill's load budget."""
         return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, budget)
 
-    def _save_holes(self, result: FuseResult, segments: list[Segment], keys: dict[int, str],
-                    meta_keys: dict[int, str], ratio: float, inline: bool, wait: WaitBudget | None) -> SaveReport:
-        """Stores every hole as the variant for its prefix (cachefuse.fusion.saving): written now, or queued for
-        the background saver (`save_in_background`), the request's path then only copying them out. Written
-        now, the metadata calls wait within `wait` (None: `sync_save`, offline, waits as long as SQLite)."""
+    def _save_holes(self, result: FuseResult, token_ids: Sequence[int], segments: list[Segment],
+                    keys: dict[int, str], meta_keys: dict[int, str], exact_loaded: set[int], ratio: float,
+                    inline: bool, wait: WaitBudget | None) -> SaveReport:
+        """Stores every hole as the variant for its prefix (cachefuse.fusion.saving), exact at its place when
+        every row before it was (`exact_loaded`: the loaded segments whose K/V are exact): written now, or
+        queued for the background saver (`save_in_background`), the request's path then only copying them
+        out. Written now, the metadata calls wait within `wait` (None: `sync_save`, offline, waits as long
+        as SQLite)."""
+        places = HolePlaces(token_ids, exact_rows_end(result, segments, exact_loaded))
         saves = hole_saves(result, segments, keys, meta_keys, ratio, self.adapter.rope_spec,
-                           self.config.max_variant_prefix_chunks)
+                           self.config.max_variant_prefix_chunks, places)
         if self.saver is not None and not inline:
             return self.saver.submit(saves)
         writer = self._hole_writer() if self.saver is None else self.saver.writer

@@ -62,7 +62,8 @@ class _RequestLayout:
             else:
                 _check_entry(entry, seg, num_layers)
             is_loaded[seg.start:seg.end] = True
-            if not seg.is_system:
+            reuse = request.reuse.get(index)
+            if not seg.is_system and not (reuse is not None and reuse.exact):  # exact rows are never candidates
                 is_candidate[seg.start:seg.end] = True
                 candidate_segments.append(seg)
         is_candidate[num_tokens - 1] = False  # the last token is always computed, never "selected"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cachefuse import ops
-from cachefuse.chunks import Segment
+from cachefuse.chunks import Segment, place_hashes
 from cachefuse.errors import StoreError
 from cachefuse.fusion.plan import FuseResult
 from cachefuse.metadata.base import MetaStore, VariantRecord, make_variant_id
@@ -72,14 +72,58 @@ class SaveReport:
                     or self.written)
 
 
+@dataclass(frozen=True)
+class HolePlaces:
+    """Where a pass's holes sit, for their records' `exact_after` (metastore choice 8)."""
+
+    token_ids: Sequence[int]
+    """The pass's prompt."""
+    exact_end: int
+    """Rows [0, exact_end) hold a full prefill's K/V at every layer (`exact_rows_end`)."""
+
+
+def exact_rows_end(result: FuseResult, segments: Sequence[Segment], exact_loaded: set[int]) -> int:
+    """The first row of the pass whose K/V may differ from a full prefill's (the prompt's length if none).
+
+    A row is exact when it was loaded exact (`exact_loaded`: the system chunk, a chunk reused at its exact
+    place) or computed at every layer (holes, undeclared tokens, and loaded rows a selector recomputed at
+    every layer) over rows before it that are all exact. A row computed at a layer after attending to a
+    loaded approximate row is not: the first row neither loaded exact nor computed everywhere ends the run.
+
+    ```
+    | system (exact) | A (exact place) | hole: exact | B (approximate) | hole: NOT exact |
+    0                                               ^ exact_end
+    ```
+    """
+    num_tokens = segments[-1].end if segments else 0
+    selective = [rows for rows in result.rows_per_layer if rows is not None]
+    device = selective[0].device if selective else "cpu"  # on the pass's device: one read back, at the end
+    everywhere = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    for rows in selective:
+        computed = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        computed[rows] = True
+        everywhere &= computed
+    for index in exact_loaded:
+        everywhere[segments[index].start:segments[index].end] = True
+    inexact = (~everywhere).nonzero()
+    return int(inexact[0]) if inexact.numel() else num_tokens
+
+
 def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str], meta_keys: dict[int, str],
-               ratio: float, rope_spec: RopeSpec, max_prefix_chunks: int) -> list[HoleSave]:
+               ratio: float, rope_spec: RopeSpec, max_prefix_chunks: int,
+               places: HolePlaces | None = None) -> list[HoleSave]:
     """Every hole of `result` as the variant for its prefix (metadata.index rule 1: the declared non-system
     chunks before it, in prompt order, the nearest `max_prefix_chunks`); a hole with no such prefix is
     the chunk's base variant, stored under the plain chunk key. A hole after other chunks whose prefix
     `max_prefix_chunks` cuts to nothing (0) is not saved: under the plain key it would pass for the base
-    variant, computed after the system prompt alone, and be reused as exact."""
+    variant, computed after the system prompt alone. A hole whose every earlier row is exact
+    (`places.exact_end`) records its place (`exact_after`); the others, and every hole without `places`,
+    record none and are never reused as exact."""
     saves = []
+    exact_starts = [] if places is None else [segments[i].start for i in result.hole_segments
+                                               if segments[i].start <= places.exact_end]
+    exact_after = dict(zip(exact_starts, place_hashes(places.token_ids, exact_starts) if exact_starts else [],
+                           strict=True))
     for index in result.hole_segments:
         prefix_ids = [i for i in sorted(keys) if i < index and not segments[i].is_system]
         if prefix_ids and max_prefix_chunks == 0:
@@ -90,6 +134,8 @@ def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str]
         entry = extract_chunk_kv(result, segments[index], rope_spec,
                                  meta={"variant": "fused" if prefix else "base", "prefix": ",".join(prefix)})
         record = variant_record(result, index, prefix_ids, segments, meta_keys, ratio)
+        if segments[index].start in exact_after:
+            record = dataclasses.replace(record, exact_after=exact_after[segments[index].start])
         saves.append(HoleSave(store_key, record, entry, _copy_done_event(entry)))
     return saves
 

@@ -75,6 +75,11 @@ class FusionStats:
     """Layers the question probe ran (0: the selector runs none)."""
     probe_rows: int = 0
     """Rows the probe computed at each of its layers (holes, undeclared tokens, question, last token)."""
+    exact_prefix_chunks: int = 0
+    """Declared non-system chunks loaded from a variant computed after exactly the tokens before them
+    (VariantChoice.exact): no row of theirs was a candidate, the ratio went to the others."""
+    exact_prefix_tokens: int = 0
+    """Their tokens."""
     miss_reasons: dict[str, int] = field(default_factory=dict)
     """Why declared chunks became holes: "not_stored" (never saved), or the store's miss reason
     ("absent" after indexing, "corrupt", "truncated", "foreign_model", "shape_mismatch", "io_error",
@@ -107,6 +112,7 @@ def pass_stats(selector: str, ratio: float, segments: Sequence[Segment], chunk_i
     num_tokens, loaded = segments[-1].end, loads.loaded
     last = result.rows_per_layer[-1]
     num_loaded = sum(segments[i].length for i in loaded)
+    exact = [i for i, c in zip(chunk_indices, loads.choices, strict=True) if c is not None and c.exact and i in loaded]
     return FusionStats(
         selector=selector, recompute_ratio=ratio, chunks_hit=len(loaded), chunks_missed=len(chunk_indices) - len(loaded),
         tokens_reused=num_loaded - (num_loaded if last is None else _loaded_rows_in(last, segments, loaded)),
@@ -120,7 +126,8 @@ def pass_stats(selector: str, ratio: float, segments: Sequence[Segment], chunk_i
         chunk_cfo=[None if c is None else c.cfo for c in loads.choices],
         chunks_loaded=[i in loaded for i in chunk_indices],
         saved_variants=tuple(saved.records), evicted_variants=tuple(saved.evicted),
-        probe_time_s=result.probe_seconds, probe_layers=result.probe_layers, probe_rows=result.probe_rows)
+        probe_time_s=result.probe_seconds, probe_layers=result.probe_layers, probe_rows=result.probe_rows,
+        exact_prefix_chunks=len(exact), exact_prefix_tokens=sum(segments[i].length for i in exact))
 
 
 def _loaded_rows_in(rows: torch.Tensor, segments: Sequence[Segment], loaded: dict[int, Any]) -> int:

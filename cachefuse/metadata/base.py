@@ -41,6 +41,10 @@ Choices every backend follows (tests/metadata/test_contract.py runs one suite ov
    for the empty prefix (the base variant precompute stores, also what stores without metadata hold),
    `<chunk key>-<variant id>` otherwise. `generation()` changes whenever the set of variants changes
    (put of a new id, eviction, remove), so an index can poll it cheaply and reload only on change.
+8. Exact places. `exact_after` records the place (chunks.place_hash of every token before the chunk)
+   its K/V were computed in, only when they are a full prefill's there: precompute after the system
+   prompt, or a hole whose every earlier row of its pass was exact (fusion.saving). A put always comes
+   with a write of the K/V it describes, so an upsert takes the new record's value, never the old one's.
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ def _check_types(record: VariantRecord) -> None:
         ("last_access", _is_real(record.last_access)),
         ("recompute_ratio", record.recompute_ratio is None or _is_real(record.recompute_ratio)),
         ("has_stats", isinstance(record.has_stats, bool)),
+        ("exact_after", record.exact_after is None or (isinstance(record.exact_after, str)
+                                                      and 0 < len(record.exact_after) <= MAX_KEY_CHARS)),
     ) if not ok]
     if bad:
         raise TypeError(f"VariantRecord fields of the wrong type: {', '.join(bad)}")
@@ -172,6 +178,10 @@ class VariantRecord:
     has_stats: bool = True
     """False when the K/V were stored without attention statistics (inter/intra zeros: CCI 0.5,
     beta the unweighted share of meta choice 6, no ranking)."""
+    exact_after: str | None = None
+    """`chunks.place_hash` of exactly the tokens before the chunk in the prompt its K/V were computed in,
+    set only when those K/V are what a full prefill of that prompt computes (choice 8); None: approximate,
+    or not known."""
     variant_id: str = field(init=False)
     cci: float = field(init=False)
 

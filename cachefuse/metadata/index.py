@@ -24,6 +24,10 @@ Rules (docs/variants.md):
    record's `tier` (the home tier, where a saved variant persists), and the tier a listing found its
    store key in (the scheduler lists the local disk tier). Residency in the worker's memory tier is not
    known here (an LRU cache the worker fills and empties without telling), so it is never claimed.
+7. Exact places: a declared non-system chunk with a variant whose `exact_after` equals the hash of the
+   prompt's tokens before the chunk (`chunks.place_hashes`) reuses that variant as exact: CFO 0, never a
+   candidate for admission, and none of its rows a candidate for the selector (like the system chunk);
+   it wins over every other variant of the chunk.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class VariantChoice:
     """False for rule 3's entries (no metadata row: no f_r to update)."""
     tiers: tuple[str, ...] = ()
     """Tiers known to hold its K/V (rule 6); empty: unknown."""
+    exact: bool = False
+    """Rule 7: its K/V were computed after exactly the tokens before it in this prompt, by a full prefill:
+    reused as is, no row of it recomputed (never set for the system chunk, exact by its key)."""
 
 
 @dataclass(frozen=True)
@@ -240,9 +247,15 @@ class VariantIndex:
             self._removed, self._expiring = None, set()
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float,
-               num_tokens: int) -> VariantChoice | None:
-        """Rules 2-3: the variant to reuse after `new_prefix`, or None when the chunk has none."""
+               num_tokens: int, place: str | None = None) -> VariantChoice | None:
+        """Rules 2-3 and 7: the variant to reuse after `new_prefix`, or None when the chunk has none; the
+        one computed exactly at `place` (chunks.place_hash of the tokens before it), when there is one."""
         records = self._by_chunk.get(chunk_key)
+        if records and place is not None:
+            for record in records:
+                if record.exact_after == place:
+                    return VariantChoice(chunk_key, record.store_key, record.variant_id, 0.0,
+                                         record.ranked_tokens, True, self._tiers_of(record, True), exact=True)
         if not records:
             if chunk_key not in self._plain:
                 return None
@@ -266,8 +279,12 @@ class VariantIndex:
 
 def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
                   lengths: Sequence[int], alpha: float, admission: Admission | None = None,
-                  max_prefix_chunks: int | None = None) -> list[VariantChoice | None]:
-    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5).
+                  max_prefix_chunks: int | None = None,
+                  places: Sequence[str] | None = None) -> list[VariantChoice | None]:
+    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5, 7).
+
+    `places`: per declared chunk, chunks.place_hashes of the prompt at its start (None: no chunk is
+    recognised as exact, rule 7).
 
     Cost: for each chunk, every variant of it is scored against a prefix of at most `max_prefix_chunks`
     keys (the order penalty is quadratic in that), so a prompt costs O(chunks x variants per chunk x
@@ -276,10 +293,11 @@ def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Seq
     choices: list[VariantChoice | None] = []
     candidates: list[int] = []  # rule 4
     prefixes = new_prefixes(chunk_keys, is_system, max_prefix_chunks)
-    for key, system, prefix, length in zip(chunk_keys, is_system, prefixes, lengths, strict=True):
-        choice = index.choose(key, () if system else prefix, alpha, length)
-        if (choice is not None and not system and admission is not None and choice.cfo >= admission.min_cfo
-                and choice.store_key != variant_store_key(key, prefix)):
+    places = [None] * len(chunk_keys) if places is None else places
+    for key, system, prefix, length, place in zip(chunk_keys, is_system, prefixes, lengths, places, strict=True):
+        choice = index.choose(key, () if system else prefix, alpha, length, None if system else place)
+        if (choice is not None and not system and not choice.exact and admission is not None
+                and choice.cfo >= admission.min_cfo and choice.store_key != variant_store_key(key, prefix)):
             candidates.append(len(choices))
         choices.append(choice)
     candidates.sort(key=lambda i: (-choices[i].cfo, i))

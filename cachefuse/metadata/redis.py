@@ -72,6 +72,7 @@ def _fields(record: VariantRecord) -> dict[str, str]:
         "last_access": repr(float(record.last_access)),
         "recompute_ratio": "" if record.recompute_ratio is None else repr(float(record.recompute_ratio)),
         "has_stats": "1" if record.has_stats else "0",
+        "exact_after": record.exact_after or "",  # always written: an upsert's K/V replace the old ones
     }
 
 
@@ -92,7 +93,8 @@ def _record(h: dict[str, str] | list[str]) -> VariantRecord:
             f_r=float(h["f_r"]), size_bytes=int(h["size_bytes"]), tier=h["tier"],
             last_access=float(h["last_access"]),
             recompute_ratio=None if h["recompute_ratio"] == "" else float(h["recompute_ratio"]),
-            has_stats=h["has_stats"] == "1")
+            has_stats=h["has_stats"] == "1",
+            exact_after=h.get("exact_after") or None)  # absent: written before exact places
     except (KeyError, ValueError, TypeError, ArithmeticError, RecursionError) as exc:
         # json.JSONDecodeError is a ValueError; a deeply nested value a RecursionError, int(inf) an
         # OverflowError: one bad hash is a miss, never an error that hides every other record

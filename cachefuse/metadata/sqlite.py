@@ -54,7 +54,7 @@ _SPENT_S = 1e-6
 
 _COLUMNS = ("variant_id", "chunk_key", "prefix", "inter", "intra", "num_tokens", "prefix_num_tokens",
             "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access",
-            "recompute_ratio", "has_stats")
+            "recompute_ratio", "has_stats", "exact_after")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS variants (
@@ -75,7 +75,8 @@ CREATE TABLE IF NOT EXISTS variants (
     last_access REAL NOT NULL,
     recompute_ratio REAL,               -- ratio the prefix was fused under; NULL: computed alone (precompute)
     has_stats INTEGER NOT NULL,         -- 0: no attention statistics (inter/intra are zeros, CCI 0.5)
-    rev INTEGER NOT NULL DEFAULT 0      -- the store's write count when the row was last written
+    rev INTEGER NOT NULL DEFAULT 0,     -- the store's write count when the row was last written
+    exact_after TEXT                    -- chunks.place_hash of the exact place; NULL: approximate (choice 8)
 );
 CREATE INDEX IF NOT EXISTS variants_chunk ON variants (chunk_key);
 CREATE TABLE IF NOT EXISTS generation (value INTEGER NOT NULL);
@@ -88,7 +89,8 @@ def _row_values(record: VariantRecord) -> tuple:
     return (record.variant_id, record.chunk_key, json.dumps(list(record.prefix)), json.dumps(record.inter),
             record.intra, record.num_tokens, json.dumps(record.prefix_num_tokens),
             json.dumps(list(record.ranked_tokens)), record.cci, record.access_count, record.f_r,
-            record.size_bytes, record.tier, record.last_access, record.recompute_ratio, int(record.has_stats))
+            record.size_bytes, record.tier, record.last_access, record.recompute_ratio, int(record.has_stats),
+            record.exact_after)
 
 
 def _from_row(row: sqlite3.Row) -> VariantRecord:
@@ -99,7 +101,8 @@ def _from_row(row: sqlite3.Row) -> VariantRecord:
         intra=row["intra"], num_tokens=row["num_tokens"], prefix_num_tokens=json.loads(row["prefix_num_tokens"]),
         ranked_tokens=tuple(json.loads(row["ranked_tokens"])), access_count=row["access_count"],
         f_r=row["f_r"], size_bytes=row["size_bytes"], tier=row["tier"], last_access=row["last_access"],
-        recompute_ratio=row["recompute_ratio"], has_stats=bool(row["has_stats"]))
+        recompute_ratio=row["recompute_ratio"], has_stats=bool(row["has_stats"]),
+        exact_after=row["exact_after"] if "exact_after" in row.keys() else None)  # a read-only older store
     if record.variant_id != row["variant_id"]:
         raise ValueError(f"the row holds the fields of variant {record.variant_id!r}")
     return record
@@ -201,6 +204,9 @@ class SqliteMetaStore:
                 cur.execute("INSERT INTO revision (value) VALUES (0)")
             if "rev" not in {row[1] for row in cur.execute("PRAGMA table_info(variants)")}:  # written before revs
                 cur.execute("ALTER TABLE variants ADD COLUMN rev INTEGER NOT NULL DEFAULT 0")
+            if "exact_after" not in {row[1] for row in cur.execute("PRAGMA table_info(variants)")}:
+                # written before exact places: its rows claim none (approximate), which is always safe
+                cur.execute("ALTER TABLE variants ADD COLUMN exact_after TEXT")
 
     def _check_schema(self, path: str) -> None:
         try:

@@ -1,7 +1,8 @@
 """Selector protocol: how many leading layers run in full, and which cached rows are recomputed.
 
 Imports only torch and cachefuse.chunks. A selector picks among *candidate* rows: cached tokens of
-the declared non-system chunks (docs/architecture.md, Definitions: the recompute ratio counts only these).
+the declared non-system chunks not reused as exact (docs/architecture.md, Definitions: the recompute ratio
+counts only these; a chunk whose variant was computed after exactly the tokens before it is exact).
 Forced rows (holes, undeclared tokens, the question, the last token) are added by the fusor on top
 and never pass through a selector. Before the pass, `estimate_rows` says how many rows a selector will
 pick, from what the scheduler knows (each chunk's length and chosen variant's CFO): the loading
@@ -33,6 +34,9 @@ class ChunkReuse:
     ranked_tokens: tuple[int, ...] = ()
     """Offsets within the chunk, most contextualised first (Eq. 14); empty: the variant has no ranking."""
     variant_id: str = ""
+    exact: bool = False
+    """Its K/V were computed after exactly the tokens before it in this prompt (VariantChoice.exact): like
+    the system chunk, it is no candidate, so no selector spends a row on it."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,9 @@ class SelectionContext:
     num_layers: int
     segments: tuple[Segment, ...]
     candidate_rows: torch.Tensor
-    """Sorted int64 indices of cached rows of declared non-system chunks."""
+    """Sorted int64 indices of cached rows of declared non-system chunks not reused as exact."""
     candidate_segments: tuple[Segment, ...]
-    """The loaded, non-system chunk segments, in prompt order (their rows are the candidates)."""
+    """The loaded chunk segments neither system nor exact, in prompt order (their rows are the candidates)."""
     ratio: float
     reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Sums per-row scores over tensor-parallel ranks (each rank sees its own heads); None: one rank."""
@@ -98,7 +102,8 @@ class ProbeSpec:
 
 @dataclass(frozen=True)
 class PlannedChunk:
-    """A loaded non-system chunk as planned before the pass (no tensors: the scheduler builds it)."""
+    """A loaded chunk, neither system nor exact, as planned before the pass (no tensors: the scheduler
+    builds it)."""
 
     num_tokens: int
     """Its cached tokens, every one a candidate (a declared chunk ends before the prompt's last token)."""

@@ -88,13 +88,13 @@ def estimated_rows(num_tokens: int, segments: Sequence[Segment], variants: Seque
                    num_layers: int, num_full: int) -> float:
     """Rows a blend pass computes, summed over its layers (the unit of `blend_step_tokens` x num_layers),
     before it runs: every row in the full layers; after them the rows not loaded (holes, question, glue)
-    and the ratio's share of the loaded non-system chunks. Variants not planned (None list) count as
-    loaded; a None in the list is a hole."""
+    and the ratio's share of the loaded chunks neither system nor exact (VariantChoice.exact). Variants not
+    planned (None list) count as loaded; a None in the list is a hole."""
     chunks = [s for s in segments if s.is_chunk]
     planned = list(variants) if variants is not None else [True] * len(chunks)
-    loaded = [s for s, v in zip(chunks, planned, strict=False) if v is not None]
-    candidates = sum(s.length for s in loaded if not s.is_system)
-    selective = num_tokens - sum(s.length for s in loaded) + ratio * candidates
+    loaded = [(s, v) for s, v in zip(chunks, planned, strict=False) if v is not None]
+    candidates = sum(s.length for s, v in loaded if not (s.is_system or getattr(v, "exact", False)))
+    selective = num_tokens - sum(s.length for s, _ in loaded) + ratio * candidates
     return num_full * num_tokens + (num_layers - num_full) * min(selective, num_tokens)
 
 

@@ -32,6 +32,9 @@ COUNTERS = {
     "chunks_missed": ("vllm:cachefuse_chunks_missed", "Declared chunks computed in full (holes)."),
     "tokens_reused": ("vllm:cachefuse_tokens_reused", "Prompt tokens whose K/V were reused as loaded."),
     "tokens_recomputed": ("vllm:cachefuse_tokens_recomputed", "Prompt rows recomputed by the blend pass."),
+    "exact_prefix_chunks": ("vllm:cachefuse_exact_prefix_chunks", "Declared chunks reused at their exact place "
+                            "(after exactly the tokens they were computed after): no row of theirs recomputed."),
+    "exact_prefix_tokens": ("vllm:cachefuse_exact_prefix_tokens", "Tokens of the chunks reused at their exact place."),
     "bytes_loaded": ("vllm:cachefuse_bytes_loaded", "Bytes of chunk K/V loaded from the store."),
     "blend_time_s": ("vllm:cachefuse_blend_seconds", "Time from each blend's start to its end, summed: a "
                      "split blend's includes the steps it waited between its layers, a batched one's its batch's."),

@@ -191,6 +191,8 @@ class WorkerSide:
         self._stats.record(tokens_reused=figures["tokens_reused"], tokens_recomputed=figures["tokens_recomputed"],
                            bytes_loaded=figures["bytes_loaded"], blend_time_s=figures["blend_time_s"],
                            chunks_hit=figures["chunks_hit"], chunks_missed=figures["chunks_missed"],
+                           exact_prefix_chunks=figures["exact_prefix_chunks"],
+                           exact_prefix_tokens=figures["exact_prefix_tokens"],
                            holes_saved=figures["holes_saved"], saves_skipped=figures["saves_skipped"],
                            save_failures=figures["save_failures"], blend_steps=figures["blend_steps"],
                            blend_batch_size=figures["blend_batch_size"], blends_split=int(figures["blend_steps"] > 1),

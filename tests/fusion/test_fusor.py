@@ -182,7 +182,7 @@ def test_forced_rows_always_computed(tiny_adapter, selector, ratio):
         if rows is not None:
             assert forced <= set(rows.tolist())
             assert rows.numel() <= len(forced) + result.num_candidates
-    num_candidates = len(case.pieces[0]) + len(case.pieces[2])
+    num_candidates = len(case.pieces[2])  # A, right after the system prompt it was computed after, is exact
     assert result.num_candidates == num_candidates
     if selector in ("cacheblend", "random", "fusionrag", "qcfuse"):
         assert result.num_selected == min(num_candidates, int(torch.tensor(ratio * num_candidates).ceil()))
@@ -303,8 +303,7 @@ def test_cacheblend_row_estimate_prices_the_rows_the_pass_computes(tiny_adapter,
     ratio = 0.2
     result, _ = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", ratio=ratio, save_holes=False)
     selector = make_selector("cacheblend", config)
-    estimate = selector.estimate_rows([PlannedChunk(len(case.pieces[0])), PlannedChunk(len(case.pieces[2]))],
-                                      num_layers)
+    estimate = selector.estimate_rows([PlannedChunk(len(case.pieces[2]))], num_layers)  # A is at its exact place
     selective = range(selector.num_full_layers(num_layers), num_layers)
     computed = sum(result.rows_per_layer[layer].numel() - result.num_forced for layer in selective)
     estimated = num_rows_for_ratio(ratio, estimate.num_ratio_candidates) * len(selective)

@@ -86,6 +86,19 @@ def open_store(request, tmp_path) -> Iterator[OpenStore]:
 # --------------------------------------------------------------------------- records and persistence
 
 
+def test_exact_place_round_trips_and_an_upsert_takes_the_new_one(open_store):
+    """exact_after (choice 8) is stored and read back; a put of the same variant writes new K/V, so its
+    place (or its lack of one) replaces the old, even when the old record's statistics are kept."""
+    store = open_store()
+    store.put(c3_after_c1_c2(exact_after="a" * 32))
+    assert store.get(c3_after_c1_c2().variant_id).exact_after == "a" * 32
+    store.put(VariantRecord.without_stats("C3", ("C1", "C2"), 4))  # no statistics, no place
+    again = store.get(c3_after_c1_c2().variant_id)
+    assert again.has_stats and again.exact_after is None
+    store.put(alone("C4", exact_after="b" * 32))
+    assert store.variants("C4")[0].exact_after == "b" * 32
+
+
 def test_round_trip_upsert_variants_remove(open_store):
     store = open_store()
     assert isinstance(store, MetaStore)

@@ -69,7 +69,8 @@ def test_cachecraft_at_cfo_one_equals_plain_vllm(engine, pieces):
         scheduler.config = scheduler.config.replace(variant_admission_max_chunks=1)
     stats = fused.kv_transfer_params["cachefuse"]
     assert stats["status"] == "fused" and stats["selector"] == "cachecraft" and stats["chunks_hit"] == 3, stats
-    assert stats["num_selected"] == len(pieces["a"]) + len(pieces["c"])  # every candidate row, CFO 1
+    # every candidate row, CFO 1; c, right after the system prompt it was precomputed after, is exact: no candidate
+    assert stats["num_selected"] == len(pieces["a"]) and stats["exact_prefix_chunks"] == 1, stats
     assert max_logprob_diff(first_logprobs(plain), first_logprobs(fused)) < LOGPROB_TOL
     assert fused.outputs[0].token_ids == plain.outputs[0].token_ids
     assert max_logprob_diff(first_logprobs(plain), first_logprobs(reuse)) > 100 * LOGPROB_TOL  # negative control

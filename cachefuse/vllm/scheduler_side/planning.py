@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachefuse.chunks import KeyContext, chunk_key
+from cachefuse.chunks import KeyContext, chunk_key, place_hashes
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.index import Admission, VariantChoice, VariantIndex, plan_variants
 from cachefuse.request import FusionRequest
@@ -204,7 +204,8 @@ class Planner:
         admission = None if fusion.store_variant else Admission.from_config(self.config)
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
                                  [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
-                                 admission, self.config.max_variant_prefix_chunks)
+                                 admission, self.config.max_variant_prefix_chunks,
+                                 place_hashes(prompt, [s for s, _ in fusion.chunks]))
         if fusion.store_variant:  # the chunk is a hole whatever is stored: saved as its prefix's variant
             variants[-1] = None
         indexed = [choice is not None for choice in variants]
