@@ -5,8 +5,6 @@ only, up to the deepest critical layer; at each critical layer its attention to 
 (the full context's keys) scores the token; one global top-k at the recompute ratio is recomputed
 through every layer. The ablations are configurations of this one class (docs/selectors.md):
 
-| config                               | view    | score layers              |
-|--------------------------------------|---------|---------------------------|
 | config (qcfuse_view, qcfuse_layers)  | the probe attends over    | score layers              |
 |--------------------------------------|---------------------------|---------------------------|
 | anchors, critical (default)          | system + anchors          | qcfuse_critical_layers    |
