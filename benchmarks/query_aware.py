@@ -6,8 +6,10 @@
 Test split of the QA set (cachefuse/eval/qa_set.py), reference engine, every chunk loaded as its base
 variant (computed after the system prompt alone). Settings: full prefill, full reuse, and at each
 `--ratios` cacheblend, fusionrag (final-layer question attention over the full loaded view), qcfuse
-(anchors at r_a 0.1, the default critical layers, or a profile's with `--layer-profile`), qclast / qcall (QCFuse's view scored at the last /
-every layer) and prophetkv (the full view scored at every layer). Ratio 0 is full reuse and 1 full
+(anchors at r_a 0.1, the default critical layers, or a profile's with `--layer-profile`; anchors stored
+offline by `--anchor-ranking`), qclast / qcall (the QCFuse demo's baselines: a question-only probe scored at
+the last layer, the full loaded view scored at every layer; prophetkv is qcall's other name) and, with
+`--selectors`, qcfuse_last / qcfuse_all (the anchor view scored at the last / every layer). Ratio 0 is full reuse and 1 full
 prefill for all of them (tests/fusion/test_probe.py, tests/fusion/test_fusor.py), so they are not rerun.
 
 Reports token F1 (8 greedy tokens) per setting with paired differences against cacheblend at the
@@ -37,9 +39,10 @@ from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval, selecto
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import plot_report, summarize  # noqa: E402
 from cachefuse.metadata.layer_profiles import LayerProfile  # noqa: E402
+from cachefuse.select.qcfuse import RANKINGS  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
-SELECTORS = ("cacheblend", "fusionrag", "qcfuse", "qclast", "qcall", "prophetkv")
+SELECTORS = ("cacheblend", "fusionrag", "qcfuse", "qclast", "qcall")
 TARGET_RATIO = 0.15
 MAX_NEW_TOKENS = 8
 
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/smollm2/query_aware.json"))
     parser.add_argument("--layer-profile", type=Path, default=None,
                         help="a `cachefuse profile-layers --out` JSON: qcfuse scores at its critical layers")
-    parser.add_argument("--anchor-ranking", choices=("key_norm", "attention"), default=None,
+    parser.add_argument("--anchor-ranking", choices=RANKINGS, default=None,
                         help="store QCFuse's anchors with each chunk offline, ranked this way (default: none "
                              "stored, key-norm anchors derived per request)")
     args = parser.parse_args(argv)

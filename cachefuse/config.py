@@ -75,8 +75,9 @@ class CacheFuseConfig:
     """The critical layers (negative: from the end), e.g. from `cachefuse profile-layers`; None: three
     layers around 60% of the depth (docs/selectors.md)."""
     qcfuse_view: str = "anchors"
-    """The probe's view of the loaded chunks: "anchors" (QCFuse) or "full" (every row; with
-    qcfuse_layers "all": ProphetKV's full view)."""
+    """What the probe's question attends over besides the system chunk: "anchors" (QCFuse), "full"
+    (every loaded row; with qcfuse_layers "all": QCAll, ProphetKV's full view) or "question_only" (no
+    retrieved row, a context-free probe; with qcfuse_layers "last": QCLast, FusionRAG's query-only view)."""
     attention_block_rows: int = 64
     """Selected rows per attention call in the blend pass (sorted blocks with truncated keys)."""
     preload_depth: int | None = 0

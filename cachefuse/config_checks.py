@@ -18,7 +18,7 @@ from cachefuse.errors import ConfigError
 
 SELECTORS = ("full_prefill", "full_reuse", "cacheblend", "epic", "random", "cachecraft", "fusionrag", "qcfuse")
 QCFUSE_LAYERS = ("critical", "last", "all")
-QCFUSE_VIEWS = ("anchors", "full")
+QCFUSE_VIEWS = ("anchors", "full", "question_only")  # select.qcfuse.VIEWS (that module imports torch)
 RATIO_MODES = ("fixed", "controller")
 PLACEMENTS = ("lru", "frequency")
 DEVIATIONS = ("k", "v", "kv")
@@ -103,7 +103,8 @@ def check_selector_options(cfg: Any) -> None:
                                or not all(is_int(x) for x in layers)):
         fail("qcfuse_critical_layers", layers, "null or a non-empty list of layer indices (negative: from the end)")
     if cfg.qcfuse_view not in QCFUSE_VIEWS:
-        fail("qcfuse_view", cfg.qcfuse_view, f"one of {', '.join(QCFUSE_VIEWS)}")
+        fail("qcfuse_view", cfg.qcfuse_view, f"one of {', '.join(QCFUSE_VIEWS)} (QCLast: question_only with "
+             "qcfuse_layers last; QCAll: full with qcfuse_layers all)")
 
 
 def check_loading(cfg: Any) -> None:

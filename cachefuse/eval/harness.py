@@ -38,7 +38,7 @@ from cachefuse.eval.fidelity import greedy_continuation, kv_deviation_per_layer,
 from cachefuse.eval.metrics import best_score, normalize_answer, qa_f1_score, rouge_l_score
 from cachefuse.fusion.engine import FusionEngine
 from cachefuse.fusion.plan import FuseResult
-from cachefuse.offline.anchors import anchor_annotator
+from cachefuse.offline.anchors import anchor_annotator, kvzip_repeat_ids
 from cachefuse.select.base import Selector
 from cachefuse.select.registry import make_selector
 
@@ -81,7 +81,7 @@ class EvalSpec:
     metric: str = "em"
     max_new_tokens: int = 1
     anchor_ranking: str | None = None
-    """QCFuse's anchors stored offline with each chunk ("key_norm" or "attention",
+    """QCFuse's anchors stored offline with each chunk ("key_norm", "attention" or "kvzip",
     cachefuse.offline.anchors); None: none stored, the selector derives key-norm anchors per request."""
 
     def __post_init__(self) -> None:
@@ -158,10 +158,12 @@ def reference_engine(model_dir: str | Path, config: CacheFuseConfig) -> tuple[Fu
 
 
 
-def store_base_variants(engine: FusionEngine, prompt: RagPrompt, anchor_ranking: str | None = None) -> None:
+def store_base_variants(engine: FusionEngine, prompt: RagPrompt, anchor_ranking: str | None = None,
+                        repeat_ids: Sequence[int] = ()) -> None:
     """The system chunk alone; each retrieved chunk after everything before the first retrieved one
     (the system prompt, or BOS when there is none): what `cachefuse precompute` stores. With
-    `anchor_ranking`, each retrieved chunk carries QCFuse's anchors chosen that way."""
+    `anchor_ranking`, each retrieved chunk carries QCFuse's anchors chosen that way ("kvzip" asks the
+    model to repeat the chunk with `repeat_ids`, cachefuse.offline.anchors.kvzip_repeat_ids)."""
     retrieved = [(start, ids) for (start, _), ids in zip(prompt.chunks, prompt.chunk_token_ids, strict=True)
                  if start != 0]  # a chunk at offset 0 is the system chunk (cachefuse.chunks.segment_prompt)
     if prompt.chunks[0][0] == 0:
@@ -172,7 +174,7 @@ def store_base_variants(engine: FusionEngine, prompt: RagPrompt, anchor_ranking:
         if anchor_ranking is not None:
             config = engine.config
             annotate = anchor_annotator(engine.adapter, prefix, anchor_ranking, config.qcfuse_anchor_ratio,
-                                        config.qcfuse_sink_tokens)
+                                        config.qcfuse_sink_tokens, repeat_ids)
         engine.precompute([ids for _, ids in retrieved], prefix_ids=prefix, annotate=annotate)
 
 
@@ -212,12 +214,17 @@ def fresh_store(engine: FusionEngine) -> None:
 
 
 SELECTOR_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qclast": ("qcfuse", {"qcfuse_layers": "last"}),
-    "qcall": ("qcfuse", {"qcfuse_layers": "all"}),
+    "qclast": ("qcfuse", {"qcfuse_layers": "last", "qcfuse_view": "question_only"}),
+    "qcall": ("qcfuse", {"qcfuse_layers": "all", "qcfuse_view": "full"}),
     "prophetkv": ("qcfuse", {"qcfuse_layers": "all", "qcfuse_view": "full"}),
+    "qcfuse_last": ("qcfuse", {"qcfuse_layers": "last"}),
+    "qcfuse_all": ("qcfuse", {"qcfuse_layers": "all"}),
 }
-"""Setting names that are a selector under other config fields (QCFuse's ablations): name -> (selector,
-fields). ProphetKV's selector is QCFuse's full view scored at every layer."""
+"""Setting names that are a selector under other config fields (QCFuse's baselines and ablations): name ->
+(selector, fields). QCLast and QCAll are the QCFuse demo's context-free baselines: a query-only probe
+scored at the last layer (its FusionRAG) and the question over every loaded row scored at every layer
+(its ProphetKV; `prophetkv` is the same setting under the full paper's name). qcfuse_last / qcfuse_all
+keep QCFuse's anchor view and change only the score layers (the full paper's layer ablation)."""
 
 
 def selector_at(engine: FusionEngine, name: str, ratio: float) -> Selector:
@@ -273,7 +280,8 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
     """Every setting on one item (the item's base variants are stored first)."""
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
     fresh_store(engine)
-    store_base_variants(engine, prompt, spec.anchor_ranking)
+    repeat_ids = kvzip_repeat_ids(tokenizer) if spec.anchor_ranking == "kvzip" else ()
+    store_base_variants(engine, prompt, spec.anchor_ranking, repeat_ids)
     reference = None
     out = {}
     for name, ratio in spec.settings():

@@ -110,7 +110,11 @@ class EntrySource:
 
 def _view_offsets(index: int, seg: Segment, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
     """Chunk-local offsets of the rows the probe attends over (None: every row of the chunk)."""
-    if seg.is_system or not spec.anchors_only:
+    if seg.is_system:
+        return None
+    if spec.question_only:
+        return torch.zeros(0, dtype=torch.int64)
+    if not spec.anchors_only:
         return None
     return anchors[index]
 
@@ -142,8 +146,12 @@ class _CachedContext:
         """K (rotated at request positions) and V of the view rows, in `view_positions` order."""
         if not self.parts:
             return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
-        # Only the view's rows travel to the model's device (anchors: ~r_a of each chunk).
-        pairs = [self.source.rows(index, layer, offsets) for index, offsets, _, _ in self.parts]
+        # Only the view's rows travel to the model's device (anchors: ~r_a of each chunk; none of a chunk
+        # outside a question-only view, which is not read at all).
+        pairs = [self.source.rows(index, layer, offsets) for index, offsets, _, _ in self.parts
+                 if offsets is None or offsets.numel()]
+        if not pairs:
+            return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
         k_nope = torch.cat([k.to(self.device, non_blocking=True) for k, _ in pairs])
         v = torch.cat([v.to(self.device, non_blocking=True) for _, v in pairs])
         return ops.apply_rope(k_nope, self.view_positions, self.rope_spec), v

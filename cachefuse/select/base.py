@@ -91,6 +91,10 @@ class ProbeSpec:
     anchors_only: bool = False
     """The probe attends over the system chunk and each chunk's anchors only (QCFuse); False: every
     loaded row (FusionRAG, ProphetKV)."""
+    question_only: bool = False
+    """The probe attends over the system chunk alone, no retrieved chunk's row (a context-free,
+    query-only probe: QCFuse's reading of FusionRAG, the demo's QCLast); the scored keys are still every
+    loaded row's. Overrides `anchors_only`."""
     per_layer: bool = False
     """Also keep each score layer's scores apart (`SelectionContext.probe_layer_scores`): layer profiling."""
 

@@ -5,18 +5,22 @@ only, up to the deepest critical layer; at each critical layer its attention to 
 (the full context's keys) scores the token; one global top-k at the recompute ratio is recomputed
 through every layer. The ablations are configurations of this one class (docs/selectors.md):
 
-| config                               | view    | score layers              |
-|--------------------------------------|---------|---------------------------|
-| qcfuse_layers: critical (default)    | anchors | qcfuse_critical_layers    |
-| qcfuse_layers: last (QCLast)         | anchors | the last layer            |
-| qcfuse_layers: all (QCAll)           | anchors | every layer               |
-| qcfuse_view: full, qcfuse_layers: all| full    | every layer (ProphetKV)   |
+| config (qcfuse_view, qcfuse_layers)  | the probe attends over    | score layers              |
+|--------------------------------------|---------------------------|---------------------------|
+| anchors, critical (default)          | system + anchors          | qcfuse_critical_layers    |
+| anchors, last / all                  | system + anchors          | the last / every layer    |
+| question_only, last (QCLast)         | system only (query-only)  | the last layer            |
+| full, all (QCAll, ProphetKV)         | every loaded row          | every layer               |
+
+QCLast and QCAll are the QCFuse demo's baselines, its emulations of FusionRAG (a query-only probe read
+at the final layer) and ProphetKV (the question over the whole loaded context, every layer); the
+reference code runs them as anchor ratios 0 and 1.
 
 Anchors of a chunk: its first `sink_tokens` tokens, then the highest-ranked others, ceil(r_a x |c|) in
 all (QCFuse Eq. 14). Ranking "key_norm": the mean L2 norm of the token's stored (RoPE-free) keys over
 layers and KV heads, a pure function of the stored entry. An entry may carry anchors chosen otherwise
-in its metadata (`ANCHORS_META`, written offline by cachefuse.offline.anchors: key-norm or attention
-ranking); without them the key-norm anchors are derived from the loaded entry.
+in its metadata (`ANCHORS_META`, written offline by cachefuse.offline.anchors: key-norm, attention or
+KVzip ranking); without them the key-norm anchors are derived from the loaded entry.
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ from cachefuse.chunks import Segment
 from cachefuse.select.base import ProbeSelector, ProbeSpec
 from cachefuse.store.base import ChunkKV
 
-RANKINGS = ("key_norm", "attention")
+RANKINGS = ("key_norm", "attention", "kvzip")
 """How a chunk's tokens are ranked for anchors (cachefuse.offline.anchors says how each is computed)."""
+
+MODEL_RANKINGS = ("attention", "kvzip")
+"""Rankings whose scores come from running the model offline (cachefuse.offline.anchors), not the entry."""
+
+VIEWS = ("anchors", "full", "question_only")
+"""What the probe's question attends over besides itself (config `qcfuse_view`)."""
 
 ANCHORS_META = "qcfuse_anchors"
 """Entry metadata key: JSON {"ranking", "ratio", "sink_tokens", "offsets"} of the chunk's anchors."""
@@ -79,14 +89,16 @@ def anchors_meta(offsets: torch.Tensor, ranking: str, ratio: float, sink_tokens:
 
 
 def choose_anchors(entry: ChunkKV, ranking: str, ratio: float, sink_tokens: int,
-                   attention_scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Sorted chunk-local offsets of the anchors (CPU int64); "attention" needs `attention_scores`."""
+                   model_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted chunk-local offsets of the anchors (CPU int64); a MODEL_RANKINGS ranking needs `model_scores`,
+    one per token (cachefuse.offline.anchors: received_attention, reconstruction_attention)."""
     if ranking == "key_norm":
         scores = key_norm_scores(entry.k_nope).cpu()
-    elif ranking == "attention":
-        if attention_scores is None or attention_scores.numel() != entry.num_tokens:
-            raise ValueError(f"ranking 'attention' needs {entry.num_tokens} scores (received_attention)")
-        scores = attention_scores
+    elif ranking in MODEL_RANKINGS:
+        if model_scores is None or model_scores.numel() != entry.num_tokens:
+            raise ValueError(f"ranking {ranking!r} needs {entry.num_tokens} scores from the model "
+                             "(cachefuse.offline.anchors)")
+        scores = model_scores
     else:
         raise ValueError(f"anchor ranking {ranking!r}: expected one of {', '.join(RANKINGS)}")
     return rank_anchors(scores, ratio, sink_tokens).cpu()
@@ -120,7 +132,7 @@ class QCFuseSelector(ProbeSelector):
 
     def __init__(self, anchor_ratio: float = 0.1, sink_tokens: int = 1, layers: str = "critical",
                  critical_layers: Sequence[int] | None = None, view: str = "anchors") -> None:
-        assert layers in ("critical", "last", "all") and view in ("anchors", "full"), (layers, view)
+        assert layers in ("critical", "last", "all") and view in VIEWS, (layers, view)
         self.anchor_ratio, self.sink_tokens = anchor_ratio, sink_tokens
         self.layers, self.critical_layers, self.view = layers, critical_layers, view
 
@@ -134,7 +146,8 @@ class QCFuseSelector(ProbeSelector):
         return critical_layer_indices(self.critical_layers, num_layers)
 
     def probe_spec(self, num_layers: int) -> ProbeSpec:
-        return ProbeSpec(self.score_layers(num_layers), anchors_only=self.view == "anchors")
+        return ProbeSpec(self.score_layers(num_layers), anchors_only=self.view == "anchors",
+                         question_only=self.view == "question_only")
 
     def probe_anchors(self, segment: Segment, k_nope: Sequence[torch.Tensor], meta: Mapping[str, str]) -> torch.Tensor:
         stored = anchors_from_meta(meta, segment.length, self.anchor_ratio, self.sink_tokens)

@@ -6,7 +6,8 @@ other chunks' anchor rows (K and V) of the layers the probe runs below the deepe
 and every row's keys (no values) at the critical layers: nothing else. The pass after it fetches every
 layer, and the result equals the same request over whole entries read first. Negative control: a chunk
 with no stored anchors makes the probe read every layer's keys (key-norm anchors derived at load),
-and the check catches it.
+and the check catches it. A question-only probe (QCLast) reads no retrieved chunk's rows below its
+score layer.
 """
 
 from __future__ import annotations
@@ -197,3 +198,28 @@ def test_a_probe_read_that_misses_reruns_with_that_chunk_as_a_hole(adapter):
                                  preload_depth=0)
     inner.put(failing, entry)
     assert torch.equal(result.logits, expected.logits)
+
+
+def test_question_only_probe_reads_no_retrieved_row_before_its_score_layer(adapter):
+    """QCLast (a context-free probe, scored at the last layer) reads, before selecting, the system chunk's
+    rows and every chunk's keys at the last layer, nothing of a retrieved chunk below it; QCFuse's anchor
+    view reads the anchor rows of those chunks (negative control)."""
+    engine, case = _setup(adapter, with_anchors=True)
+    system_key = engine.key(case.system, at_prompt_start=True)
+    last = adapter.shape.num_layers - 1
+
+    def chunk_rows_before_selection(config):
+        log: list = []
+        inner, engine.store = engine.store, LoggingStore(engine.store, log)
+        try:
+            selector = MarkedSelector(make_selector("qcfuse", config), log)
+            engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.2, save_holes=False,
+                           preload_depth=2)
+        finally:
+            engine.store = inner
+        return [r for r in log[:log.index("SELECT")] if r[0] != "meta" and r[1] != system_key]
+
+    qclast = chunk_rows_before_selection(CONFIG.replace(qcfuse_view="question_only", qcfuse_layers="last"))
+    assert qclast and all(r[0] == "rows" and r[2] == last and r[3] is None and not r[4] for r in qclast)
+    anchored = chunk_rows_before_selection(CONFIG.replace(qcfuse_layers="last"))
+    assert any(r[0] == "rows" and r[2] < last and r[4] for r in anchored)
