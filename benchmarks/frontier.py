@@ -331,6 +331,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per vLLM engine subprocess")
     parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "docs" / "benchmarks" / "frontier.json")
     parser.add_argument("--speed-from", type=Path, help="reuse the TTFTs of an earlier run's JSON (same grid)")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="time every configuration through vLLM and stop (no quality, no plot): what each "
+                             "ratio and selector can give at best, for grids too large to score")
     parser.add_argument("--replot", action="store_true", help="redraw the plot from --out")
     parser.add_argument("--ttft-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--ttft-result", type=Path, help=argparse.SUPPRESS)
@@ -378,6 +381,16 @@ def main(argv=None) -> int:
     else:
         speed = measure_speed(args, all_axes, configs, items[:args.timed_items], default)
     speed_s = time.perf_counter() - started
+    if args.speed_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "benchmark": "frontier --speed-only", "model_name": Path(args.model).name, "seed": args.seed,
+            "axes": {a.name: list(a.values) for a in all_axes}, "timed_items": args.timed_items, "cpus": cpus,
+            "env": recorded_env(worker_env(cpus)), "seconds": round(speed_s, 1), "configurations": speed}, indent=2) + "\n")
+        for name, row in speed.items():
+            print(f"{name:32s} {row['speedup']:5.2f}x [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]  "
+                  f"fused {row['decisions']['fused']}/{row['decisions']['requests']}")
+        return 0
     quality = measure_quality(args, all_axes, configs, items)
     points = build_points(all_axes, configs, quality, speed, [i.kind for i in items], default, args.seed)
     result = {

@@ -116,3 +116,14 @@ def test_quick_run_on_the_tiny_model_writes_every_point_and_the_plot(tiny_model_
         assert set(p["quality"]["by_kind"]) == {"all", "single", "multi"} if p["quality"] else True
     assert result["quality"]["kinds"] == {"single": 1, "multi": 1}
     assert result["speed"]["env"]["OMP_NUM_THREADS"] == str(len(result["speed"]["cpus"]))
+
+
+def test_speed_only_times_every_configuration_and_scores_none(tiny_model_dir, tmp_path):
+    out = tmp_path / "speed.json"
+    assert frontier.main(["--quick", "--speed-only", "--model", str(tiny_model_dir("llama")), "--out", str(out),
+                          "--items", "1", "--timed-items", "1", "--ratio-modes", "fixed"]) == 0
+    result = json.loads(out.read_text())
+    assert sorted(result["configurations"]) == ["cacheblend/0.15/fixed", "cacheblend/0.5/fixed", "full_reuse",
+                                                "qcfuse/0.15/fixed", "qcfuse/0.5/fixed"]
+    assert all(row["decisions"]["fused"] == 1 for row in result["configurations"].values())
+    assert "points" not in result and not out.with_suffix(".png").exists()
