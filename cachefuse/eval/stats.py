@@ -112,3 +112,41 @@ def normalized_score(score: float, full_prefill: Sequence[float], full_reuse: Se
     if gap.mean <= 2.0 * gap.se or gap.mean <= 0.0:
         return None
     return (score - float(np.mean(full_reuse))) / gap.mean
+
+
+@dataclass(frozen=True)
+class NormalizedCI:
+    """A normalized score with a percentile 95% interval from resampling the items (all three settings
+    together, so the pairing is kept); `undefined` counts the resamples whose baseline gap was <= 0."""
+
+    value: float | None
+    ci_low: float | None
+    ci_high: float | None
+    n: int
+    undefined: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def normalized_bootstrap(scores: Sequence[float], full_prefill: Sequence[float], full_reuse: Sequence[float],
+                         num_resamples: int = 2000, seed: int = 0) -> NormalizedCI:
+    """(mean S - mean S_reuse) / (mean S_full - mean S_reuse) (FusionRAG's Eq. 11) and its seeded
+    bootstrap interval. The point value is `normalized_score`'s (None when the baseline gap is not above
+    twice its standard error); the interval is computed over the resamples whose gap is positive, and is
+    None when fewer than half of them are."""
+    if not len(scores) == len(full_prefill) == len(full_reuse) or not scores:
+        raise ValueError(f"normalized_bootstrap needs three equal, non-empty lists (got {len(scores)}, "
+                         f"{len(full_prefill)} and {len(full_reuse)})")
+    s, f, r = (np.asarray(x, dtype=np.float64) for x in (scores, full_prefill, full_reuse))
+    value = normalized_score(float(s.mean()), full_prefill, full_reuse)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, s.size, size=(num_resamples, s.size))
+    gap = f[idx].mean(axis=1) - r[idx].mean(axis=1)
+    defined = gap > 0.0
+    ratios = (s[idx].mean(axis=1)[defined] - r[idx].mean(axis=1)[defined]) / gap[defined]
+    undefined = int(num_resamples - defined.sum())
+    if ratios.size < num_resamples / 2:
+        return NormalizedCI(value, None, None, int(s.size), undefined)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return NormalizedCI(value, float(low), float(high), int(s.size), undefined)

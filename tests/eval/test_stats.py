@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from cachefuse.eval.stats import mcnemar, mean_se, normalized_score, paired_bootstrap, paired_diff
+from cachefuse.eval.stats import (
+    mcnemar,
+    mean_se,
+    normalized_bootstrap,
+    normalized_score,
+    paired_bootstrap,
+    paired_diff,
+)
 
 
 def test_mean_se_matches_the_sample_formula():
@@ -73,3 +80,33 @@ def test_paired_bootstrap_never_reports_p_zero_and_one_item_is_no_evidence():
     assert one.p_value == 1.0 and one.ci_low == -math.inf and one.ci_high == math.inf and one.diff == -0.5
     two = paired_bootstrap([0.5, 0.6], [0.4, 0.5], num_resamples=999)
     assert two.p_value == pytest.approx(2 / 1000)
+
+
+def test_normalized_bootstrap_of_exact_fractions_of_the_gap_is_that_fraction_in_every_resample():
+    full = [0.9, 0.5, 1.0, 0.7, 0.8, 0.6]
+    reuse = [0.3, 0.1, 0.2, 0.5, 0.4, 0.0]
+    half = [(f + r) / 2 for f, r in zip(full, reuse, strict=True)]
+    result = normalized_bootstrap(half, full, reuse, seed=1)
+    assert (result.value, result.ci_low, result.ci_high) == pytest.approx((0.5, 0.5, 0.5))
+    assert result.undefined == 0 and result.n == 6
+    assert normalized_bootstrap(full, full, reuse).to_dict()["ci_low"] == pytest.approx(1.0)
+    assert normalized_bootstrap(reuse, full, reuse).value == pytest.approx(0.0)
+
+
+def test_normalized_bootstrap_brackets_a_noisy_score_and_is_seeded():
+    full = [1.0, 0.8, 0.9, 1.0, 0.7, 0.9, 1.0, 0.8]
+    reuse = [0.2, 0.1, 0.3, 0.0, 0.2, 0.1, 0.3, 0.2]
+    scores = [0.9, 0.2, 0.6, 0.8, 0.3, 0.7, 0.5, 0.6]
+    first = normalized_bootstrap(scores, full, reuse, seed=4)
+    assert first == normalized_bootstrap(scores, full, reuse, seed=4)
+    assert first.value == pytest.approx((sum(scores) - sum(reuse)) / (sum(full) - sum(reuse)))
+    assert first.ci_low < first.value < first.ci_high
+
+
+def test_normalized_bootstrap_without_a_gap_between_the_baselines_gives_no_score():
+    same = [0.4, 0.6, 0.5, 0.5]
+    result = normalized_bootstrap([0.9, 0.9, 0.9, 0.9], same, same)
+    assert (result.value, result.ci_low, result.ci_high) == (None, None, None)
+    assert result.undefined == 2000
+    with pytest.raises(ValueError, match="three equal"):
+        normalized_bootstrap([0.1], [0.2, 0.3], [0.0, 0.1])

@@ -1,0 +1,420 @@
+"""The quality / speed frontier: every configuration's normalized F1 against its TTFT speed-up through vLLM.
+
+    make model && python benchmarks/frontier.py            # SmolLM2-135M-Instruct, the committed run
+    python benchmarks/frontier.py --quick                  # a smoke run (2 selectors, 2 ratios, 4 items)
+
+A configuration is one value on each axis of `axes()`; an axis is a named set of CacheFuseConfig
+overrides, so a new axis is one entry there (with, where it needs one, an offline step that fills the
+store before its quality is measured). Axes today: selector (cacheblend, epic, cachecraft, fusionrag,
+qcfuse) x recompute ratio (5-90%) x ratio_mode (fixed, controller). Two hooks are marked below for
+axes other branches are building (neighbour fusion, exact prefix).
+
+Quality (reference engine, cachefuse.eval.harness.run_eval, one process, `--threads` torch threads):
+on `--items` test items of the QA set (cachefuse.eval.qa_set, one- and two-hop alternating), token F1
+of 8 greedy tokens, normalized as FusionRAG's Eq. 11, (S - S_full_reuse) / (S_full_prefill -
+S_full_reuse), with a bootstrap 95% interval over items, pooled and per kind (single = one hop,
+multi = two hops), and the mean first-token KL(full prefill || fused).
+
+Speed (vLLM, benchmarks/frontier_ttft.py): on the first `--timed-items` of the same prompts, each
+configuration's TTFT against plain vLLM's, paired request by request in the same pinned engine.
+Speed depends only on the axes that change what the blend computes (all three today); a quality-only
+axis is timed once.
+
+ratio_mode "controller" lets the loading controller raise each request's ratio above the configured
+one, or run it as plain vLLM (no-go). Its quality is read from what the controller did with the timed
+requests: when every one ran at the configured ratio, the fixed configuration's quality; when every one
+fell back, full prefill's (normalized 1); otherwise none is claimed (`quality_source` says which).
+
+Writes `--out` (JSON) and the plot next to it (.png): normalized F1 vs speed-up, the Pareto frontier,
+the configuration CacheFuseConfig's defaults pick, and the target region (>= 0.90 at >= 2.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS.parent))
+sys.path.insert(0, str(BENCHMARKS))
+
+from cachefuse.config import CacheFuseConfig  # noqa: E402
+
+SELECTORS = ("cacheblend", "epic", "cachecraft", "fusionrag", "qcfuse")
+RATIOS = (0.05, 0.15, 0.30, 0.50, 0.70, 0.90)
+RATIO_MODES = ("fixed", "controller")
+QUICK = dict(items=4, timed_items=2, selectors="cacheblend,qcfuse", ratios="0.15,0.5")
+MAX_NEW_TOKENS = 8
+PER_REQUEST_FIELDS = ("selector", "recompute_ratio")
+"""Config fields a request may override (cachefuse.request): one engine serves every value of them."""
+TARGET_NORMALIZED_F1, TARGET_SPEEDUP = 0.90, 2.5
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One dimension of the frontier: named values, each a set of CacheFuseConfig overrides."""
+
+    name: str
+    values: dict[str, dict[str, Any]]
+    quality: str
+    """"reference": each value's quality is measured on the reference engine; "decisions": read from
+    what vLLM did with the timed requests (the controller's ratio or no-go)."""
+    moves_speed: bool = True
+    """False: the value changes quality only (e.g. which variant is loaded), so speed is timed once."""
+    offline: Callable[[Any, list, str], None] | None = field(default=None, compare=False)
+    """Before a value's quality is measured: (reference engine, eval items, value label) -> fills the store."""
+
+
+def axes(selectors, ratios, modes) -> tuple[Axis, ...]:
+    return (
+        Axis("selector", {s: {"selector": s} for s in selectors}, quality="reference"),
+        Axis("ratio", {f"{r:g}": {"recompute_ratio": r} for r in ratios}, quality="reference"),
+        Axis("ratio_mode", {m: {"ratio_mode": m} for m in modes}, quality="decisions"),
+        # HOOK(neighbour fusion, issue 30): FusionRAG's neighbour-fused cache used wherever a chunk appears.
+        # Axis("neighbour_fusion", {"off": {}, "on": {<its config field>: True}}, quality="reference",
+        #      moves_speed=False, offline=<store each document's neighbour variant, cachefuse.offline>),
+        # The vLLM worker then needs the same offline step on its store (frontier_ttft.run_worker).
+        # HOOK(exact prefix, issue 30): entries computed after exactly the tokens before them are not recomputed.
+        # Axis("exact_prefix", {"off": {}, "on": {<its config field>: True}}, quality="reference"),
+    )
+
+
+@dataclass(frozen=True)
+class Configuration:
+    labels: tuple[tuple[str, str], ...]
+    """(axis name, value label) per axis, in axes() order."""
+    overrides: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return "/".join(label for _, label in self.labels)
+
+    def label(self, axis: str) -> str:
+        return dict(self.labels)[axis]
+
+
+def configurations(all_axes: tuple[Axis, ...]) -> list[Configuration]:
+    """Every combination of one value per axis; overrides are checked as a CacheFuseConfig (a bad value
+    fails here, at start-up, naming the field)."""
+    out = []
+    for combo in itertools.product(*(axis.values.items() for axis in all_axes)):
+        overrides = {k: v for _, fields in combo for k, v in fields.items()}
+        CacheFuseConfig.from_dict(overrides)
+        out.append(Configuration(tuple((axis.name, label) for axis, (label, _) in zip(all_axes, combo, strict=True)),
+                                 overrides))
+    return out
+
+
+def default_configuration(configs: list[Configuration]) -> Configuration:
+    """The configuration whose overrides CacheFuseConfig's defaults already have."""
+    defaults = CacheFuseConfig()
+    for config in configs:
+        if all(getattr(defaults, k) == v for k, v in config.overrides.items()):
+            return config
+    fields = sorted({k for c in configs for k in c.overrides})
+    raise SystemExit("the defaults' configuration is not in the grid: add "
+                     + ", ".join(f"{k}={getattr(defaults, k)!r}" for k in fields) + " to the axes' values")
+
+
+def engine_overrides(config: Configuration) -> dict[str, Any]:
+    """The connector config one engine needs for `config`: its overrides but the per-request ones, and
+    cachecraft's ratio as `force_cfo` (its ratio axis, as cachefuse.eval.harness.selector_at runs it)."""
+    out = {k: v for k, v in config.overrides.items() if k not in PER_REQUEST_FIELDS}
+    if config.overrides.get("selector") == "cachecraft":
+        out["force_cfo"] = config.overrides["recompute_ratio"]
+    return out
+
+
+# --------------------------------------------------------------------------- quality (reference engine)
+
+
+def quality_groups(all_axes, configs) -> dict[str, list[Configuration]]:
+    """Configurations by what the reference engine must be built with (reference-measured axes other than
+    selector and ratio, which run_eval sweeps itself)."""
+    engine_axes = [a.name for a in all_axes if a.quality == "reference" and a.name not in ("selector", "ratio")]
+    groups: dict[str, list[Configuration]] = {}
+    for config in configs:
+        groups.setdefault("/".join(config.label(a) for a in engine_axes) or "base", []).append(config)
+    return groups
+
+
+def measure_quality(args, all_axes, configs, eval_items) -> dict[str, dict[str, Any]]:
+    """Per quality group and setting (setting_name: "cacheblend@0.15", "full_prefill", ...), the per-item
+    scores and KLs of run_eval."""
+    from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval
+
+    out = {}
+    for group, members in quality_groups(all_axes, configs).items():
+        engine_axes = [a for a in all_axes if a.quality == "reference" and a.name not in ("selector", "ratio")]
+        engine_fields = {k: v for a in engine_axes for k, v in a.values[members[0].label(a.name)].items()}
+        engine, _ = reference_engine(args.model, CacheFuseConfig.from_dict(engine_fields))
+        for axis in engine_axes:
+            if axis.offline is not None:
+                axis.offline(engine, eval_items, members[0].label(axis.name))
+        spec = EvalSpec(selectors=tuple(dict.fromkeys(c.overrides["selector"] for c in members)),
+                        ratios=tuple(dict.fromkeys(c.overrides["recompute_ratio"] for c in members)),
+                        metric="f1", max_new_tokens=MAX_NEW_TOKENS)
+        runs = run_eval(engine, args.tokenizer, eval_items, spec, desc=f"quality [{group}]")
+        out[group] = {name: {"scores": [r.score for r in item_runs], "kl": [r.kl for r in item_runs],
+                             "recompute_fraction": [r.recompute_fraction for r in item_runs]}
+                      for name, item_runs in runs.runs.items()}
+    return out
+
+
+def summarize_quality(setting: dict, baselines: dict, kinds: list[str], seed: int) -> dict[str, Any]:
+    """F1, normalized F1 with its interval, per kind and pooled; first-token KL; recompute fraction."""
+    import statistics
+
+    from cachefuse.eval.stats import mean_se, normalized_bootstrap
+
+    by_kind = {}
+    for kind in ("all", *sorted(set(kinds))):
+        idx = [i for i, k in enumerate(kinds) if kind in ("all", k)]
+        own, full, reuse = ([values["scores"][i] for i in idx] for values in (setting, *baselines))
+        by_kind[kind] = {"f1": mean_se(own).to_dict(),
+                         "normalized_f1": normalized_bootstrap(own, full, reuse, seed=seed).to_dict()}
+    return {"by_kind": by_kind, "kl_mean": statistics.fmean(setting["kl"]),
+            "kl_median": statistics.median(setting["kl"]),
+            "recompute_fraction": statistics.fmean(setting["recompute_fraction"])}
+
+
+# --------------------------------------------------------------------------- speed (vLLM)
+
+
+def speed_groups(configs: list[Configuration], all_axes) -> dict[str, list[Configuration]]:
+    """Configurations timed in one engine: same connector config, and quality-only axes at their first value."""
+    quality_only = {a.name: next(iter(a.values)) for a in all_axes if not a.moves_speed}
+    groups: dict[str, list[Configuration]] = {}
+    for config in configs:
+        if any(config.label(a) != first for a, first in quality_only.items()):
+            continue
+        key = ",".join(f"{k}={v}" for k, v in sorted(engine_overrides(config).items())) or "defaults"
+        groups.setdefault(key, []).append(config)
+    return groups
+
+
+def speed_key(config: Configuration, all_axes) -> str:
+    """The name under which `config`'s speed was timed (quality-only axes at their first value)."""
+    return "/".join(next(iter(a.values)) if not a.moves_speed else config.label(a.name) for a in all_axes)
+
+
+def measure_speed(args, all_axes, configs, timed_items, default: Configuration) -> dict[str, dict]:
+    """Per timed configuration (and full_reuse, in the defaults' engine): TTFTs, speed-up, decisions."""
+    from frontier_ttft import decisions, paired_speedup, run_group
+    from tqdm.auto import tqdm
+
+    groups = speed_groups(configs, all_axes)
+    items = [{"system": i.system, "chunks": list(i.chunks), "question": i.question} for i in timed_items]
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="frontier-ttft-") as workdir:
+        for index, (key, members) in enumerate(tqdm(groups.items(), desc="TTFT through vLLM", unit="engine")):
+            requests = [{"name": c.name, "selector": c.overrides["selector"], "ratio": c.overrides["recompute_ratio"]}
+                        for c in members]
+            if default in members:
+                requests.append({"name": "full_reuse", "selector": "full_reuse", "ratio": 0.0})
+            job = {"group": f"engine{index}", "model": str(args.model), "items": items, "requests": requests,
+                   "engine_overrides": engine_overrides(members[0]), "seed": args.seed}
+            raw = run_group(job, args.cpus, Path(workdir), args.timeout)
+            for name, row in raw["requests"].items():
+                out[name] = {"engine": key, "threads": raw["threads"], "prompt_tokens": raw["num_tokens"],
+                             **paired_speedup(row["plain_s"], row["fused_s"], args.seed),
+                             "decisions": decisions(row["outcomes"]), "plain_s": row["plain_s"],
+                             "fused_s": row["fused_s"]}
+    return out
+
+
+# --------------------------------------------------------------------------- the frontier
+
+
+def decided_setting(config: Configuration, speed: dict | None) -> tuple[str | None, str]:
+    """The reference setting whose quality `config` has, and why. ratio_mode "controller": what the
+    controller did with every timed request (module docstring); otherwise the configuration's own setting."""
+    from cachefuse.eval.harness import setting_name
+
+    selector, ratio = config.overrides["selector"], config.overrides["recompute_ratio"]
+    own = setting_name(selector, ratio)
+    if config.overrides.get("ratio_mode", "fixed") != "controller":
+        return own, "measured"
+    if speed is None:
+        return None, "not timed: the controller's decisions are unknown"
+    made = speed["decisions"]
+    if made["fused"] == 0:
+        return "full_prefill", f"controller: no-go on all {made['requests']} timed requests (plain vLLM)"
+    if made["fused"] == made["requests"] and made["ratios"] == [round(ratio, 6)]:
+        return own, f"controller: fused all {made['requests']} timed requests at the configured ratio"
+    return None, f"controller: mixed decisions ({made['fused']}/{made['requests']} fused at {made['ratios']})"
+
+
+def build_points(all_axes, configs, quality, speed, kinds, default, seed) -> list[dict[str, Any]]:
+    """One point per configuration, plus plain vLLM and full reuse, each with quality and speed where known."""
+    group_of = {c.name: g for g, members in quality_groups(all_axes, configs).items() for c in members}
+    base = quality[group_of[default.name]]
+    baselines = (base["full_prefill"], base["full_reuse"])
+    points = [{"name": "plain vLLM", "baseline": True, "speedup": 1.0, "speed": None, "quality_source": "definition",
+               "quality": summarize_quality(base["full_prefill"], baselines, kinds, seed)},
+              {"name": "full_reuse", "baseline": True, "speed": speed.get("full_reuse"), "quality_source": "measured",
+               "quality": summarize_quality(base["full_reuse"], baselines, kinds, seed)}]
+    points[1]["speedup"] = points[1]["speed"]["speedup"] if points[1]["speed"] else None
+    for config in configs:
+        timed = speed.get(speed_key(config, all_axes))
+        setting, source = decided_setting(config, timed)
+        group = quality[group_of[config.name]]
+        points.append({"name": config.name, "baseline": False, "axes": dict(config.labels), "overrides": config.overrides,
+                       "default": config == default, "speed": timed, "speedup": timed["speedup"] if timed else None,
+                       "quality_setting": setting, "quality_source": source,
+                       "quality": None if setting is None else summarize_quality(
+                           group[setting], (group["full_prefill"], group["full_reuse"]), kinds, seed)})
+    for point in points:
+        point["normalized_f1"] = (point["quality"] or {}).get("by_kind", {}).get("all", {}).get(
+            "normalized_f1", {}).get("value")
+    mark_frontier(points)
+    return points
+
+
+def mark_frontier(points: list[dict[str, Any]]) -> None:
+    """`on_frontier`: no other point is at least as fast and at least as good, and better in one."""
+    known = [p for p in points if p["speedup"] is not None and p["normalized_f1"] is not None]
+    for p in points:
+        p["on_frontier"] = p in known and not any(
+            q["speedup"] >= p["speedup"] and q["normalized_f1"] >= p["normalized_f1"]
+            and (q["speedup"] > p["speedup"] or q["normalized_f1"] > p["normalized_f1"]) for q in known)
+
+
+def targets(points: list[dict[str, Any]]) -> dict[str, Any]:
+    reaching = [p for p in points if not p["baseline"] and p["speedup"] is not None
+                and p["normalized_f1"] is not None and p["normalized_f1"] >= TARGET_NORMALIZED_F1]
+    fast = [p for p in points if not p["baseline"] and p["normalized_f1"] is not None
+            and p["speedup"] is not None and p["speedup"] >= TARGET_SPEEDUP]
+    default = next(p for p in points if p.get("default"))
+    best_speed = max(reaching, key=lambda p: p["speedup"], default=None)
+    best_quality = max(fast, key=lambda p: p["normalized_f1"], default=None)
+    return {
+        "goal": f">= {TARGET_NORMALIZED_F1} normalized F1 at >= {TARGET_SPEEDUP}x TTFT vs plain vLLM, on the frontier",
+        "met": bool(best_speed and best_speed["speedup"] >= TARGET_SPEEDUP),
+        "fastest_at_target_quality": best_speed and {k: best_speed[k] for k in ("name", "speedup", "normalized_f1")},
+        "best_quality_at_target_speed": best_quality and {
+            k: best_quality[k] for k in ("name", "speedup", "normalized_f1")},
+        "defaults": {k: default[k] for k in ("name", "speedup", "normalized_f1", "on_frontier")},
+        "defaults_on_frontier": default["on_frontier"]}
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    import os
+
+    from cachefuse.testing import smollm2
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=smollm2.DEFAULT_DIR)
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK} unless given")
+    parser.add_argument("--items", type=int, help="QA test items for quality (default 100)")
+    parser.add_argument("--timed-items", type=int, help="of them, the first this many are timed (default 8)")
+    parser.add_argument("--selectors", help=f"comma-separated (default {','.join(SELECTORS)})")
+    parser.add_argument("--ratios", help=f"comma-separated (default {','.join(f'{r:g}' for r in RATIOS)})")
+    parser.add_argument("--ratio-modes", default=",".join(RATIO_MODES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpus", default=str(min(os.sched_getaffinity(0))),
+                        help="CPUs every vLLM engine is bound to (default: one, the first this process may use: "
+                             "on a shared machine one thread per engine keeps OpenMP's barriers from waiting on "
+                             "descheduled threads); the reference engine runs as many torch threads")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per vLLM engine subprocess")
+    parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "docs" / "benchmarks" / "frontier.json")
+    parser.add_argument("--speed-from", type=Path, help="reuse the TTFTs of an earlier run's JSON (same grid)")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="time every configuration through vLLM and stop (no quality, no plot): what each "
+                             "ratio and selector can give at best, for grids too large to score")
+    parser.add_argument("--replot", action="store_true", help="redraw the plot from --out")
+    parser.add_argument("--ttft-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--ttft-result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    defaults = dict(items=100, timed_items=8, selectors=",".join(SELECTORS), ratios=",".join(map(str, RATIOS)))
+    for name, value in (QUICK if args.quick else defaults).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not 1 <= args.timed_items <= args.items:
+        parser.error(f"--timed-items={args.timed_items}, expected 1..--items ({args.items})")
+    args.selectors = tuple(s for s in args.selectors.split(",") if s)
+    args.ratios = tuple(float(r) for r in args.ratios.split(",") if r)
+    args.ratio_modes = tuple(m for m in args.ratio_modes.split(",") if m)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.ttft_worker is not None:
+        from frontier_ttft import worker_main
+
+        worker_main(args.ttft_worker, args.ttft_result, args.cpus)
+        return 0
+    from frontier_plot import plot, table
+
+    if args.replot:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
+    import torch
+    from transformers import AutoTokenizer
+    from vllm_ttft import parse_cpus, recorded_env, worker_env
+
+    from cachefuse.eval.qa_set import eval_items, make_items
+
+    all_axes = axes(args.selectors, args.ratios, args.ratio_modes)
+    configs = configurations(all_axes)
+    default = default_configuration(configs)
+    cpus = parse_cpus(args.cpus)
+    torch.set_num_threads(len(cpus))
+    started = time.perf_counter()
+    args.tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+    items = eval_items(make_items("test", args.items, seed=args.seed), args.tokenizer)
+    if args.speed_from is not None:
+        speed = json.loads(args.speed_from.read_text())["speed"]["configurations"]
+    else:
+        speed = measure_speed(args, all_axes, configs, items[:args.timed_items], default)
+    speed_s = time.perf_counter() - started
+    if args.speed_only:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "benchmark": "frontier --speed-only", "model_name": Path(args.model).name, "seed": args.seed,
+            "axes": {a.name: list(a.values) for a in all_axes}, "timed_items": args.timed_items, "cpus": cpus,
+            "env": recorded_env(worker_env(cpus)), "seconds": round(speed_s, 1), "configurations": speed}, indent=2) + "\n")
+        for name, row in speed.items():
+            print(f"{name:32s} {row['speedup']:5.2f}x [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]  "
+                  f"fused {row['decisions']['fused']}/{row['decisions']['requests']}")
+        return 0
+    quality = measure_quality(args, all_axes, configs, items)
+    points = build_points(all_axes, configs, quality, speed, [i.kind for i in items], default, args.seed)
+    result = {
+        "benchmark": "frontier", "model_name": Path(args.model).name, "seed": args.seed,
+        "quick": args.quick, "axes": {a.name: list(a.values) for a in all_axes},
+        "targets_at": {"normalized_f1": TARGET_NORMALIZED_F1, "speedup": TARGET_SPEEDUP},
+        "targets": targets(points),
+        "quality": {"engine": "reference", "items": len(items), "split": "test",
+                    "kinds": {k: sum(i.kind == k for i in items) for k in ("single", "multi")},
+                    "metric": "token F1", "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": torch.get_num_threads()},
+        "speed": {"engine": "vLLM in-process, CacheFuseConnector, one subprocess per engine group",
+                  "timed_items": args.timed_items, "max_tokens": 1, "pairing": "plain then fused, back to back",
+                  "cpus": cpus, "env": recorded_env(worker_env(cpus)), "reused_from": str(args.speed_from or "") or None,
+                  "configurations": speed},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        "seconds": {"speed": round(speed_s, 1), "total": round(time.perf_counter() - started, 1)},
+        "points": points}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, args.out.with_suffix(".png"))
+    print(table(result))
+    print(json.dumps(result["targets"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
