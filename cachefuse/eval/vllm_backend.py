@@ -120,10 +120,11 @@ def _logprob_deviation(reference: Any, output: Any) -> float:
 
 
 def _recompute_fraction(output: Any, prompt: Any) -> float:
-    """Selected rows / candidate rows, the candidates being the retrieved chunks' tokens (the system
-    chunk sits at position 0 and is never a candidate), as the reference engine counts them."""
+    """Selected rows / candidate rows, the candidates being the retrieved chunks' tokens less those of chunks
+    reused at their exact place (the system chunk sits at position 0 and is never a candidate either), as the
+    reference engine counts them."""
     status = (output.kv_transfer_params or {}).get(PARAMS_KEY)
     if not status:
         return 1.0  # plain vLLM computes every row
-    candidates = sum(end - start for start, end in prompt.chunks if start != 0)
+    candidates = sum(end - start for start, end in prompt.chunks if start != 0) - status.get("exact_prefix_tokens", 0)
     return status.get("num_selected", 0) / candidates if candidates else 0.0

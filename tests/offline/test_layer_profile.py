@@ -74,17 +74,19 @@ def test_profile_recall_equals_single_layer_probes_and_picks_the_best_layers(ada
         item = evidence_item(case.token_ids, case.chunks, evidence)
         assert item.evidence_rows == tuple(evidence[:3])  # only rows inside declared non-system chunks
         items.append(item)
-        references.append((case, item))
+        references.append((case, item, a_start))
     profile = profile_layers(engine, items, ratio=0.1, num_critical=2, view=view)
     num_layers = adapter.shape.num_layers
     assert profile.num_items == 3 and len(profile.recall) == num_layers and len(profile.top_k_recall) == min(10, num_layers)
     for layer in range(adapter.shape.num_layers):  # an independent probe per layer, the selector's own
         recalls = []
-        for case, item in references:
+        for case, item, a_start in references:
             selector = _capture(QCFuseSelector(layers="critical", critical_layers=[layer], view=view))
             engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.0, save_holes=False)
             segments = segment_prompt(len(case.token_ids), case.chunks)
-            candidates = torch.tensor([r for s in segments[1:] if s.is_chunk for r in range(s.start, s.end)])
+            # A, right after the system prompt it was precomputed after, is reused at its exact place: no candidate
+            candidates = torch.tensor([r for s in segments[1:] if s.is_chunk and s.start != a_start
+                                       for r in range(s.start, s.end)])
             recalls.append(recall_at(selector.seen[1], candidates, item.evidence_rows, 0.1))
         assert profile.recall[layer] == pytest.approx(sum(recalls) / len(recalls))
     assert profile.critical_layers == tuple(sorted(profile.ranked_layers[:2]))

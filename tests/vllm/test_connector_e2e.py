@@ -125,7 +125,9 @@ def test_second_request_hits_and_files_unchanged(fusing_llm, pieces):
     (out,) = generate(llm, [case.token_ids], [case.params(selector="cacheblend", recompute_ratio=ratio)])
     stats = out.kv_transfer_params["cachefuse"]
     assert stats["chunks_hit"] == 3 and stats["chunks_missed"] == 0, stats
-    candidates = len(pieces["a"]) + len(pieces["c"])
+    # c, right after the system prompt it was stored after, is reused at its exact place: only a's rows are candidates
+    assert (stats["exact_prefix_chunks"], stats["exact_prefix_tokens"]) == (1, len(pieces["c"])), stats
+    candidates = len(pieces["a"])
     forced = len(pieces["question"])  # the question (whose last token is the last token)
     expected = -(-int(ratio * 1000) * candidates // 1000) + forced  # ceil(r x candidates) + forced
     assert abs(stats["tokens_recomputed"] - expected) <= 2, (stats, expected)  # +-1 row per chunk

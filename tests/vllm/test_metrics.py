@@ -108,7 +108,7 @@ def test_tensor_parallel_ranks_count_a_request_once_when_vllm_sums_them():
     from cachefuse.vllm.worker_side import WorkerSide
 
     figures = {"tokens_reused": 2500, "tokens_recomputed": 300, "bytes_loaded": 1000, "blend_time_s": 0.04,
-               "chunks_hit": 3, "chunks_missed": 1, "holes_saved": 1, "saves_skipped": 2, "save_failures": 1,
+               "chunks_hit": 3, "chunks_missed": 1, "exact_prefix_chunks": 1, "exact_prefix_tokens": 200, "holes_saved": 1, "saves_skipped": 2, "save_failures": 1,
                "blend_steps": 3, "blend_batch_size": 2, "load_bytes_by_tier": {"disk": 600, "memory": 400},
                "load_seconds_by_tier": {"disk": 0.01, "memory": 0.001}}
     ranks = []
