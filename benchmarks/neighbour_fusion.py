@@ -18,7 +18,7 @@ base variant (after the system prompt alone): the baseline. Then, per similarity
 
 Per setting: token F1 (8 greedy tokens), the normalized F1 (F1 - F1_full_reuse) / (F1_full_prefill -
 F1_full_reuse) against the baseline's full prefill and full reuse (FusionRAG's Eq. 11), the paired
-differences of F1 and of normalized F1 with 95% bootstrap CIs (against the baseline, and fused everywhere
+differences of F1, of normalized F1 and of KL with 95% bootstrap CIs (against the baseline, and fused everywhere
 against prefix-variant only), first-token KL(full || fused) and top-1 agreement with full prefill, how
 many chunks loaded a neighbour variant and their mean CFO; the offline cost per document in CPU seconds
 of this process (so other work on the machine does not inflate it). Writes `--out` (JSON) and a plot beside it.
@@ -162,10 +162,16 @@ def summary(phase: dict, full: dict, reuse_f1: list[float]) -> dict:
 
 
 def compare(a: dict, b: dict, full: dict, reuse_f1: list[float]) -> dict:
-    """Per setting, a - b: F1 (paired bootstrap) and normalized F1 (joint bootstrap)."""
+    """Per setting, a - b: F1 and first-token KL (paired bootstrap), normalized F1 (joint bootstrap)."""
     return {name: {"f1": paired_bootstrap(a[name]["f1"], b[name]["f1"]).to_dict(),
-                   "f1_normalized": paired_normalized(a[name]["f1"], b[name]["f1"], full["f1"], reuse_f1)}
+                   "f1_normalized": paired_normalized(a[name]["f1"], b[name]["f1"], full["f1"], reuse_f1),
+                   "kl": paired_bootstrap(a[name]["kl"], b[name]["kl"]).to_dict()}
             for name in a}
+
+
+def per_item(phase: dict) -> dict:
+    """Per setting, the per-item F1 and KL (prompt order), for later paired analyses."""
+    return {name: {"f1": f["f1"], "kl": [round(x, 6) for x in f["kl"]]} for name, f in phase.items()}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -268,6 +274,7 @@ def main(argv=None) -> int:
         retrievers[embedder_name] = {
             "offline": offline,
             **{mode: summary(phase, full, reuse_f1) for mode, phase in phases.items()},
+            "per_item": {mode: per_item(phase) for mode, phase in phases.items()},
             "prefix_only_minus_baseline": compare(phases["prefix_only"], baseline, full, reuse_f1),
             "fused_everywhere_minus_baseline": compare(phases["fused_everywhere"], baseline, full, reuse_f1),
             "fused_everywhere_minus_prefix_only": compare(phases["fused_everywhere"], phases["prefix_only"], full,
@@ -279,7 +286,8 @@ def main(argv=None) -> int:
         "benchmark": "neighbour_fusion", "model": str(args.model), "items": len(items), "neighbours": args.neighbours,
         "threads": args.threads, "machine": platform.machine(), "recompute_ratio": RATIO,
         "full_prefill": {"f1": mean_se(full["f1"]).to_dict()},
-        "baseline": {"settings": summary(baseline, full, reuse_f1)},
+        "baseline": {"settings": summary(baseline, full, reuse_f1), "per_item": per_item(baseline)},
+        "full_prefill_f1_per_item": full["f1"],
         "retrievers": retrievers,
         "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(time.process_time(), 1),
     }
