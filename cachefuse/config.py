@@ -151,6 +151,11 @@ class CacheFuseConfig:
     `selector` is "cachecraft" (no variant shares any of the chunk's context), else off."""
     variant_admission_max_chunks: int = 1
     """At most this many chunks per request are admitted (the highest CFO first); 0 turns admission off."""
+    default_variant: str = "base"
+    """What a chunk loads where no stored variant fits its prefix better than its base variant (Cache-Craft's
+    choice is the base variant, and the chunk is not first): "base" loads it; "fused" loads the chunk's best
+    variant computed after other chunks instead (FusionRAG's neighbour-fused cache, used wherever the chunk
+    appears: `cachefuse precompute --fuse-neighbours`). docs/variants.md, Neighbour variants."""
     redis_url: str | None = None
     """A shared tier for several vLLM instances: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
     K/V and variant metadata then live in Redis (memory and disk tiers, when enabled, cache it locally)."""

@@ -23,6 +23,7 @@ RATIO_MODES = ("fixed", "controller")
 PLACEMENTS = ("lru", "frequency")
 DEVIATIONS = ("k", "v", "kv")
 EVICTION_POLICIES = ("f_r", "lru")
+DEFAULT_VARIANTS = ("base", "fused")
 
 
 def fail(name: str, value: Any, expected: str) -> None:
@@ -153,6 +154,10 @@ def check_variants(cfg: Any) -> None:
     if not is_int(cfg.variant_admission_max_chunks) or cfg.variant_admission_max_chunks < 0:
         fail("variant_admission_max_chunks", cfg.variant_admission_max_chunks,
               "an integer >= 0 (chunks admitted per request; 0 turns admission off)")
+    if cfg.default_variant not in DEFAULT_VARIANTS:
+        fail("default_variant", cfg.default_variant,
+             '"base" (a chunk out of its stored place loads its base variant) or "fused" (its neighbour-fused '
+             'variant, from `cachefuse precompute --fuse-neighbours`)')
     if not is_int(cfg.max_variants) or cfg.max_variants < 1:
         fail("max_variants", cfg.max_variants, "an integer >= 1 (N x M variants over all chunks)")
     if cfg.redis_url is not None and (not isinstance(cfg.redis_url, str)

@@ -2,7 +2,7 @@
 
     cachefuse precompute --model M --chunks chunks.jsonl --store DIR [--system TEXT | --system-file F]
                          [--config cachefuse.yaml] [--batch-size N] [--max-model-len N] [--dtype float32]
-                         [--fuse-neighbours N [--embedder model|lexical]]
+                         [--fuse-neighbours [N] [--embedder model|lexical]]
 
 The work is cachefuse.offline.precompute's (and, with --fuse-neighbours, neighbour_precompute's);
 this module reads the arguments and the chunks file.
@@ -18,6 +18,8 @@ from cachefuse.errors import ConfigError
 from cachefuse.jsonl import read_jsonl
 
 NAME = "precompute"
+DEFAULT_NEIGHBOURS = 10
+"""FusionRAG's top-n (its §5.3.2: 10 neighbours; 15 added noise)."""
 HELP = "store each chunk's KV cache, computed after the system prompt"
 DESCRIPTION = (
     "Runs [system][chunk] prompts through vLLM with CacheFuseConnector, which stores the system "
@@ -38,9 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     system.add_argument("--system", default=None, help="the system prompt text (default: none)")
     system.add_argument("--system-file", type=Path, default=None, help="read the system prompt from this file")
     p.add_argument("--batch-size", type=positive_int, default=16, help="prompts per generate call (default 16)")
-    p.add_argument("--fuse-neighbours", type=non_negative_int, default=0, metavar="N",
-                   help="also store each chunk as computed after its N most similar chunks (default 0: base only; "
-                        "needs a system prompt)")
+    p.add_argument("--fuse-neighbours", type=non_negative_int, nargs="?", const=DEFAULT_NEIGHBOURS, default=0,
+                   metavar="N",
+                   help=f"also store each chunk as computed after its N most similar chunks (FusionRAG's offline "
+                        f"stage; N defaults to {DEFAULT_NEIGHBOURS}, the paper's, and must not exceed the config's "
+                        f"max_variant_prefix_chunks; on CPU each chunk costs one pass over it after its N neighbours' "
+                        f"cached K/V, measured at 0.35-0.36 CPU-s per document (median; one thread, SmolLM2-135M, "
+                        f"N = 10), so the paper's N stands: docs/variants.md). A server loads them where their "
+                        f"neighbours precede the chunk, or wherever the chunk is not first with default_variant: "
+                        f"fused. Needs a system prompt. Without the flag: base variants only")
     p.add_argument("--embedder", choices=("model", "lexical"), default="model",
                    help="similarity for --fuse-neighbours: the model's mean-pooled hidden states (default) or "
                         "TF-IDF over token ids")
@@ -63,8 +71,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--system-file {str(args.system_file)!r}: not UTF-8 text ({exc.reason})")
     if args.fuse_neighbours and not system:
         parser.error("--fuse-neighbours needs --system or --system-file: neighbour variants are keyed after it")
-    # Neighbour variants carry their attention statistics (CCI, ranking), as served variants do
-    extra, config = engine_config(args, parser, **({"collect_attention_stats": True} if args.fuse_neighbours else {}))
+    # Neighbour variants carry their attention statistics (CCI, ranking), as served variants do; the neighbours
+    # are loaded as Eq. 10 has them (their base variants), whatever default_variant the config serves with
+    overrides = {"collect_attention_stats": True, "default_variant": "base"} if args.fuse_neighbours else {}
+    extra, config = engine_config(args, parser, **overrides)
+    cap = config.max_variant_prefix_chunks
+    if args.fuse_neighbours > cap:
+        parser.error(f"--fuse-neighbours {args.fuse_neighbours} is more than max_variant_prefix_chunks={cap}: a "
+                     f"variant's prefix holds at most that many chunks; pass --fuse-neighbours {cap} or less, or "
+                     f"raise max_variant_prefix_chunks in --config (planning costs grow with its square)")
 
     from cachefuse.offline.precompute import precompute_chunks
 

@@ -28,6 +28,12 @@ Rules (docs/variants.md):
    prompt's tokens before the chunk (`chunks.place_hashes`) reuses that variant as exact: CFO 0, never a
    candidate for admission, and none of its rows a candidate for the selector (like the system chunk);
    it wins over every other variant of the chunk.
+8. Default variant (`default_variant`, config). Where rule 2 picks the base variant (prefix ()) for a chunk
+   whose new prefix is not empty (so the base variant is not stored for this prefix), "base" keeps it and
+   "fused" loads the chunk's best variant computed after other chunks instead, by rule 2's order among
+   those (FusionRAG's neighbour-fused cache, used wherever the chunk appears); none: the base variant.
+   Its CFO is its own Cache-Craft score. An exact place (rule 7), a variant rule 2 prefers to the base
+   one, and the base variant of a chunk with nothing before it (exact there) are chosen as under "base".
 """
 
 from __future__ import annotations
@@ -246,9 +252,9 @@ class VariantIndex:
             self._by_chunk, self._plain = fresh._by_chunk, fresh._plain
             self._removed, self._expiring = None, set()
 
-    def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float,
-               num_tokens: int, place: str | None = None) -> VariantChoice | None:
-        """Rules 2-3 and 7: the variant to reuse after `new_prefix`, or None when the chunk has none; the
+    def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float, num_tokens: int,
+               place: str | None = None, default_variant: str = "base") -> VariantChoice | None:
+        """Rules 2-3, 7 and 8: the variant to reuse after `new_prefix`, or None when the chunk has none; the
         one computed exactly at `place` (chunks.place_hash of the tokens before it), when there is one."""
         records = self._by_chunk.get(chunk_key)
         if records and place is not None:
@@ -263,7 +269,13 @@ class VariantIndex:
             has_metadata = False
         else:
             has_metadata = True
-        index, cfo = scores.choose_variant([r.to_variant() for r in records], new_prefix, alpha)
+        variants = [r.to_variant() for r in records]
+        index, cfo = scores.choose_variant(variants, new_prefix, alpha)
+        if default_variant == "fused" and new_prefix and not records[index].prefix:
+            fused = [i for i, r in enumerate(records) if r.prefix]
+            if fused:
+                best, cfo = scores.choose_variant([variants[i] for i in fused], new_prefix, alpha)
+                index = fused[best]
         record = records[index]
         return VariantChoice(chunk_key, record.store_key, record.variant_id, cfo,
                              record.ranked_tokens, has_metadata, self._tiers_of(record, has_metadata))
@@ -279,12 +291,12 @@ class VariantIndex:
 
 def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
                   lengths: Sequence[int], alpha: float, admission: Admission | None = None,
-                  max_prefix_chunks: int | None = None,
-                  places: Sequence[str] | None = None) -> list[VariantChoice | None]:
-    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5, 7).
+                  max_prefix_chunks: int | None = None, places: Sequence[str] | None = None,
+                  default_variant: str = "base") -> list[VariantChoice | None]:
+    """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5, 7-8).
 
     `places`: per declared chunk, chunks.place_hashes of the prompt at its start (None: no chunk is
-    recognised as exact, rule 7).
+    recognised as exact, rule 7). `default_variant`: rule 8.
 
     Cost: for each chunk, every variant of it is scored against a prefix of at most `max_prefix_chunks`
     keys (the order penalty is quadratic in that), so a prompt costs O(chunks x variants per chunk x
@@ -295,7 +307,8 @@ def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Seq
     prefixes = new_prefixes(chunk_keys, is_system, max_prefix_chunks)
     places = [None] * len(chunk_keys) if places is None else places
     for key, system, prefix, length, place in zip(chunk_keys, is_system, prefixes, lengths, places, strict=True):
-        choice = index.choose(key, () if system else prefix, alpha, length, None if system else place)
+        choice = index.choose(key, () if system else prefix, alpha, length, None if system else place,
+                              default_variant)
         if (choice is not None and not system and not choice.exact and admission is not None
                 and choice.cfo >= admission.min_cfo and choice.store_key != variant_store_key(key, prefix)):
             candidates.append(len(choices))

@@ -30,7 +30,9 @@ Choices the paper leaves open:
   token ids: chunks naming the same rare things) is the model-free alternative; any callable from
   token-id lists to an `[n, d]` array may replace either (a sentence encoder, say).
 - Prefix length: a variant's prefix holds at most `max_variant_prefix_chunks` chunks (default 16), so
-  larger N is cut to that many.
+  larger N is cut to that many (logged; the CLI refuses such an N at start-up instead).
+- Loading the neighbours: as under `default_variant: base` whatever the engine's setting (the paper's
+  Eq. 10 attends to the neighbours' base caches).
 
 Resumable: a chunk whose neighbour variant is already in the metadata store is skipped.
 Imports numpy and tqdm at module level; torch only inside `model_embedder` (the reference engine it
@@ -39,12 +41,15 @@ is handed brings the model).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 Embedder = Callable[[Sequence[Sequence[int]]], Any]
 """Token-id lists -> an [n, d] array-like of embeddings, one row per list."""
@@ -147,6 +152,8 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
     engine.precompute(chunks, prefix_ids=list(system_ids))
     cap = engine.config.max_variant_prefix_chunks
     count = num_neighbours if cap is None else min(num_neighbours, cap)
+    if count < num_neighbours:
+        logger.warning("neighbour fusion: %d neighbours cut to max_variant_prefix_chunks=%d", num_neighbours, cap)
     if count == 0 or len(chunks) < 2:
         return NeighbourReport([[] for _ in chunks], skipped=list(range(len(chunks))))
     vectors = (embedder or model_embedder(engine))(chunks)
@@ -154,8 +161,11 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
         raise ValueError(f"the embedder returned {np.asarray(vectors).shape[0]} rows for {len(chunks)} chunks")
     report = NeighbourReport(top_neighbours(vectors, count, chunks))
     # Statistics on: the variant's CCI and ranking. Admission off: the neighbours are loaded, never
-    # computed in full and stored themselves (cachefuse.metadata.index, rule 4).
-    fusion_config = engine.config.replace(collect_attention_stats=True, variant_admission_max_chunks=0)
+    # computed in full and stored themselves (cachefuse.metadata.index, rule 4). default_variant "base": a
+    # neighbour loads its base variant unless a variant fits its place better (Eq. 10 loads base caches),
+    # whatever the engine serves with (rule 8).
+    fusion_config = engine.config.replace(collect_attention_stats=True, variant_admission_max_chunks=0,
+                                          default_variant="base")
     for index in tqdm(range(len(chunks)), desc="neighbour fusion", unit="chunk", disable=not progress):
         neighbours = report.neighbours[index]
         prefix = tuple(engine.meta_key(chunks[j]) for j in neighbours)

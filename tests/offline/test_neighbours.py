@@ -6,6 +6,8 @@
   negative control);
 - loading that variant in its own prompt equals computing the chunk there (it is what a full_reuse
   pass computes for the chunk as a hole), and differs from loading the base variant;
+- under `default_variant: fused` a chunk after unrelated chunks loads its neighbour variant (under "base",
+  the negative control, its base variant);
 - a second run stores nothing (resumable), and bad arguments fail naming what is wrong.
 """
 
@@ -89,6 +91,33 @@ def test_a_prompt_holding_the_neighbours_loads_the_variant_at_cfo_zero(fused):
     ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)  # negative control: no neighbour before it
     choice = engine.plan_variants(ids, offsets)[-1]
     assert {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}[choice.variant_id].prefix == ()
+
+
+def test_under_default_variant_fused_a_chunk_after_unrelated_chunks_loads_its_neighbour_variant(fused):
+    """FusionRAG's use: the neighbour-fused cache wherever the chunk appears. Chunk 2's neighbours are 3 and 4;
+    after chunk 0 alone the fused engine loads its neighbour variant, the base engine (negative control) its
+    base variant, and the two prefills differ; the first chunk keeps its exact base variant either way."""
+    engine, system, chunks, report = fused
+    question = random_ids(engine.adapter.shape.vocab_size, (7,), seed=6)[0]
+    ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)
+    by_id = {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}
+    neighbours = tuple(engine.meta_key(chunks[j]) for j in report.neighbours[2])
+    base_config = engine.config
+    try:
+        engine.config = base_config.replace(default_variant="fused")
+        fused_choices = engine.plan_variants(ids, offsets)
+        fused_out, fused_stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    finally:
+        engine.config = base_config
+    base_choices = engine.plan_variants(ids, offsets)
+    base_out, _ = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    assert by_id[fused_choices[2].variant_id].prefix == neighbours
+    assert fused_stats.chunks_hit == len(offsets) and fused_stats.chunk_cfo[2] == pytest.approx(
+        by_id[fused_choices[2].variant_id].cci)
+    assert by_id[base_choices[2].variant_id].prefix == ()  # negative control
+    assert fused_choices[1].variant_id == base_choices[1].variant_id  # chunk 0 is first: its exact base variant
+    assert by_id[fused_choices[2].variant_id].prefix != by_id[base_choices[2].variant_id].prefix
+    assert (fused_out.logits - base_out.logits).abs().max() > 1e-4
 
 
 def test_the_variant_is_what_a_full_reuse_pass_computes_for_the_chunk_there(fused, adapter):

@@ -6,7 +6,10 @@
 - a second run sends nothing;
 - a served prompt that holds the neighbour before the chunk loads the variant at CFO 0; with the
   chunks the other way round it does not;
-- the CLI runs it end to end with the lexical embedder.
+- an engine serving `default_variant: fused` loads the neighbour variant after unrelated chunks (the base
+  engine, the negative control, the base variant);
+- the CLI runs it end to end with the lexical embedder; `--fuse-neighbours` alone means 10, and more than
+  `max_variant_prefix_chunks` fails before any engine starts.
 """
 
 from __future__ import annotations
@@ -114,6 +117,35 @@ def test_a_variant_whose_row_never_landed_is_stored_again_on_resume(engine, toke
         assert any(r.prefix for r in meta.variants(key))
 
 
+def test_an_engine_serving_default_variant_fused_loads_the_neighbour_variant_after_unrelated_chunks(
+        engine, model_dir, tokenizer):
+    """Chunk 2's neighbour is 3; after chunk 0 alone an engine with `default_variant: fused` (its scheduler's
+    index plans it) loads chunk 2's neighbour variant, at that variant's own CFO (alpha x its CCI, above the
+    base variant's 0.5); the base engine over the same store (negative control) loads the base variant."""
+    from cachefuse.offline.neighbour_precompute import precompute_neighbours
+
+    llm, store = engine
+    assert precompute_neighbours(llm, tokenizer, SYSTEM, CHUNKS, 1, store_dir=store, embedder=pairs_embedder,
+                                 progress=False).ok  # stored by the tests above, or now
+    keys = [worker_side().engine.meta_key(tokenize_piece(tokenizer, text)) for text in CHUNKS]
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        (variant,) = [r for r in meta.variants(keys[2]) if r.prefix]
+    assert variant.prefix == (keys[3],) and variant.cci > 0.5
+    prompt = build_rag_prompt(tokenizer, SYSTEM, [CHUNKS[0], CHUNKS[2]], "Question: how far is the tower?")
+    params = [{"cachefuse": {**prompt.kv_transfer_params()["cachefuse"], "selector": "cachecraft"}}]
+    (base,) = generate(llm, [prompt.token_ids], params)
+    fused_llm = start_engine(model_dir, store, collect_attention_stats=True, memory_capacity_bytes=0,
+                             default_variant="fused")
+    try:
+        (fused,) = generate(fused_llm, [prompt.token_ids], params)
+    finally:
+        stop_engine(fused_llm)
+    fused, base = fused.kv_transfer_params["cachefuse"], base.kv_transfer_params["cachefuse"]
+    assert fused["status"] == "fused" and fused["chunk_cfo"][2] == pytest.approx(variant.cci, rel=1e-6), fused
+    assert base["status"] == "fused" and base["chunk_cfo"][2] == 0.5, base  # negative control: the base variant
+    assert fused["chunk_cfo"][1] == base["chunk_cfo"][1] == 0.0  # chunk 0 is first: exact either way
+
+
 def test_cli_fuse_neighbours_with_the_lexical_embedder(model_dir, tmp_path):
     chunks = tmp_path / "chunks.jsonl"
     chunks.write_text("".join(json.dumps({"text": text, "id": f"doc{i}"}) + "\n" for i, text in enumerate(CHUNKS)))
@@ -139,3 +171,19 @@ def test_cli_fuse_neighbours_needs_a_system_prompt(model_dir, tmp_path, capsys):
         main(["precompute", "--model", str(model_dir), "--chunks", str(chunks), "--store", str(tmp_path / "s"),
               "--fuse-neighbours", "1"])
     assert "--fuse-neighbours needs --system" in capsys.readouterr().err
+
+
+def test_cli_fuse_neighbours_defaults_to_ten_and_refuses_more_than_the_prefix_cap(model_dir, tmp_path, capsys):
+    from cachefuse.cli.main import build_parser, main
+
+    chunks = tmp_path / "chunks.jsonl"
+    chunks.write_text(json.dumps({"text": CHUNKS[0]}) + "\n")
+    base = ["precompute", "--model", str(model_dir), "--chunks", str(chunks), "--store", str(tmp_path / "s")]
+    assert build_parser().parse_args([*base, "--fuse-neighbours"]).fuse_neighbours == 10  # the paper's top-n
+    assert build_parser().parse_args(base).fuse_neighbours == 0  # without the flag: base variants only
+    config = tmp_path / "cachefuse.yaml"
+    config.write_text("max_variant_prefix_chunks: 4\n")
+    with pytest.raises(SystemExit):
+        main([*base, "--system", SYSTEM, "--config", str(config), "--fuse-neighbours", "5"])
+    err = capsys.readouterr().err
+    assert "--fuse-neighbours 5 is more than max_variant_prefix_chunks=4" in err and "4 or less" in err, err
