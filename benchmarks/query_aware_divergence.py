@@ -1,6 +1,7 @@
 """Why query-aware selectors keep the first token and lose the answer: per-position divergence on SmolLM2.
 
-    make model && python benchmarks/query_aware_divergence.py          # ~10 min on 1 CPU thread (20 items)
+    make model && python benchmarks/query_aware_divergence.py             # ~12 min on 1 CPU thread (40 items)
+    python benchmarks/query_aware_divergence.py --remedies --out /tmp/remedies.json   # ~18 min: the two remedies
     python benchmarks/query_aware_divergence.py --items 2 --out /tmp/div.json   # a smoke run
 
 Issue 30 item 6: at 15% the query-aware selectors (fusionrag, qcfuse) keep the *first* answer token
@@ -298,7 +299,7 @@ def write_report(report: dict, path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=smollm2.DEFAULT_DIR)
-    parser.add_argument("--items", type=int, default=20)
+    parser.add_argument("--items", type=int, default=40)
     parser.add_argument("--first-item", type=int, default=0)
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--threads", type=int, default=1)
