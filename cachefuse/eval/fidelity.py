@@ -2,7 +2,8 @@
 
 Imports torch and transformers (for the decode cache); works on FuseResults of the reference engine.
 Metrics: per-layer relative K/V deviation, KL(full || fused) of the last-token distribution,
-top-1 agreement, and how many greedy continuation tokens match before the first divergence.
+top-1 agreement, how many greedy continuation tokens match before the first divergence, and the
+per-position divergence of a continuation teacher-forced on the same tokens (`teacher_forced_logits`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,29 @@ def greedy_continuation(adapter: HFAdapter, result: FuseResult, num_tokens: int)
         tokens.append(token)
         position += 1
     return tokens
+
+
+@torch.inference_mode()
+def teacher_forced_logits(adapter: HFAdapter, result: FuseResult, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] fp32: the distribution of continuation token i (i = 0: the prefill's own
+    logits) when `tokens[:i]` are fed after the prompt's fused K/V, one forward for all of them.
+
+    Feeding every setting the same tokens (full prefill's greedy continuation) compares their
+    distributions position by position, where free greedy decoding stops comparing at the first
+    different token."""
+    from transformers import DynamicCache
+
+    rows = [result.logits.float()[None]]
+    if len(tokens) > 1:
+        cache = DynamicCache(ddp_cache_data=[
+            (k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous())
+            for k, v in zip(result.k, result.v, strict=True)])
+        start = result.k[0].shape[0]
+        out = adapter.model(torch.tensor([tokens[:-1]]),
+                            position_ids=torch.arange(start, start + len(tokens) - 1)[None],
+                            past_key_values=cache, use_cache=True)
+        rows.append(out.logits[0].float())
+    return torch.cat(rows)
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:

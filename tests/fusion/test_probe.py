@@ -260,3 +260,54 @@ def test_probe_attends_to_the_last_position_once_when_the_prompt_ends_inside_a_l
         scores.append(probe.scores)
         assert probe.num_view_rows == len(ids) - 1  # every loaded row but the last token's
     assert torch.equal(scores[0], scores[1])
+
+
+def _tail_kv_over(adapter, ids: list[int], positions: list[int], past_k, past_v, tail: int):
+    """transformers' own K/V of the last `tail` of `ids` (at `positions`) after a cache holding `past_k/v`
+    for the ids before them (None: no cache, every id is fed): [layers] of ([tail, kv_heads, dim], ...)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if past_k is not None:
+        cache = DynamicCache(ddp_cache_data=[(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous())
+                                             for k, v in zip(past_k, past_v, strict=True)])
+        ids, positions = ids[-tail:], positions[-tail:]
+    with torch.inference_mode():
+        adapter.model(torch.tensor([ids]), position_ids=torch.tensor([positions]), past_key_values=cache,
+                      use_cache=True)
+    return [(layer.keys[0, :, -tail:].transpose(0, 1), layer.values[0, :, -tail:].transpose(0, 1))
+            for layer in cache.layers]
+
+
+@pytest.mark.parametrize("setting", ["fusionrag", "qclast"])
+def test_question_rows_continue_from_the_fused_context_not_the_probes_view(adapter, loaded_case, setting):
+    """Issue 30 item 6: what decoding continues from after a query-aware pass. The question rows' and the
+    last token's K/V in the fused result (what `greedy_continuation` and vLLM decode over) are transformers'
+    own forward of those tokens after the fused K/V of every row before them, in every layer: the probe's
+    K/V, computed over its own view, are not left behind. Negative control: the probe's own K/V of the tail
+    differ from them (fusionrag's full view: full reuse's pass; the question-only view: transformers over the
+    compact [system, hole, question] sequence at the request's positions), so a pass that kept the probe's
+    rows would fail the first assertion."""
+    engine, case, segments, _ = loaded_case
+    fields = {"qcfuse_layers": "last", "qcfuse_view": "question_only"} if setting == "qclast" else {}
+    selector = make_selector("qcfuse" if setting == "qclast" else setting, CacheFuseConfig().replace(**fields))
+    fused, stats = engine.prefill(case.token_ids, case.chunks, selector=selector, ratio=0.3, save_holes=False)
+    assert 0 < fused.num_selected < fused.num_candidates
+    start = segments[-1].start  # the question: every row after the last declared chunk
+    tail = len(case.token_ids) - start
+    expected = _tail_kv_over(adapter, case.token_ids, list(range(len(case.token_ids))),
+                             [k[:start] for k in fused.k], [v[:start] for v in fused.v], tail)
+    for (k, v), k_fused, v_fused in zip(expected, fused.k, fused.v, strict=True):
+        torch.testing.assert_close(k_fused[start:], k, **TOL)
+        torch.testing.assert_close(v_fused[start:], v, **TOL)
+
+    if setting == "fusionrag":  # its probe's view is every loaded row: full reuse's pass, up to its depth
+        reuse, _ = engine.prefill(case.token_ids, case.chunks, selector="full_reuse", save_holes=False)
+        probes_own = [(k[start:], v[start:]) for k, v in zip(reuse.k, reuse.v, strict=True)]
+    else:
+        hole = segments[2]
+        view = list(range(case.chunks[0][1])) + list(range(hole.start, hole.end)) + list(
+            range(start, len(case.token_ids)))  # system, the hole (a forced row), the question
+        probes_own = _tail_kv_over(adapter, [case.token_ids[p] for p in view], view, None, None, tail)
+    deepest = max((k_fused[start:] - k).abs().max() for (k, _), k_fused in zip(probes_own, fused.k, strict=True))
+    assert deepest > 1e-3
