@@ -39,7 +39,7 @@ def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
 
     Each tensor pair's reduction is `ops.row_sq_dist` (a Triton kernel on CUDA, its twin
     cachefuse.deviation.row_sq_dist elsewhere). `reduce` sums a per-row partial score over
-    tensor-parallel ranks (SelectionContext.reduce).
+    tensor-parallel ranks (SelectionContext.reduce), once per call: metric "kv" sums K's and V's together.
     """
 
     def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -50,8 +50,10 @@ def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
         return _damaged_first(sq_dist(kv.fresh_k_nope, kv.loaded_k_nope))
     if metric == "v":
         return _damaged_first(sq_dist(kv.fresh_v, kv.loaded_v))
-    dev_k = sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
-    dev_v = sq_dist(kv.fresh_v, kv.loaded_v)
+    # K's and V's partial sums cross the ranks in one reduction: with two, a rank failing between them (in
+    # V's distance) left the others waiting in the second, where no agreement precedes it
+    partial = torch.stack([ops.row_sq_dist(kv.fresh_k_nope, kv.loaded_k_nope), ops.row_sq_dist(kv.fresh_v, kv.loaded_v)])
+    dev_k, dev_v = partial if reduce is None else reduce(partial)
     return _damaged_first(dev_k / _finite_mean(dev_k) + dev_v / _finite_mean(dev_v))
 
 

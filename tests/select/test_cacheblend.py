@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from cachefuse import deviation
 from cachefuse.config import CacheFuseConfig
 from cachefuse.select.base import CheckLayerKV, num_rows_for_ratio
 from cachefuse.select.cacheblend import kv_deviation
@@ -117,3 +118,29 @@ def test_a_damaged_row_is_recomputed_and_leaves_the_others_ranking_alone(metric,
         expected = kv_deviation(CheckLayerKV(*(t[keep] for t in (kv.rows, kv.fresh_k_nope, kv.fresh_v, loaded_k,
                                                                   loaded_v))), metric)
     torch.testing.assert_close(others, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("metric", ["k", "v", "kv"])
+def test_the_rank_sum_is_one_reduction_per_check_layer(metric):
+    """Under tensor parallelism each rank's partial deviations are summed over the ranks (`reduce`, an
+    all-reduce preceded by the ranks' agreement that none failed). `kv` once made two sums, K's then V's, so
+    a rank failing between them left the others in the second one; now K and V cross in one. Each rank's
+    partial sums add up to the deviation of all its heads: two "ranks" holding one head each, summed, score
+    the rows as one rank holding both."""
+    kv = check_kv(torch.arange(6), 2)  # two KV heads
+    ranks = [CheckLayerKV(kv.rows, *(t[:, head:head + 1] for t in (kv.fresh_k_nope, kv.fresh_v, kv.loaded_k_nope,
+                                                                     kv.loaded_v))) for head in (0, 1)]
+    calls = []
+
+    def reduce_over(rank_index):
+        def reduce(partial):  # what an all-reduce returns: this rank's partial plus the other rank's
+            calls.append(partial.shape)
+            other = ranks[1 - rank_index]
+            parts = [deviation.row_sq_dist(other.fresh_k_nope, other.loaded_k_nope),
+                     deviation.row_sq_dist(other.fresh_v, other.loaded_v)]
+            return partial + (torch.stack(parts) if partial.dim() == 2 else parts[0 if metric == "k" else 1])
+        return reduce
+
+    summed = kv_deviation(ranks[0], metric, reduce_over(0))
+    assert len(calls) == 1
+    torch.testing.assert_close(summed, kv_deviation(kv, metric), rtol=1e-5, atol=0)
