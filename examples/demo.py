@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"prompt: {prompt.num_tokens} tokens = system {len(system_ids)} + {len(chunk_ids)} documents "
           f"({', '.join(str(len(c)) for c in chunk_ids)}) + question {prompt.question[1] - prompt.question[0]}; "
           f"the answer needs documents {sorted(i for i in evidence)}, the others are distractors")
-    print(f"precomputed {len(chunk_ids) + 1} chunk caches into {store_dir} in {precompute_s:.1f} s\n")
+    stored_by = "by the survey (part 2)" if args.item is None else f"in {precompute_s:.1f} s"
+    print(f"precomputed {len(chunk_ids) + 1} chunk caches into {store_dir} {stored_by}\n")
     for number, text in enumerate(item.chunks, start=1):
         label = "evidence" if number in evidence else "distractor"
         print(f"  document {number} ({label}): {' '.join(text.split())[:110]}...")

@@ -404,7 +404,8 @@ class FusionEngine:
         queued for the background saver (`save_in_background`), the request's path then only copying them
         out. Written now, the metadata calls wait within `wait` (None: `sync_save`, offline, waits as long
         as SQLite)."""
-        places = HolePlaces(token_ids, exact_rows_end(result, segments, exact_loaded))
+        # exact_rows_end reads every selective layer's rows: only for a pass that has holes to place
+        places = HolePlaces(token_ids, exact_rows_end(result, segments, exact_loaded)) if result.hole_segments else None
         saves = hole_saves(result, segments, keys, meta_keys, ratio, self.adapter.rope_spec,
                            self.config.max_variant_prefix_chunks, places)
         if self.saver is not None and not inline:

@@ -144,13 +144,11 @@ class _CachedContext:
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated at request positions) and V of the view rows, in `view_positions` order."""
-        if not self.parts:
-            return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
         # Only the view's rows travel to the model's device (anchors: ~r_a of each chunk; none of a chunk
         # outside a question-only view, which is not read at all).
         pairs = [self.source.rows(index, layer, offsets) for index, offsets, _, _ in self.parts
                  if offsets is None or offsets.numel()]
-        if not pairs:
+        if not pairs:  # no loaded chunk, or a question-only view
             return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device)
         k_nope = torch.cat([k.to(self.device, non_blocking=True) for k, _ in pairs])
         v = torch.cat([v.to(self.device, non_blocking=True) for _, v in pairs])
