@@ -80,7 +80,7 @@ def main() -> None:
     report = {
         "model": str(model_dir), "tp_size": 2, "num_layers": num_layers, "status": stats["status"],
         "latency_us": latency,
-        "agreements_per_request": counts[0]["agreements"], "score_sum_agreements": counts[0]["score_sum_agreements"],
+        "agreements_per_request": counts[0]["agreements"],
         "agreements_per_layer": counts[0]["agreements"] / num_layers,
         "blend_time_ms": {k: [round(1e3 * t, 3) for t in v] for k, v in blend.items()},
         "blend_time_median_ms": {k: round(1e3 * statistics.median(v), 3) for k, v in blend.items()},
@@ -124,7 +124,7 @@ def count_agreements(worker, start: bool) -> dict | None:
     side = get_kv_transfer_group()._worker
     if start:
         agree = side.pass_agreement
-        counter = {"agreements": 0, "score_sums": side.engine.fusor.reduce_scores.calls}
+        counter = {"agreements": 0}
 
         def counted(failed):
             counter["agreements"] += 1
@@ -135,14 +135,12 @@ def count_agreements(worker, start: bool) -> dict | None:
         return None
     counted = side.pass_agreement
     side.pass_agreement = side.passes.agree = counted.inner
-    score_sums = side.engine.fusor.reduce_scores.calls - counted.counter["score_sums"]
-    return {"agreements": counted.counter["agreements"] + score_sums, "score_sum_agreements": score_sums,
-            "num_layers": side.adapter.shape.num_layers}
+    # The score sums are RankSum ops of the batch: they need no agreement of their own
+    return {"agreements": counted.counter["agreements"], "num_layers": side.adapter.shape.num_layers}
 
 
 def switch_agreement(worker, on: bool) -> None:
-    """The PassBatch agreement on or off in this worker (off: what the blend cost before it; the score
-    sum's own agreement stays)."""
+    """The PassBatch agreement on or off in this worker (off: what the blend cost before it)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     side = get_kv_transfer_group()._worker

@@ -18,12 +18,16 @@ yields `LayerDone` after every layer: the points where `advance` may stop within
 resume in a later engine step (a split blend), with no timer running while it waits.
 
 Under tensor parallelism every rank runs the same passes in the same order, and the model's ops hold
-collectives (the row-parallel all-reduces of `Output`, the embedding's, the logits' gather). A pass that
-fails on one rank only must fail on all before any of them enters the next collective, or the others
-wait in it for good. With `agree` set, a pass that fails or ends here is only marked; before every op
-group is chosen (and after a cohort starts), one `agree` call (an all-reduce of a flag per pass) makes a
-failure anywhere a failure everywhere (`OtherRankFailed`), and only then are passes retired. So the ranks
-always choose the same group, passes at different layers included (a split blend beside a newer one).
+collectives (the row-parallel all-reduces of `Output`, the embedding's, the logits' gather), and a pass
+has collectives of its own: the ranks' agreement on its hits and the sums of its per-row scores (each rank
+scores its own heads). Every one of them is an op the pass yields (`RankSum` for the pass's own), so no
+pass code runs a collective: pass code runs only between ops. A pass that fails on one rank only must
+fail on all before any of them enters the next collective, or the others wait in it for good. With
+`agree` set, a pass that fails or ends here is only marked; before every op group is chosen (and after a
+cohort starts), one `agree` call (an all-reduce of a flag per pass) makes a failure anywhere a failure
+everywhere (`OtherRankFailed`), and only then are passes retired. So the ranks always choose the same
+group, passes at different layers included (a split blend beside a newer one), and wherever a pass fails
+(its start, its question probe, its selection, a layer) the others never wait in a collective for it.
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ from typing import Any
 
 import torch
 
-# The stages of one layer, in the order a pass yields them (`PassOp.key` orders a batch by them).
-EMBED, PROJECT, ATTEND, OUTPUT, LAYER_DONE, LOGITS = range(6)
+# The stages of one layer, in the order a pass yields them, and RANK_SUM wherever a pass sums over the ranks
+# (`op_key` groups the ops of a batch by layer and stage).
+EMBED, PROJECT, ATTEND, OUTPUT, LAYER_DONE, LOGITS, RANK_SUM = range(7)
+START_LAYER = -1
+"""The `layer` of the ops a pass yields before its first layer (its hit agreement, its embedding)."""
 
 Agreement = Callable[[list[bool]], list[bool]]
 """(whether each pass failed on this rank) -> (whether it failed on any rank): a collective, called with
@@ -52,7 +59,7 @@ class Embed:
 
     token_ids: torch.Tensor
     stage = EMBED
-    layer = -1
+    layer = START_LAYER
 
 
 @dataclass
@@ -110,7 +117,19 @@ class Logits:
     layer = 1 << 30
 
 
-PassOp = Embed | Project | Attend | Output | LayerDone | Logits
+@dataclass
+class RankSum:
+    """`values` summed over the tensor-parallel ranks (one all-reduce for every pass of the group, their
+    values concatenated): the pass's own collectives, its agreement on hits before its first layer and
+    its score sums (each rank scores only its own heads). Yielded only under tensor parallelism."""
+
+    values: torch.Tensor
+    layer: int
+    """START_LAYER for the hit agreement; else the layer whose scores are summed."""
+    stage = RANK_SUM
+
+
+PassOp = Embed | Project | Attend | Output | LayerDone | Logits | RankSum
 PassSteps = Generator[PassOp, Any, Any]
 """A blend pass: yields ops, is sent each op's result, returns its result."""
 ExecuteOps = Callable[[list[Any]], list[Any]]
@@ -119,6 +138,11 @@ ExecuteOps = Callable[[list[Any]], list[Any]]
 
 def op_key(op: Any) -> tuple[int, int]:
     return op.layer, op.stage
+
+
+def at_start(op: Any) -> bool:
+    """Whether a pass waiting on `op` has not begun its first layer (it can still join a cohort)."""
+    return op.layer == START_LAYER
 
 
 def run_alone(steps: PassSteps, execute: ExecuteOps) -> Any:
@@ -217,15 +241,18 @@ class PassBatch:
                 break
             over = budget_rows is not None and done.rows >= budget_rows
             oldest = self._live()[0]
-            if oldest.op is None or isinstance(oldest.op, Embed):
+            if oldest.op is None or at_start(oldest.op):
                 if over:
                     break
-                group = self._cohort(None if budget_rows is None else budget_rows - done.rows, done)
+                cohort = self._cohort(None if budget_rows is None else budget_rows - done.rows, done)
                 if self.agree is not None:  # starting them ran pass code that may have failed on one rank
                     self._agree(done)
-                    group = [job for job in group if job.settled is None]
-                if not group:
+                    cohort = [job for job in cohort if job.settled is None]
+                if not cohort:
                     continue  # every pass of it failed or ended on starting
+                # Its passes wait at their hit agreement or their embedding: the first one's op runs first
+                key = op_key(cohort[0].op)
+                group = [job for job in cohort if op_key(job.op) == key]
             else:
                 if over and isinstance(oldest.op, LayerDone):
                     break
@@ -254,19 +281,19 @@ class PassBatch:
                 (done.finished if kind == "finished" else done.failed)[job.job_id] = value
 
     def _cohort(self, budget_left: float | None, done: Advanced) -> list[_Job]:
-        """Starts the oldest waiting pass and those behind it that fit `budget_left`; those at their
-        embedding are the cohort."""
+        """Starts the oldest waiting pass and those behind it that fit `budget_left`; those still before
+        their first layer are the cohort."""
         cohort: list[_Job] = []
         rows = 0.0
         for job in self._live():
-            if job.op is not None and not isinstance(job.op, Embed):
+            if job.op is not None and not at_start(job.op):
                 continue  # mid-pass, in a cohort ahead
             if cohort and budget_left is not None and rows + job.estimated_rows > budget_left:
                 break
             if job.op is None:
                 self._mark_worked(job)
                 self._send(job, None, done)
-            if job.settled is None and job in self.jobs and isinstance(job.op, Embed):
+            if job.settled is None and job in self.jobs and at_start(job.op):
                 cohort.append(job)
                 rows += job.estimated_rows
         return cohort

@@ -4,7 +4,8 @@ Imports torch and cachefuse.fusion.batch; never vllm. Rows of every pass are con
 op (embedding, norm + projections + RoPE, o_proj + MLP, logits) is called once for all of them: each is
 row-wise, so a row's result is the one it gets alone. Attention is the exception: each request's rows
 attend only to its own merged K/V, through one varlen call for the passes on the fusor's own attention,
-one `attend_many` call for a backend that has it (vLLM's paged kernel), or one call per request.
+one `attend_many` call for a backend that has it (vLLM's paged kernel), or one call per request. The
+passes' sums over the tensor-parallel ranks (`RankSum`) cross the ranks in one all-reduce.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 
 import torch
 
-from cachefuse.fusion.batch import Attend, Embed, Logits, Output, Project, split_rows
+from cachefuse.fusion.batch import Attend, Embed, Logits, Output, Project, RankSum, split_rows
 
 
 def run_ops(ops: list[Any], adapter: Any, attend_one: Callable[..., torch.Tensor],
-            varlen_rows_attention: Callable[..., torch.Tensor], block_rows: int) -> list[Any]:
+            varlen_rows_attention: Callable[..., torch.Tensor], block_rows: int,
+            sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[Any]:
     """The results of `ops` (one per pass, same stage and layer), in order.
 
     Args:
@@ -28,8 +30,12 @@ def run_ops(ops: list[Any], adapter: Any, attend_one: Callable[..., torch.Tensor
         varlen_rows_attention: (q, q_positions, cu_rows, k, v, cu_keys, scale, block_rows): selected rows
             of several requests, each over its own keys (ops.varlen_rows_attention).
         block_rows: rows per attention block.
+        sum_over_ranks: an all-reduce (sum) over the tensor-parallel group; None: one rank (a pass yields
+            no RankSum then).
     """
     first = ops[0]
+    if isinstance(first, RankSum):
+        return _sum_over_ranks(ops, sum_over_ranks)
     if isinstance(first, Attend):
         return _attend_many(ops, attend_one, varlen_rows_attention, adapter.shape.scaling, block_rows,
                             adapter.shape.window(first.layer))
@@ -89,6 +95,18 @@ def _varlen_rows(ops: list[Attend], varlen_rows_attention: Callable[..., torch.T
         _cat([op.q for op in ops]), _cat([op.query_rows for op in ops]), cu_rows,
         _cat([op.k for op in ops]), _cat([op.v for op in ops]), cu_keys, scale, block_rows, **window_kwargs(window))
     return split_rows(attn, [op.q.shape[0] for op in ops])
+
+
+def _sum_over_ranks(ops: list[RankSum], sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None
+                    ) -> list[torch.Tensor]:
+    """Each pass's values summed over the ranks, in one all-reduce of all of them (fp32: the hit flags are
+    small integers, exact in it, and the scores are fp32 already)."""
+    if sum_over_ranks is None:
+        raise RuntimeError("a pass asked for a sum over tensor-parallel ranks in an engine of one rank")
+    flat = [op.values.float().flatten() for op in ops]
+    summed = sum_over_ranks(torch.cat(flat))  # a copy: an all-reduce may sum in place
+    return [part.view(op.values.shape) for part, op in zip(split_rows(summed, [t.numel() for t in flat]), ops,
+                                                            strict=True)]
 
 
 def window_kwargs(window: int | None) -> dict[str, int]:

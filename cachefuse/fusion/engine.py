@@ -31,7 +31,7 @@ from cachefuse.chunks import KeyContext, Segment, chunk_key, place_hash, place_h
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore, QueueDepth
-from cachefuse.fusion.batch import PassSteps, run_alone
+from cachefuse.fusion.batch import START_LAYER, PassSteps, RankSum, run_alone
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FusePlan, FuseRequest, FuseResult
 from cachefuse.fusion.saving import (
@@ -44,7 +44,7 @@ from cachefuse.fusion.saving import (
     with_key_norm_anchors,
 )
 from cachefuse.fusion.stats import FusionStats, PassLoads, pass_stats
-from cachefuse.loading.entries import EntryReader, LoadBudget, LoadFigures, RankAgreement
+from cachefuse.loading.entries import EntryReader, LoadBudget, LoadFigures, keep_agreed_hits
 from cachefuse.loading.loader import LayerUnavailable, store_layer_fetcher
 from cachefuse.loading.probe_reads import StoreProbeReads, supports_probe_reads
 from cachefuse.metadata.base import MetaStore, VariantRecord, WaitBudget, waiting_within
@@ -70,14 +70,14 @@ class RankGroup:
     entries use the engine's own `key_context`. None: the engine's own."""
     writes_metadata: bool = True
     """False on ranks other than 0 (rank 0 owns the metadata rows; the others store and load K/V only)."""
-    reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """An all-reduce (sum) over the ranks: every rank scores only its own heads, the sum makes all ranks
-    pick the same rows (Fusor)."""
-    rank_agreement: RankAgreement | None = None
-    """(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed); a
-    collective, so every rank calls it once per pass, before the pass. Set, it makes loading serial
-    (every miss is known before the first layer): ranks that disagree on a hit would recompute different
-    rows and the model's collectives would deadlock."""
+    size: int = 1
+    """Ranks in the tensor-parallel group."""
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """An all-reduce (sum) over the ranks (None: one rank). Passes never call it: they yield RankSum ops
+    (cachefuse.fusion.batch) that the batch runs through it, after the ranks' agreement that no pass of
+    the batch failed. Every rank scores only its own heads, and the sums make all ranks pick the same rows;
+    the ranks agree on the hits before the pass, so loading is serial (every miss known before the first
+    layer): ranks that disagree on a hit would recompute different rows and their collectives deadlock."""
 
 
 class FusionEngine:
@@ -101,11 +101,11 @@ class FusionEngine:
         ranks = RankGroup() if ranks is None else ranks
         self.meta_key_context = ranks.meta_key_context or key_context
         self.writes_metadata = ranks.writes_metadata
-        self.rank_agreement = ranks.rank_agreement
+        self.ranks = ranks
         self.metastore: MetaStore = metastore if metastore is not None else SqliteMetaStore(
             ":memory:", max_variants=config.max_variants, policy=config.eviction_policy)
         self.saver: BackgroundSaver | None = None
-        self.fusor = Fusor(adapter, block_rows=config.attention_block_rows, reduce_scores=ranks.reduce_scores,
+        self.fusor = Fusor(adapter, block_rows=config.attention_block_rows, sum_over_ranks=ranks.sum_over_ranks,
                            clock=clock)
         self.clock = clock
 
@@ -333,17 +333,19 @@ class FusionEngine:
         """
         depth = self.config.preload_depth if plan.preload_depth is None else plan.preload_depth
         depth = DEFAULT_PRELOAD_DEPTH if depth is None else depth
-        if self.rank_agreement is not None:
-            depth = 0  # serial: every miss is known before the first layer (see rank_agreement)
+        if self.ranks.sum_over_ranks is not None:
+            depth = 0  # serial: every miss is known before the first layer (RankGroup.sum_over_ranks)
         probes = selector.probe_spec(self.adapter.shape.num_layers) is not None
         if probes and not supports_probe_reads(self.store):
             depth = 0  # the question probe reads whole entries before the pass starts
         if depth == 0:
             reader = self._reader(budget)
-            if self.rank_agreement is None:
-                loaded, miss_reasons = reader.read(segments, keys, figures)
-            else:
-                loaded, miss_reasons = reader.read_agreed(segments, keys, figures, self.rank_agreement)
+            loaded, miss_reasons = reader.read(segments, keys, figures)
+            if self.ranks.sum_over_ranks is not None and keys:  # the ranks agree on the hits (a RankSum op)
+                indices = sorted(keys)
+                hits = torch.tensor([float(i in loaded) for i in indices], device=ids.device)
+                counts = (yield RankSum(hits, START_LAYER)).tolist()
+                keep_agreed_hits(loaded, miss_reasons, indices, counts, self.ranks.size)
             result = yield from self._fuse_whole(ids, segments, loaded, plan, selector, reuse)
             return result, loaded, miss_reasons, sum(entry.nbytes for entry in loaded.values())
         miss_reasons = Counter()

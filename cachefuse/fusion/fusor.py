@@ -31,11 +31,22 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
 from cachefuse.chunks import Segment
-from cachefuse.fusion.batch import Attend, Embed, LayerDone, Logits, Output, PassSteps, Project, run_alone
+from cachefuse.fusion.batch import (
+    START_LAYER,
+    Attend,
+    Embed,
+    LayerDone,
+    Logits,
+    Output,
+    PassSteps,
+    Project,
+    RankSum,
+    run_alone,
+)
 from cachefuse.fusion.batch_ops import run_ops, window_kwargs
 from cachefuse.fusion.layers import LoadedLayers
 from cachefuse.fusion.plan import FuseRequest, FuseResult
-from cachefuse.fusion.probe import EntrySource, ProbeResult, ProbeSource, run_probe
+from cachefuse.fusion.probe import EntrySource, ProbeResult, ProbeSource, probe_steps
 from cachefuse.select.base import CheckLayerKV, SelectionContext, Selector
 from cachefuse.store.base import ChunkKV
 
@@ -45,7 +56,7 @@ RowsAttention = Callable[..., torch.Tensor]
 class _RequestLayout:
     """Per-request row bookkeeping: which rows are loaded, candidates or forced."""
 
-    def __init__(self, request: FuseRequest, num_layers: int, device: torch.device, reduce_scores=None) -> None:
+    def __init__(self, request: FuseRequest, num_layers: int, device: torch.device) -> None:
         num_tokens = int(request.token_ids.numel())
         is_loaded = torch.zeros(num_tokens, dtype=torch.bool, device=device)
         is_candidate = torch.zeros(num_tokens, dtype=torch.bool, device=device)
@@ -76,8 +87,7 @@ class _RequestLayout:
         self.ctx = SelectionContext(
             num_tokens=num_tokens, num_layers=num_layers, segments=tuple(request.segments),
             candidate_rows=is_candidate.nonzero().flatten(),
-            candidate_segments=tuple(candidate_segments), ratio=float(request.ratio),
-            reduce_scores=reduce_scores, reuse=dict(request.reuse))
+            candidate_segments=tuple(candidate_segments), ratio=float(request.ratio), reuse=dict(request.reuse))
 
     def with_forced(self, selected: torch.Tensor) -> torch.Tensor:
         return torch.cat([selected, self.forced_rows]).unique(sorted=True)
@@ -104,8 +114,9 @@ class Fusor:
         attention_fn: rows attention (q, q_positions, k, v, scale, block_rows, and `window=` for a layer with a
             sliding window): ops.rows_attention, the Triton sparse-query kernel on CUDA and its torch twin
             elsewhere; tests substitute it.
-        reduce_scores: under tensor parallelism an all-reduce (sum) over the ranks, so every rank
-            selects the same rows from scores over all heads; None on one rank.
+        sum_over_ranks: under tensor parallelism an all-reduce (sum) over the ranks, so every rank
+            selects the same rows from scores over all heads (and agrees on hits); None on one rank. The
+            pass never calls it: it yields RankSum ops, which `execute_ops` runs through it.
         clock: time source of the layer and probe timings on a CPU (injectable: tests never read wall
             time); on a GPU the default clock gives way to CUDA events.
         varlen_attention_fn: rows attention of several requests in one call (q, q_positions, cu_rows, k,
@@ -117,14 +128,14 @@ class Fusor:
 
     def __init__(self, adapter: ModelAdapter, block_rows: int = 64,
                  attention_fn: RowsAttention = ops.rows_attention,
-                 reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  varlen_attention_fn: RowsAttention = ops.varlen_rows_attention) -> None:
         self.adapter = adapter
         self.block_rows = block_rows
         self.attention_fn = attention_fn
         self.varlen_attention_fn = varlen_attention_fn
-        self.reduce_scores = reduce_scores
+        self.sum_over_ranks = sum_over_ranks
         self.clock = clock
 
     def fuse(self, request: FuseRequest, selector: Selector) -> FuseResult:
@@ -136,10 +147,10 @@ class Fusor:
         """The pass as a generator of the row-wise ops it needs (cachefuse.fusion.batch): run alone
         (`fuse`) or batched with other requests' passes and split across engine steps (PassBatch)."""
         shape = self.adapter.shape
-        layout = _RequestLayout(request, shape.num_layers, self.adapter.device, self.reduce_scores)
+        layout = _RequestLayout(request, shape.num_layers, self.adapter.device)
         num_full = selector.num_full_layers(shape.num_layers)
         check_layers = selector.check_layers(shape.num_layers)
-        probe = self._probe(request, selector, layout)
+        probe = yield from self._probe(request, selector, layout)
         # With no full layer the selection needs nothing the pass computes: it is made before any layer is
         # fetched (a query-aware selector selects, then loads, as QCFuse does).
         initial = selector.initial_rows(layout.ctx) if num_full == 0 else None
@@ -153,11 +164,12 @@ class Fusor:
     @torch.inference_mode()
     def execute_ops(self, ops: list[Any]) -> list[Any]:
         """One op of several passes (same stage, same layer) run as one (cachefuse.fusion.batch_ops)."""
-        return run_ops(ops, self.adapter, self._attend, self.varlen_attention_fn, self.block_rows)
+        return run_ops(ops, self.adapter, self._attend, self.varlen_attention_fn, self.block_rows, self.sum_over_ranks)
 
-    def _probe(self, request: FuseRequest, selector: Selector, layout: _RequestLayout
-               ) -> tuple[float, int, int] | None:
-        """Runs the question probe a query-aware selector asks for; its scores go into `layout.ctx`."""
+    def _probe(self, request: FuseRequest, selector: Selector, layout: _RequestLayout) -> PassSteps:
+        """Runs the question probe a query-aware selector asks for (its ops yielded, batched with the other
+        passes'); its scores go into `layout.ctx`. Returns (seconds, layers, rows) or None: no probe. Its
+        time includes waiting for the other passes of its batch, as a batched layer's does."""
         spec = selector.probe_spec(self.adapter.shape.num_layers)
         if spec is None:
             return None
@@ -169,12 +181,19 @@ class Fusor:
             source = request.probe_source
         timer = _LayerTimer(self.clock, layout.device)
         timer.start()
+        anchored = [index for index in source.indices()
+                    if spec.anchors_only and not spec.question_only and not request.segments[index].is_system]
+        summed: dict[int, torch.Tensor | None] = dict.fromkeys(anchored)
+        if anchored and self.sum_over_ranks is not None:  # every rank ranks by every head's keys: the same anchors
+            partials = [selector.probe_anchor_partials(request.segments[i], source.layer_keys(i)) for i in anchored]
+            total = yield RankSum(torch.cat(partials), START_LAYER)
+            summed = dict(zip(anchored, total.split([p.numel() for p in partials]), strict=True))
         anchors = {index: selector.probe_anchors(request.segments[index], source.layer_keys(index),
-                                                 source.meta(index))
-                   for index in source.indices()
-                   if spec.anchors_only and not request.segments[index].is_system}
-        result: ProbeResult = run_probe(self.adapter, layout.token_ids, request.segments, source,
-                                        layout.forced_rows, layout.ctx, spec, anchors, self.block_rows)
+                                                 source.meta(index), summed[index])
+                   for index in anchored}
+        result: ProbeResult = yield from probe_steps(
+            layout.token_ids, request.segments, source, layout.forced_rows, layout.ctx, spec, anchors,
+            self.adapter.shape, self.adapter.rope_spec, self.block_rows, across_ranks=self.sum_over_ranks is not None)
         layout.ctx = dataclasses.replace(layout.ctx, probe_scores=result.scores, probe_layer_scores=result.layer_scores)
         timer.stop()
         return timer.seconds()[0], result.num_layers_run, result.num_probe_rows
@@ -211,52 +230,50 @@ class Fusor:
             loaded_kv.advance(layer)  # blocks until this layer's chunk K/V are fetched (and rotated)
             row_positions = positions if rows is None else rows
             q, k, k_nope, v, residual = yield Project(layer, hidden, residual, row_positions)
-            agreements = getattr(self.reduce_scores, "calls", None)  # under tensor parallelism (see below)
-            try:
-                if rows is None:
-                    # Kept to the pass's end (keep_all_kv): their own memory, not views into the projection's
-                    # [T, q + 2 kv] output and the rotation's [T, q + kv] (6x and 5x the bytes on Llama-3-8B)
-                    k_merged, v_merged = (k.contiguous(), v.contiguous()) if keep_all_kv else (k, v)
-                else:
-                    k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
-                    k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
-                if keep_all_kv:
-                    out_k.append(k_merged)
-                    out_v.append(v_merged)
-                for seg in hole_spans:  # the only rows saving reads after the pass
-                    hole_kv[seg.start][0].append(k_merged[seg.start:seg.end].clone())
-                    hole_kv[seg.start][1].append(v_merged[seg.start:seg.end].clone())
-                rows_per_layer.append(rows)
-                window = adapter.shape.window(layer)
-                if stats is not None:  # before q is cut down to the continuing rows
-                    stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, window)
-                tracked = None  # the selector's narrowed rows after this layer (Cache-Craft's early termination)
-                if question is not None and layer < num_layers - 1:
-                    mass = question.mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows,
-                                         layout.ctx, window)
-                    tracked = selector.after_layer(layout.ctx, layer, mass)
+            if rows is None:
+                # Kept to the pass's end (keep_all_kv): their own memory, not views into the projection's
+                # [T, q + 2 kv] output and the rotation's [T, q + kv] (6x and 5x the bytes on Llama-3-8B)
+                k_merged, v_merged = (k.contiguous(), v.contiguous()) if keep_all_kv else (k, v)
+            else:
+                k_merged, v_merged = loaded_kv.rotated(layer)  # new tensors: safe to write rows into
+                k_merged[rows], v_merged[rows] = k.to(k_merged.dtype), v.to(v_merged.dtype)
+            if keep_all_kv:
+                out_k.append(k_merged)
+                out_v.append(v_merged)
+            for seg in hole_spans:  # the only rows saving reads after the pass
+                hole_kv[seg.start][0].append(k_merged[seg.start:seg.end].clone())
+                hole_kv[seg.start][1].append(v_merged[seg.start:seg.end].clone())
+            rows_per_layer.append(rows)
+            window = adapter.shape.window(layer)
+            if stats is not None:  # before q is cut down to the continuing rows
+                stats.add_layer(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows, window)
+            tracked = None  # the selector's narrowed rows after this layer (Cache-Craft's early termination)
+            if question is not None and layer < num_layers - 1:
+                mass = question.partial_mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows,
+                                             window)
+                if self.sum_over_ranks is not None:
+                    mass = yield RankSum(mass, layer)
+                tracked = selector.after_layer(layout.ctx, layer, question.mass(mass))
 
-                # Rows that continue to the next layer: only they need this layer's attention and MLP;
-                # every row's K/V is already merged above.
-                next_rows = rows
-                if layer == num_layers - 1:
-                    next_rows = row_positions[-1:]  # only the last row feeds the logits
-                elif layer in check_layers:
-                    chosen = self._select_at_check(selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v)
-                    next_rows, num_selected = layout.with_forced_disjoint(chosen), chosen.numel()
-                elif layer + 1 == num_full:
-                    initial = selector.initial_rows(layout.ctx)
-                    assert initial is not None, f"{selector.name}: full layers end without a selection"
-                    next_rows, num_selected = layout.with_forced(initial), initial.numel()
-                elif tracked is not None:
-                    assert rows is not None, f"{selector.name}: after_layer narrowed rows in a full layer"
-                    next_rows, num_selected = layout.with_forced(tracked), tracked.numel()
-                if next_rows is not None and next_rows is not rows:
-                    keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
-                    q, residual = q[keep], residual[keep]
-            except Exception:
-                self._announce_failure(layer in check_layers, agreements)
-                raise
+            # Rows that continue to the next layer: only they need this layer's attention and MLP;
+            # every row's K/V is already merged above.
+            next_rows = rows
+            if layer == num_layers - 1:
+                next_rows = row_positions[-1:]  # only the last row feeds the logits
+            elif layer in check_layers:
+                chosen = yield from self._select_at_check(selector, layout, loaded_kv, layer, check_layers, rows,
+                                                          k_nope, v)
+                next_rows, num_selected = layout.with_forced_disjoint(chosen), chosen.numel()
+            elif layer + 1 == num_full:
+                initial = selector.initial_rows(layout.ctx)
+                assert initial is not None, f"{selector.name}: full layers end without a selection"
+                next_rows, num_selected = layout.with_forced(initial), initial.numel()
+            elif tracked is not None:
+                assert rows is not None, f"{selector.name}: after_layer narrowed rows in a full layer"
+                next_rows, num_selected = layout.with_forced(tracked), tracked.numel()
+            if next_rows is not None and next_rows is not rows:
+                keep = torch.searchsorted(row_positions, next_rows)  # next_rows is a subset of rows
+                q, residual = q[keep], residual[keep]
             attn = yield Attend(layer, request.attention_backend, q, next_rows, k_merged, v_merged)
             hidden, residual = yield Output(layer, attn.flatten(1), residual)
             timer.stop()
@@ -273,15 +290,6 @@ class Fusor:
             layer_seconds=timer.seconds(), hole_token_mass={} if stats is None else stats.result(num_layers),
             hole_kv=hole_kv)
 
-    def _announce_failure(self, at_check_layer: bool, agreements_before: int | None) -> None:
-        """This layer's code failed before its check-layer score sum (a collective the pass calls itself):
-        the other tensor-parallel ranks are told in the agreement that precedes that sum, so they do not
-        wait in it (`reduce_scores.announce_failure`; cachefuse.vllm.worker_side.AgreedScoreSum). Failures
-        anywhere else are agreed by the PassBatch before the next collective op."""
-        if (at_check_layer and agreements_before is not None
-                and getattr(self.reduce_scores, "calls", None) == agreements_before):
-            self.reduce_scores.announce_failure()
-
     def _attend(self, backend, layer, q, query_rows, k, v) -> torch.Tensor:
         """Attention of `q` (rows `query_rows`, None: every row, causally) over the merged K/V, through the
         request's attention backend (None: the fusor's own torch / Triton attention)."""
@@ -292,8 +300,7 @@ class Fusor:
             return self.attention_fn(q, query_rows, k, v, scale, self.block_rows, **window_kwargs(window))
         return backend.rows(layer, q, query_rows, k, v)
 
-    @staticmethod
-    def _select_at_check(selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v):
+    def _select_at_check(self, selector, layout, loaded_kv, layer, check_layers, rows, k_nope, v) -> PassSteps:
         """The selector's rows after check layer `layer`, which computed `rows` (None: every row).
 
         After a full layer (CacheBlend's check) the candidates are the layout's, their count known on the
@@ -309,7 +316,11 @@ class Fusor:
         kv = CheckLayerKV(
             rows=candidate_rows, fresh_k_nope=k_nope[index], fresh_v=v[index],
             loaded_k_nope=loaded_k_nope[candidate_rows], loaded_v=loaded_v[candidate_rows])
-        return selector.select_at_check(layout.ctx, check_layers.index(layer), kv)
+        check_index = check_layers.index(layer)
+        summed = selector.check_partials(layout.ctx, check_index, kv)
+        if summed is not None and self.sum_over_ranks is not None:  # each rank holds its own heads' partials
+            summed = yield RankSum(summed, layer)
+        return selector.select_at_check(layout.ctx, check_index, kv, summed)
 
 
 class _LayerTimer:
@@ -385,14 +396,18 @@ class _QuestionAttention:
         start = max((s.end for s in segments if s.is_chunk), default=layout.num_tokens)
         return cls(segments, layout.num_tokens, start, layout.device) if start < layout.num_tokens else None
 
-    def mass(self, q, row_positions, k_merged, scale, block_rows, ctx: SelectionContext,
-             window: int | None = None) -> torch.Tensor:
-        """[num_segments] fp32: summed over the question rows, averaged over heads (of every TP rank)."""
+    def partial_mass(self, q, row_positions, k_merged, scale, block_rows, window: int | None = None) -> torch.Tensor:
+        """[num_segments + 1] fp32: this rank's heads' mass per segment, summed over the question rows and
+        heads, then its head count; summed over the ranks (one RankSum), `mass` averages it over every head."""
         index = torch.searchsorted(row_positions, self.rows)  # question rows are always computed
         mass = segment_attention_mass(q[index], self.rows, k_merged, self.segment_of_key,
                                       self.num_segments, scale, block_rows, window=window)  # [heads, segments]
-        total = ctx.reduce(torch.cat([mass.sum(dim=0), mass.new_tensor([mass.shape[0]])]))  # one all-reduce
-        return total[:-1] / total[-1]
+        return torch.cat([mass.sum(dim=0), mass.new_tensor([mass.shape[0]])])
+
+    @staticmethod
+    def mass(summed: torch.Tensor) -> torch.Tensor:
+        """[num_segments]: `partial_mass` (summed over the ranks) averaged over heads."""
+        return summed[:-1] / summed[-1]
 
 
 def _segment_of_key(segments: Sequence[Segment], device: torch.device) -> torch.Tensor:

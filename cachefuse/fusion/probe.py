@@ -1,6 +1,7 @@
 """Question probe: a short pre-pass that scores each cached context token by the question's attention.
 
-Imports torch and cachefuse.{adapters.base, attention, chunks, ops, select.base, store.base}; never vllm.
+Imports torch and cachefuse.{adapters.base, attention, chunks, fusion.batch, fusion.batch_ops, ops, select.base,
+store.base}; never vllm.
 Query-aware selectors (FusionRAG, QCFuse) pick the rows to recompute *before* the blend pass, from
 how much the question attends to each context token. The probe computes only the forced rows
 (holes, undeclared tokens, question, last token) through layers 0..depth-1, attending over a *view*
@@ -22,8 +23,8 @@ Choices (docs/selectors.md, "Query-aware selectors"):
 - Question rows: every row after the last declared chunk (the prompt's tail), else the last token.
 - The view always holds the system chunk in full: it is the prefix every probe row needs and is
   never a candidate. Anchor rows keep their request positions (not compacted), as QCFuse does.
-- Under tensor parallelism each rank scores its own heads; `ctx.reduce` sums them, so every rank
-  selects the same rows.
+- Under tensor parallelism each rank scores its own heads; a RankSum op of the pass sums them, so every
+  rank selects the same rows.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import rows_attention_at, segment_attention_mass
 from cachefuse.chunks import Segment
+from cachefuse.fusion.batch import Embed, Output, PassSteps, Project, RankSum, run_alone
+from cachefuse.fusion.batch_ops import run_ops
 from cachefuse.select.base import ProbeSpec, SelectionContext
 from cachefuse.store.base import ChunkKV, select_rows
 
@@ -172,10 +175,13 @@ class _CachedContext:
         return view_k, view_v, view_k if view_k is not None and view_is_all else self.all_keys(layer)
 
 
-def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence[Segment],
-              loaded: Mapping[int, ChunkKV] | ProbeSource, forced_rows: torch.Tensor, ctx: SelectionContext,
-              spec: ProbeSpec, anchors: Mapping[int, torch.Tensor], block_rows: int = 64) -> ProbeResult:
-    """Scores `ctx.candidate_rows` by the question's attention at `spec.score_layers` (see the module doc).
+def probe_steps(token_ids: torch.Tensor, segments: Sequence[Segment], loaded: Mapping[int, ChunkKV] | ProbeSource,
+                forced_rows: torch.Tensor, ctx: SelectionContext, spec: ProbeSpec, anchors: Mapping[int, torch.Tensor],
+                shape, rope_spec, block_rows: int = 64, across_ranks: bool = False) -> PassSteps:
+    """Scores `ctx.candidate_rows` by the question's attention at `spec.score_layers` (see the module doc),
+    as a generator of the ops it needs of the model (cachefuse.fusion.batch), returning a ProbeResult: its
+    embedding, projections and outputs run batched with the other passes' ops, and under tensor parallelism
+    (`across_ranks`) its score sum is a RankSum op, so the probe's code runs no collective of its own.
 
     Args:
         loaded: segment index -> its stored entry (whole), or a ProbeSource (the probe reads only the
@@ -183,21 +189,20 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
         forced_rows: sorted rows computed in every layer (holes, undeclared, question, last).
         anchors: segment index -> sorted chunk-local offsets, for each loaded non-system chunk when
             `spec.anchors_only`.
+        shape, rope_spec: the model's (ModelAdapter.shape, .rope_spec).
     """
-    shape, num_tokens = adapter.shape, int(token_ids.numel())
+    num_tokens = int(token_ids.numel())
     device = token_ids.device
     source = EntrySource(loaded) if isinstance(loaded, Mapping) else loaded
-    context = _CachedContext(segments, source, spec, anchors, adapter.rope_spec, device, num_tokens)
+    context = _CachedContext(segments, source, spec, anchors, rope_spec, device, num_tokens)
     key_positions, order = torch.cat([context.view_positions, forced_rows]).sort()
     question = torch.searchsorted(forced_rows, question_rows(segments, num_tokens, device))
-    score_layers = set(spec.score_layers)
+    score_layers = list(spec.score_layers)
     scores = torch.zeros(num_tokens, dtype=torch.float32, device=device)
-    layer_scores: dict[int, torch.Tensor] | None = {} if spec.per_layer else None
-    hidden, residual = adapter.embed(token_ids[forced_rows]), None
+    per_layer: list[torch.Tensor] = []
+    hidden, residual = (yield Embed(token_ids[forced_rows])), None
     for layer in range(spec.depth):
-        x, residual = adapter.attention_input(layer, hidden, residual)
-        q_nope, k_nope, v = adapter.project_qkv(layer, x)
-        q, k = adapter.rotate(layer, forced_rows, q_nope, k_nope)
+        q, k, _, v, residual = yield Project(layer, hidden, residual, forced_rows)
         last = layer == spec.depth - 1  # the deepest score layer needs no attention output
         view_k, view_v, all_k = context.layer(layer, view=not last, scored=layer in score_layers)
         if layer in score_layers:
@@ -205,18 +210,31 @@ def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence
                                            context.all_positions, num_tokens, shape.scaling, block_rows,
                                            shape.window(layer))
             scores += layer_score
-            if layer_scores is not None:
-                layer_scores[layer] = ctx.reduce(layer_score[ctx.candidate_rows])
+            if spec.per_layer:
+                per_layer.append(layer_score[ctx.candidate_rows])
         if last:
             break
         keys = torch.cat([view_k.to(k.dtype), k])[order] if view_k is not None else k
         values = torch.cat([view_v.to(v.dtype), v])[order] if view_v is not None else v
         attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows,
                                  shape.window(layer))
-        hidden, residual = adapter.attention_output(layer, attn.flatten(1), residual)
-    candidate_scores = ctx.reduce(scores[ctx.candidate_rows])
-    return ProbeResult(candidate_scores, spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()),
+        hidden, residual = yield Output(layer, attn.flatten(1), residual)
+    # Each rank scored its own heads: the total and the per-layer shares cross the ranks in one sum
+    summed = torch.stack([scores[ctx.candidate_rows], *per_layer])
+    if across_ranks:
+        summed = yield RankSum(summed, spec.depth - 1)
+    layer_scores = dict(zip(score_layers, summed[1:], strict=True)) if spec.per_layer else None
+    return ProbeResult(summed[0], spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()),
                        layer_scores)
+
+
+def run_probe(adapter: ModelAdapter, token_ids: torch.Tensor, segments: Sequence[Segment],
+              loaded: Mapping[int, ChunkKV] | ProbeSource, forced_rows: torch.Tensor, ctx: SelectionContext,
+              spec: ProbeSpec, anchors: Mapping[int, torch.Tensor], block_rows: int = 64) -> ProbeResult:
+    """`probe_steps` on its own, on one rank: each op run as it is asked for."""
+    steps = probe_steps(token_ids, segments, loaded, forced_rows, ctx, spec, anchors, adapter.shape,
+                        adapter.rope_spec, block_rows)
+    return run_alone(steps, lambda ops: run_ops(ops, adapter, None, None, block_rows))
 
 
 def _question_scores(q_question, question_positions, fresh_k, forced_rows, loaded_k, loaded_positions,

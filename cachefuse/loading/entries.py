@@ -3,9 +3,9 @@ or layer by layer during it, with why each miss missed and the time and bytes ea
 
 Imports `cachefuse.{call_deadline, chunks, errors, loading.loader, store.base}`; never torch's kernels, the
 fusor or vllm (FusionEngine drives it). Under tensor parallelism the ranks agree on the hits before the pass
-(`EntryReader.read_agreed`): a chunk one rank missed is a hole on every rank, and a failure on any rank
-makes every rank fall back, so no rank recomputes rows the others do not and the model's collectives
-stay in step.
+(`keep_agreed_hits`, after the pass's sum of hit flags over the ranks): a chunk one rank missed is a hole on
+every rank, so no rank recomputes rows the others do not and the model's collectives stay in step (a
+failure on any rank is every rank's through the PassBatch's agreement, cachefuse.fusion.batch).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import TypeVar
 from cachefuse import call_deadline
 from cachefuse.call_deadline import CallDeadline
 from cachefuse.chunks import Segment
-from cachefuse.errors import CacheFuseError
 from cachefuse.loading.loader import FetchLayer, LayerKV, LayerUnavailable
 from cachefuse.store.base import ChunkKV, KVStore
 
@@ -72,14 +71,6 @@ class LoadBudget:
 def was_cut(deadline: CallDeadline | None) -> bool:
     """Whether `deadline` (LoadBudget.bounding's) ended a call: its miss is "load_timeout", not the store's."""
     return deadline is not None and deadline.cut
-
-RankAgreement = Callable[[list[bool], bool], tuple[list[bool], bool]]
-"""(this rank's hits, whether it failed) -> (hits every rank has, whether any rank failed): a collective."""
-
-
-class RankDisagreement(CacheFuseError):
-    """Another tensor-parallel rank failed before the blend pass: every rank falls back together."""
-
 
 @dataclass
 class LoadFigures:
@@ -184,23 +175,13 @@ class EntryReader:
             loaded[index] = entry
         return loaded, miss_reasons
 
-    def read_agreed(self, segments: list[Segment], keys: dict[int, str], figures: LoadFigures,
-                    rank_agreement: RankAgreement) -> tuple[dict[int, ChunkKV], Counter]:
-        """`read`, then the ranks agree: a chunk is loaded only where every rank loaded it (the others
-        compute it as a hole, reason "other_rank_missed"), and if any rank failed, every rank raises."""
-        failure: BaseException | None = None
-        try:
-            loaded, miss_reasons = self.read(segments, keys, figures)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
-            failure, loaded, miss_reasons = exc, {}, Counter()
-        indices = sorted(keys)
-        agreed, any_failed = rank_agreement([i in loaded for i in indices], failure is not None)
-        if failure is not None:
-            raise failure
-        if any_failed:
-            raise RankDisagreement("another tensor-parallel rank failed before the blend pass")
-        for index, hit in zip(indices, agreed, strict=True):
-            if not hit and index in loaded:
-                del loaded[index]
-                miss_reasons["other_rank_missed"] += 1
-        return loaded, miss_reasons
+
+def keep_agreed_hits(loaded: dict[int, ChunkKV], miss_reasons: Counter, indices: list[int], hit_counts: list[float],
+                     num_ranks: int) -> None:
+    """A chunk stays loaded only where every tensor-parallel rank loaded it (`hit_counts`: per index of
+    `indices`, how many ranks did, summed over them); the others compute it as a hole (reason
+    "other_rank_missed"), so every rank recomputes the same rows."""
+    for index, count in zip(indices, hit_counts, strict=True):
+        if count != num_ranks and index in loaded:
+            del loaded[index]
+            miss_reasons["other_rank_missed"] += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,8 +51,6 @@ class SelectionContext:
     candidate_segments: tuple[Segment, ...]
     """The loaded chunk segments neither system nor exact, in prompt order (their rows are the candidates)."""
     ratio: float
-    reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
-    """Sums per-row scores over tensor-parallel ranks (each rank sees its own heads); None: one rank."""
     reuse: Mapping[int, ChunkReuse] = field(default_factory=dict)
     """Segment index -> the chosen variant's CFO and ranking, for loaded chunks the metadata knows."""
     probe_scores: torch.Tensor | None = None
@@ -60,9 +58,6 @@ class SelectionContext:
     (cachefuse.fusion.probe), set before `initial_rows` when the selector asks for a probe; else None."""
     probe_layer_scores: Mapping[int, torch.Tensor] | None = None
     """Score layer -> that layer's share of `probe_scores`, when the probe spec asks `per_layer`."""
-
-    def reduce(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores if self.reduce_scores is None else self.reduce_scores(scores)
 
     @property
     def device(self) -> torch.device:
@@ -154,16 +149,31 @@ class Selector(ABC):
         """Candidate rows for the first selective layer, or None to wait for a check layer."""
         return None
 
-    def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor:
-        """Sorted subset of the candidate rows `kv.rows` for the layers after check layer `check_index`."""
+    def check_partials(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor | None:
+        """The per-row scores `select_at_check` needs from this rank's heads (K/V hold only them under
+        tensor parallelism), or None when it needs none. The fusor sums them over the ranks (a RankSum op of
+        the pass: no selector code runs a collective) and hands the sum to `select_at_check`."""
+        return None
+
+    def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV,
+                        summed: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted subset of the candidate rows `kv.rows` for the layers after check layer `check_index`;
+        `summed`: `check_partials` summed over the ranks (None: computed here, on one rank's K/V)."""
         raise NotImplementedError(f"{self.name} has no check layers")
 
     def probe_spec(self, num_layers: int) -> ProbeSpec | None:
         """The question probe this selector needs before the pass (query-aware selectors), or None."""
         return None
 
-    def probe_anchors(self, segment: Segment, k_nope: Sequence[torch.Tensor], meta: Mapping[str, str]) -> torch.Tensor:
-        """Sorted chunk-local offsets of a loaded chunk's anchors, for a probe with `anchors_only`."""
+    def probe_anchor_partials(self, segment: Segment, k_nope: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Under tensor parallelism: this rank's per-token anchor scores of a loaded chunk (its K holds only
+        this rank's heads), which the fusor sums over the ranks (a RankSum op) and hands to `probe_anchors`."""
+        raise NotImplementedError(f"{self.name} probes no anchors")
+
+    def probe_anchors(self, segment: Segment, k_nope: Sequence[torch.Tensor], meta: Mapping[str, str],
+                      summed: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted chunk-local offsets of a loaded chunk's anchors, for a probe with `anchors_only`; `summed`:
+        `probe_anchor_partials` summed over the ranks (None: one rank)."""
         raise NotImplementedError(f"{self.name} probes no anchors")
 
     def tracks_question_attention(self) -> bool:

@@ -34,27 +34,32 @@ from cachefuse.select.base import (
 )
 
 
-def kv_deviation(kv: CheckLayerKV, metric: str, reduce=None) -> torch.Tensor:
-    """Per-row deviation [R] between fresh and loaded K/V; computed in fp32.
+def deviation_partials(kv: CheckLayerKV, metric: str) -> torch.Tensor:
+    """This rank's squared distances, fp32: [R] for metric "k" or "v", [2, R] (K's, V's) for "kv".
 
     Each tensor pair's reduction is `ops.row_sq_dist` (a Triton kernel on CUDA, its twin
-    cachefuse.deviation.row_sq_dist elsewhere). `reduce` sums a per-row partial score over
-    tensor-parallel ranks (SelectionContext.reduce), once per call: metric "kv" sums K's and V's together.
+    cachefuse.deviation.row_sq_dist elsewhere), summed over this rank's heads: summed over the
+    tensor-parallel ranks they are the distances over every head (K's and V's in one reduction).
     """
-
-    def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        partial = ops.row_sq_dist(a, b)  # [R], this rank's heads
-        return partial if reduce is None else reduce(partial)
-
     if metric == "k":
-        return _damaged_first(sq_dist(kv.fresh_k_nope, kv.loaded_k_nope))
+        return ops.row_sq_dist(kv.fresh_k_nope, kv.loaded_k_nope)
     if metric == "v":
-        return _damaged_first(sq_dist(kv.fresh_v, kv.loaded_v))
-    # K's and V's partial sums cross the ranks in one reduction: with two, a rank failing between them (in
-    # V's distance) left the others waiting in the second, where no agreement precedes it
-    partial = torch.stack([ops.row_sq_dist(kv.fresh_k_nope, kv.loaded_k_nope), ops.row_sq_dist(kv.fresh_v, kv.loaded_v)])
-    dev_k, dev_v = partial if reduce is None else reduce(partial)
+        return ops.row_sq_dist(kv.fresh_v, kv.loaded_v)
+    return torch.stack([ops.row_sq_dist(kv.fresh_k_nope, kv.loaded_k_nope), ops.row_sq_dist(kv.fresh_v, kv.loaded_v)])
+
+
+def deviation_from_sums(summed: torch.Tensor, metric: str) -> torch.Tensor:
+    """Per-row deviation [R] from `deviation_partials` summed over the ranks: "kv" normalises K's and V's
+    each by its mean so neither dominates."""
+    if metric in ("k", "v"):
+        return _damaged_first(summed)
+    dev_k, dev_v = summed
     return _damaged_first(dev_k / _finite_mean(dev_k) + dev_v / _finite_mean(dev_v))
+
+
+def kv_deviation(kv: CheckLayerKV, metric: str) -> torch.Tensor:
+    """Per-row deviation [R] between fresh and loaded K/V over the heads `kv` holds (one rank's: all)."""
+    return deviation_from_sums(deviation_partials(kv, metric), metric)
 
 
 def _finite_mean(dev: torch.Tensor) -> torch.Tensor:
@@ -107,12 +112,22 @@ class CacheBlendSelector(Selector):
         multipliers = [self.ratio_schedule[max(j for j, c in enumerate(checks) if c < layer)] for layer in selective]
         return RowEstimate(0, math.ceil(candidates * sum(multipliers) / len(multipliers) - 1e-9))
 
-    def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor:
+    def _count(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> int:
         target = num_rows_for_ratio(ctx.ratio * self.ratio_schedule[check_index], ctx.candidate_rows.numel())
-        count = min(target, kv.rows.numel())
+        return min(target, kv.rows.numel())
+
+    def check_partials(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV) -> torch.Tensor | None:
+        if self._count(ctx, check_index, kv) == kv.rows.numel():
+            return None  # every row is kept: no deviation to rank
+        return deviation_partials(kv, self.deviation)
+
+    def select_at_check(self, ctx: SelectionContext, check_index: int, kv: CheckLayerKV,
+                        summed: torch.Tensor | None = None) -> torch.Tensor:
+        count = self._count(ctx, check_index, kv)
         if count == kv.rows.numel():
             return kv.rows
-        deviation = kv_deviation(kv, self.deviation, ctx.reduce)
+        deviation = (kv_deviation(kv, self.deviation) if summed is None
+                     else deviation_from_sums(summed, self.deviation))
         forced = torch.zeros(kv.rows.numel(), dtype=torch.bool, device=ctx.device)
         if self.sink_tokens:
             sinks = torch.cat([torch.arange(seg.start, min(seg.end, seg.start + self.sink_tokens), device=ctx.device)

@@ -149,8 +149,12 @@ class QCFuseSelector(ProbeSelector):
         return ProbeSpec(self.score_layers(num_layers), anchors_only=self.view == "anchors",
                          question_only=self.view == "question_only")
 
-    def probe_anchors(self, segment: Segment, k_nope: Sequence[torch.Tensor], meta: Mapping[str, str]) -> torch.Tensor:
+    def probe_anchor_partials(self, segment: Segment, k_nope: Sequence[torch.Tensor]) -> torch.Tensor:
+        return key_norm_scores(k_nope)  # this rank's KV heads: the ranks sum them, so all rank alike
+
+    def probe_anchors(self, segment: Segment, k_nope: Sequence[torch.Tensor], meta: Mapping[str, str],
+                      summed: torch.Tensor | None = None) -> torch.Tensor:
         stored = anchors_from_meta(meta, segment.length, self.anchor_ratio, self.sink_tokens)
         if stored is not None:
             return stored
-        return rank_anchors(key_norm_scores(k_nope), self.anchor_ratio, self.sink_tokens)
+        return rank_anchors(key_norm_scores(k_nope) if summed is None else summed, self.anchor_ratio, self.sink_tokens)

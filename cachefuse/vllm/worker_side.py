@@ -28,7 +28,7 @@ from cachefuse.chunks import (
 )
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
-from cachefuse.fusion.batch import Agreement, OtherRankFailed, PassBatch
+from cachefuse.fusion.batch import Agreement, PassBatch
 from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.plan import FusePlan
 from cachefuse.loading.figures import FigureRecorder
@@ -89,10 +89,10 @@ class WorkerSide:
         if tp_size > 1:
             device = next(model.parameters()).device
             # Every rank scores only its own heads; summing makes all ranks pick the same rows. Every rank
-            # loads its own heads: they agree on the hits (and on any failure) before the pass, on any
-            # failure during it before each collective (PassBatch), and before each score sum.
-            ranks = dataclasses.replace(ranks, reduce_scores=AgreedScoreSum(device),
-                                        rank_agreement=_rank_agreement(tp_size, device))
+            # loads its own heads: they agree on the hits before the pass. Every collective of a pass is an
+            # op of its PassBatch (the model's and the pass's own sums), preceded by the agreement on
+            # failures, so a pass failing on one rank fails on all before any rank enters the next one.
+            ranks = dataclasses.replace(ranks, size=tp_size, sum_over_ranks=_sum_over_ranks)
             self.pass_agreement = _pass_agreement(device)
         self.engine = FusionEngine(self.adapter, store, key_context, config, metastore=_open_metastore(config),
                                    ranks=ranks)
@@ -337,17 +337,11 @@ def _open_metastore(config: CacheFuseConfig) -> Any:
         return open_metastore(None, max_variants=config.max_variants, policy=config.eviction_policy)
 
 
-def _rank_agreement(tp_size: int, device: Any) -> Any:
-    """FusionEngine.rank_agreement over vLLM's tensor-parallel group: one all-reduce (sum) of
-    [failed, hit per chunk]; a chunk is a hit where every rank hit, and a failure anywhere is everyone's."""
+def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """RankGroup.sum_over_ranks over vLLM's tensor-parallel group (the passes' RankSum ops)."""
     from vllm.distributed import tensor_model_parallel_all_reduce
 
-    def agree(hits: list[bool], failed: bool) -> tuple[list[bool], bool]:
-        flags = torch.tensor([float(failed), *map(float, hits)], dtype=torch.float32, device=device)
-        total = tensor_model_parallel_all_reduce(flags).tolist()  # exact: small integers in float32
-        return [count == tp_size for count in total[1:]], total[0] > 0
-
-    return agree
+    return tensor_model_parallel_all_reduce(values)
 
 
 def _pass_agreement(device: Any) -> Agreement:
@@ -360,33 +354,3 @@ def _pass_agreement(device: Any) -> Agreement:
         return [count > 0 for count in tensor_model_parallel_all_reduce(flags).tolist()]
 
     return agree
-
-
-class AgreedScoreSum:
-    """The check layer's score sum over the tensor-parallel ranks, preceded by an agreement that no rank's
-    pass failed on its way to it: the score all-reduce is called from inside the pass's own code, so a
-    rank whose selection raised before it (`announce_failure`, called by the fusor) would otherwise leave
-    the others in it. A failure anywhere raises OtherRankFailed on every rank, before the sum."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.calls = 0
-        """Agreements entered (the fusor compares it across a check layer's selection)."""
-
-    def _any_failed(self, failed: bool) -> bool:
-        from vllm.distributed import tensor_model_parallel_all_reduce
-
-        self.calls += 1
-        flag = torch.tensor([float(failed)], dtype=torch.float32, device=self.device)
-        return tensor_model_parallel_all_reduce(flag).item() > 0
-
-    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        from vllm.distributed import tensor_model_parallel_all_reduce
-
-        if self._any_failed(False):
-            raise OtherRankFailed("the blend pass failed on another tensor-parallel rank before its score sum")
-        return tensor_model_parallel_all_reduce(scores)
-
-    def announce_failure(self) -> None:
-        """This rank's selection failed before its score sum: the other ranks learn it in their agreement."""
-        self._any_failed(True)

@@ -20,7 +20,17 @@ import torch
 from cachefuse import attention
 from cachefuse.chunks import segment_prompt
 from cachefuse.config import CacheFuseConfig
-from cachefuse.fusion.batch import Embed, LayerDone, OtherRankFailed, Output, PassBatch, Project
+from cachefuse.fusion.batch import (
+    START_LAYER,
+    Embed,
+    LayerDone,
+    OtherRankFailed,
+    Output,
+    PassBatch,
+    Project,
+    RankSum,
+)
+from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.fusor import Fusor
 from cachefuse.fusion.plan import FusePlan
 from tests.helpers.fusion import make_case, make_engine, precompute_case
@@ -226,6 +236,15 @@ class _TwoRankGroup:
         return [a + b for a, b in zip(mine[1], theirs[1], strict=True)]
 
 
+def _on_two_ranks(run_rank) -> None:
+    """`run_rank(rank)` on two threads at once, standing for two tensor-parallel ranks."""
+    threads = [threading.Thread(target=run_rank, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+
 def _rank_batch(engine, group: _TwoRankGroup, rank: int, agreed: bool) -> PassBatch:
     """One rank's PassBatch: its `Output` ops all-reduce the batch's rows (the row-parallel o_proj / MLP
     all-reduce), and with `agreed` the ranks agree on failures over the same group."""
@@ -273,11 +292,7 @@ def test_a_pass_failing_on_one_rank_fails_on_every_rank_before_the_next_collecti
         batch.add(1, engine.fuse_steps(plans[1]))
         outcomes[rank] = batch.advance()
 
-    threads = [threading.Thread(target=run_rank, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    _on_two_ranks(run_rank)
     if not agreed:
         assert group.errors  # the control: without the agreement the ranks' collectives come apart
         return
@@ -312,11 +327,7 @@ def test_a_pass_failing_on_one_rank_mid_split_beside_a_pass_at_another_layer(eng
         except (RuntimeError, threading.BrokenBarrierError):
             pass  # the control's mismatched collective
 
-    threads = [threading.Thread(target=run_rank, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    _on_two_ranks(run_rank)
     if not agreed:
         assert group.errors
         return
@@ -326,3 +337,118 @@ def test_a_pass_failing_on_one_rank_mid_split_beside_a_pass_at_another_layer(eng
         assert not first_step.failed and not first_step.finished  # pass 0 split, still running
         assert set(second_step.failed) == {0} and set(second_step.finished) == {1}, (rank, second_step)
         assert_same(second_step.finished[1][0], expected[1][0])
+
+
+_RANK = threading.local()
+
+
+def _tp_engine(engine, group: _TwoRankGroup) -> FusionEngine:
+    """`engine`'s store and model as one rank of a TP=2 group whose passes yield their own collectives (the
+    hit agreement, score sums) as RankSum ops; the calling thread's `_RANK.rank` says which rank runs them.
+    Both "ranks" hold every head, so each sum is twice one rank's: the same hits and rankings as alone."""
+
+    def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(group.all_reduce(_RANK.rank, "rank_sum", values.tolist()), dtype=values.dtype)
+
+    return FusionEngine(engine.adapter, engine.store, engine.key_context, engine.config, metastore=engine.metastore,
+                        ranks=RankGroup(size=2, sum_over_ranks=sum_over_ranks))
+
+
+def _raising_instead_of(steps, fails_at):
+    """The pass, raising where it would yield the first op that `fails_at` picks (its own code failed
+    just before that op: before a collective, when the op holds one)."""
+    value = None
+    while True:
+        try:
+            op = steps.send(value)
+        except StopIteration as done:
+            return done.value
+        if fails_at(op):
+            steps.close()
+            raise RuntimeError(f"injected fault before {type(op).__name__} of layer {op.layer}")
+        value = yield op
+
+
+_FAULTS = {
+    # before the ranks' agreement on hits, the pass's first collective
+    "start": ("cacheblend", lambda op: isinstance(op, RankSum) and op.layer == START_LAYER),
+    # in the question probe, after its layer-0 output's all-reduce: the first Output a fusionrag pass yields
+    "probe": ("fusionrag", lambda op: isinstance(op, Output)),
+    # in the check layer's selection, before its score sum
+    "check": ("cacheblend", lambda op: isinstance(op, RankSum) and op.layer == 1),
+}
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+@pytest.mark.parametrize("where", sorted(_FAULTS))
+def test_a_pass_failing_on_one_rank_anywhere_leaves_no_rank_in_a_collective(engine, where, agreed):
+    """Every collective of a pass is an op of the batch: the model's (its `Output` all-reduce here) and the
+    pass's own (RankSum: the hit agreement, the probe's and the check layer's score sums). Rank 1's first
+    pass fails where `where` says, rank 0's does not; with the agreement both fail it before either enters
+    another collective, and both finish the second pass with its answer alone. Negative control (no
+    agreement): the ranks' collectives come apart."""
+    selector, fails_at = _FAULTS[where]
+    plans = [plan(engine.cases[0], selector, 0.3), plan(engine.cases[1])]
+    expected = alone(engine, plans)
+    group = _TwoRankGroup(wait_s=10.0)
+    tp = _tp_engine(engine, group)
+    outcomes: dict[int, object] = {}
+
+    def run_rank(rank: int) -> None:
+        _RANK.rank = rank
+        batch = _rank_batch(tp, group, rank, agreed)
+        first = tp.fuse_steps(plans[0])
+        batch.add(0, _raising_instead_of(first, fails_at) if rank == 1 else first)
+        batch.add(1, tp.fuse_steps(plans[1]))
+        try:
+            outcomes[rank] = batch.advance()
+        except (RuntimeError, threading.BrokenBarrierError):
+            pass  # the control's mismatched collective
+
+    _on_two_ranks(run_rank)
+    if not agreed:
+        assert group.errors  # the control: without the agreement the ranks' collectives come apart
+        return
+    assert not group.errors, group.errors
+    for rank in (0, 1):
+        advanced = outcomes[rank]
+        assert set(advanced.failed) == {0} and set(advanced.finished) == {1}, (rank, advanced)
+        assert isinstance(advanced.failed[0], OtherRankFailed if rank == 0 else RuntimeError)
+        assert_same(advanced.finished[1][0], expected[1][0])
+
+
+def test_a_tensor_parallel_pass_yields_its_collectives_as_ops(engine):
+    """Under TP a cacheblend pass sums over the ranks exactly twice, both as RankSum ops (the hits before
+    its first layer, the check layer's scores); a fusionrag pass once more, its probe's scores; passes batched
+    together cross the ranks once per group. With both "ranks" alike the answers are those of one rank."""
+    plans = [plan(engine.cases[0], "fusionrag", 0.3), plan(engine.cases[1]), plan(engine.cases[2])]
+    expected = alone(engine, plans)
+    sums = []
+
+    def sum_over_ranks(values):
+        sums.append(values.numel())
+        return 2 * values
+
+    tp = FusionEngine(engine.adapter, engine.store, engine.key_context, engine.config, metastore=engine.metastore,
+                      ranks=RankGroup(size=2, sum_over_ranks=sum_over_ranks))
+    seen = []
+
+    def execute(ops):
+        seen.append((type(ops[0]).__name__, ops[0].layer, len(ops)))
+        return Fusor.execute_ops(tp.fusor, ops)
+
+    batch = PassBatch(execute)
+    for i, p in enumerate(plans):
+        batch.add(i, tp.fuse_steps(p))
+    advanced = batch.advance()
+    for i in range(3):
+        assert_same(advanced.finished[i][0], expected[i][0])
+    rank_sums = [entry for entry in seen if entry[0] == "RankSum"]
+    assert rank_sums[0] == ("RankSum", START_LAYER, 3)  # the three passes' hits, one all-reduce
+    assert len(sums) == len(rank_sums) and sum(n for _, _, n in rank_sums) == 3 + 2 + 1  # hits, checks, probe
+    # Negative control: on one rank no pass yields a RankSum
+    seen.clear()
+    batch = PassBatch(lambda ops: seen.append(type(ops[0]).__name__) or Fusor.execute_ops(engine.fusor, ops))
+    batch.add(0, engine.fuse_steps(plans[0]))
+    batch.advance()
+    assert "RankSum" not in seen

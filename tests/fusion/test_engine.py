@@ -25,7 +25,6 @@ from cachefuse.chunks import KeyContext, chunk_key, segment_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.plan import FusePlan
-from cachefuse.loading.entries import RankDisagreement
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.store.base import StoreIdentity
 from cachefuse.store.disk import DiskStore
@@ -273,27 +272,34 @@ def test_a_chunk_saved_after_other_tokens_is_never_served_as_an_exact_system_chu
 def test_tensor_parallel_ranks_agree_on_hits_before_the_pass(adapter, case):
     """Under tensor parallelism a chunk is loaded only where every rank loaded it: a rank that sees a hit
     another rank missed computes it as a hole too (else the ranks recompute different rows and the model's
-    collectives deadlock), and a failure on any rank makes every rank raise before the pass."""
-    seen = []
+    collectives deadlock). The agreement is the pass's first RankSum op: the sum of the ranks' hit flags,
+    here the other rank's missing chunk B (a rank whose pass fails instead is the PassBatch's agreement:
+    tests/fusion/test_batch.py)."""
+    sums = []
 
-    def other_rank_missed_b(hits, failed):
-        seen.append((list(hits), failed))
-        return [hit and i != 2 for i, hit in enumerate(hits)], False  # chunk B (index 2) missed elsewhere
+    def other_rank_missed_b(values):  # an all-reduce over this rank and one that hits all but B
+        sums.append(values.clone())
+        other = values.clone()
+        if len(sums) == 1:  # the hit flags, per declared chunk
+            other[2] = 0.0
+        return values + other  # later: the score sums, the other rank's heads scoring alike
 
     config = CacheFuseConfig(preload_depth=2)  # agreement forces serial loading
-    engine = _on_ranks(_full(adapter, case, config), config, RankGroup(rank_agreement=other_rank_missed_b))
+    engine = _on_ranks(_full(adapter, case, config), config, RankGroup(size=2, sum_over_ranks=other_rank_missed_b))
     result, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
-    assert seen == [([True, True, True, True], False)]
+    assert sums[0].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert len(sums) == 2  # the hits, then the check layer's scores: nothing else crosses the ranks
     assert stats.chunks_hit == 3 and stats.miss_reasons == {"other_rank_missed": 1}
     hole = make_engine(adapter)  # the same prompt where B was never stored, on one rank
     precompute_case(hole, case, with_hole=True)
     expected, _ = hole.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
     torch.testing.assert_close(result.logits, expected.logits, **LOGIT_TOL)
-
-    failing = RankGroup(rank_agreement=lambda hits, failed: (hits, True))  # another rank failed while loading
-    engine = _on_ranks(engine, config, failing)
-    with pytest.raises(RankDisagreement):
-        engine.prefill(case.token_ids, case.chunks, save_holes=False)
+    # Negative control: with every rank hitting B, B is loaded and the answer is the full store's
+    sums.clear()
+    engine = _on_ranks(engine, config, RankGroup(size=2, sum_over_ranks=lambda values: 2 * values))
+    loaded, stats = engine.prefill(case.token_ids, case.chunks, selector="cacheblend", save_holes=False)
+    assert stats.chunks_hit == 4 and not stats.miss_reasons
+    assert (loaded.logits - expected.logits).abs().max() > 1e-4
 
 
 def test_a_failing_metadata_store_costs_one_call_per_request(adapter, case):

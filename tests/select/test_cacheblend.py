@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
-from cachefuse import deviation
 from cachefuse.config import CacheFuseConfig
-from cachefuse.select.base import CheckLayerKV, num_rows_for_ratio
-from cachefuse.select.cacheblend import kv_deviation
+from cachefuse.select.base import CheckLayerKV, SelectionContext, num_rows_for_ratio
+from cachefuse.select.cacheblend import deviation_from_sums, kv_deviation
 from cachefuse.select.registry import make_selector
 from tests.helpers.selection import check_kv, make_ctx
 
@@ -122,25 +121,25 @@ def test_a_damaged_row_is_recomputed_and_leaves_the_others_ranking_alone(metric,
 
 @pytest.mark.parametrize("metric", ["k", "v", "kv"])
 def test_the_rank_sum_is_one_reduction_per_check_layer(metric):
-    """Under tensor parallelism each rank's partial deviations are summed over the ranks (`reduce`, an
-    all-reduce preceded by the ranks' agreement that none failed). `kv` once made two sums, K's then V's, so
-    a rank failing between them left the others in the second one; now K and V cross in one. Each rank's
-    partial sums add up to the deviation of all its heads: two "ranks" holding one head each, summed, score
-    the rows as one rank holding both."""
-    kv = check_kv(torch.arange(6), 2)  # two KV heads
+    """Under tensor parallelism each rank's partial deviations (`check_partials`, one tensor: K's and V's
+    stacked for "kv") are summed over the ranks by the pass's one RankSum op, and `select_at_check` ranks
+    by the sum. Two "ranks" holding one head each, summed, select as one rank holding both; a rank ranking
+    by its own heads alone (the negative control) selects other rows."""
+    kv = check_kv(torch.arange(12), 2)  # two KV heads
+    kv = CheckLayerKV(kv.rows, kv.fresh_k_nope, kv.fresh_v, kv.loaded_k_nope,  # the heads deviate differently
+                      kv.loaded_v + torch.linspace(0, 1, 12)[:, None, None] * torch.tensor([1.0, -3.0])[None, :, None])
     ranks = [CheckLayerKV(kv.rows, *(t[:, head:head + 1] for t in (kv.fresh_k_nope, kv.fresh_v, kv.loaded_k_nope,
                                                                      kv.loaded_v))) for head in (0, 1)]
-    calls = []
-
-    def reduce_over(rank_index):
-        def reduce(partial):  # what an all-reduce returns: this rank's partial plus the other rank's
-            calls.append(partial.shape)
-            other = ranks[1 - rank_index]
-            parts = [deviation.row_sq_dist(other.fresh_k_nope, other.loaded_k_nope),
-                     deviation.row_sq_dist(other.fresh_v, other.loaded_v)]
-            return partial + (torch.stack(parts) if partial.dim() == 2 else parts[0 if metric == "k" else 1])
-        return reduce
-
-    summed = kv_deviation(ranks[0], metric, reduce_over(0))
-    assert len(calls) == 1
-    torch.testing.assert_close(summed, kv_deviation(kv, metric), rtol=1e-5, atol=0)
+    config = CacheFuseConfig(recompute_ratio=0.25, cacheblend_deviation=metric)
+    selector = make_selector("cacheblend", config)
+    ctx = SelectionContext(num_tokens=13, num_layers=4, segments=(), candidate_rows=torch.arange(12),
+                           candidate_segments=(), ratio=0.25)
+    partials = [selector.check_partials(ctx, 0, rank) for rank in ranks]
+    assert partials[0].shape == ((2, 12) if metric == "kv" else (12,))  # one tensor: one reduction
+    summed = partials[0] + partials[1]
+    torch.testing.assert_close(deviation_from_sums(summed, metric), kv_deviation(kv, metric), rtol=1e-5, atol=0)
+    both = selector.select_at_check(ctx, 0, kv)
+    assert torch.equal(selector.select_at_check(ctx, 0, ranks[0], summed), both)
+    assert torch.equal(selector.select_at_check(ctx, 0, ranks[1], summed), both)  # every rank alike
+    own = [selector.select_at_check(ctx, 0, rank) for rank in ranks]
+    assert not all(torch.equal(rows, both) for rows in own)

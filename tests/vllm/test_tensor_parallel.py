@@ -84,13 +84,16 @@ def test_a_fault_on_one_rank_only_makes_both_ranks_compute_the_chunk(tiny_model_
     assert max_diff(alone["ratio_15"], fault["ratio_15"]) < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["midpass_loader", "midpass_select"])
+@pytest.mark.parametrize("mode", ["midpass_loader", "midpass_select", "midpass_probe", "midpass_start"])
 def test_a_rank_that_raises_mid_pass_makes_every_rank_fall_back(tiny_model_dir, tmp_path, mode):
-    """Rank 1 alone raises in the middle of the blend pass (after the agreement before it): in layer 2's
-    merge of its loaded K/V, or in its check layer's selection before the score sum. The ranks agree on
-    the failure before the next collective, so both fall back together: the request runs as plain vLLM
-    (the answer of ratio 1.0, every row recomputed), and the engine keeps serving (the same prompt again
-    is fused). The negative control is test_without_the_agreement_a_mid_pass_fault_deadlocks."""
+    """Rank 1 alone raises in the blend pass: in layer 2's merge of its loaded K/V; in its check layer's
+    selection before the score sum; in layer 1 of a fusionrag pass's question probe, after the probe's
+    layer-0 all-reduces; at its start (hashing its keys), before it pins or reads anything and
+    before the ranks agree on hits. Every collective of a pass is
+    an op of the batch, preceded by the ranks' agreement on failures, so both fall back together: the
+    request runs as plain vLLM (the answer of ratio 1.0, every row recomputed), and the engine keeps
+    serving (the same prompt again is fused). The negative control is
+    test_without_the_agreement_a_mid_pass_fault_deadlocks."""
     model_dir = tiny_model_dir("llama")
     result = run_probe(model_dir, tmp_path / "store", 2, mode, timeout_s=300)
     stats = result["ratio_15"]["stats"]

@@ -5,9 +5,11 @@ A script (not a test module) because TP > 1 spawns worker processes, which re-im
 
 MODE "all" (default) stores chunks a and c and runs the prompt at ratio 1.0 and 0.15; "skip_a" never
 stores a (a hole on every rank); "fault_rank1" stores both, then corrupts rank 1's entry of a only.
-"midpass_loader" and "midpass_select" make rank 1 alone raise in the middle of the ratio-0.15 pass (its
-layer 2's loaded K/V; its check layer's selection, before the score sum), then run the prompt again;
-"midpass_unagreed" is "midpass_loader" with the ranks' agreement during the pass switched off. With
+"midpass_loader", "midpass_select", "midpass_probe" and "midpass_start" make rank 1 alone raise in the
+ratio-0.15 pass (its layer 2's loaded K/V; its check layer's selection, before the score sum; layer 1 of
+the question probe of a fusionrag pass, between the probe's collectives; its keys, before it pins or reads
+anything and before the ranks agree on hits), then run the prompt again; "midpass_unagreed" is "midpass_loader" with the ranks'
+agreement during the pass switched off. With
 DUMP_DIR, the workers write their stacks there (rank<r>.txt) while the fault is armed.
 """
 
@@ -52,6 +54,8 @@ def main() -> None:
             armed = name == "ratio_15"
             llm.collective_rpc(arm_fault, args=(mode if armed else None, dump_dir if armed else None))
         params = {"cachefuse": {"chunks": chunks, "recompute_ratio": ratio}}
+        if mode == "midpass_probe" and name in ("ratio_15", "again"):
+            params["cachefuse"]["selector"] = "fusionrag"  # a query-aware selector: the pass starts with a probe
         if name.startswith("precompute"):  # written before the answer, as `cachefuse precompute` asks: a
             params["cachefuse"]["sync_save"] = True  # fault mode then damages a file that is there
         sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20,
@@ -72,7 +76,8 @@ def arm_fault(worker, mode, dump_dir) -> None:
 
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    from cachefuse.fusion import layers
+    from cachefuse.fusion import layers, probe
+    from cachefuse.fusion.engine import FusionEngine
     from cachefuse.select import cacheblend
 
     if dump_dir:  # where each rank's threads stand, every 30 s while armed: a deadlock names its collective
@@ -82,8 +87,12 @@ def arm_fault(worker, mode, dump_dir) -> None:
         faulthandler.cancel_dump_traceback_later()
     state = {"armed": mode is not None and get_tensor_model_parallel_rank() == 1}
     original_rotated = getattr(layers.LoadedLayers, "_unfaulted_rotated", layers.LoadedLayers.rotated)
-    original_deviation = getattr(cacheblend, "_unfaulted_kv_deviation", cacheblend.kv_deviation)
-    layers.LoadedLayers._unfaulted_rotated, cacheblend._unfaulted_kv_deviation = original_rotated, original_deviation
+    original_deviation = getattr(cacheblend, "_unfaulted_deviation_partials", cacheblend.deviation_partials)
+    original_attention = getattr(probe, "_unfaulted_rows_attention_at", probe.rows_attention_at)
+    original_keys = getattr(FusionEngine, "_unfaulted_chunk_keys", FusionEngine._chunk_keys)
+    layers.LoadedLayers._unfaulted_rotated, cacheblend._unfaulted_deviation_partials = original_rotated, original_deviation
+    probe._unfaulted_rows_attention_at, FusionEngine._unfaulted_chunk_keys = original_attention, original_keys
+    probe_layers = []
 
     def rotated(self, layer):
         if state["armed"] and mode in ("midpass_loader", "midpass_unagreed") and layer == 2:
@@ -91,13 +100,27 @@ def arm_fault(worker, mode, dump_dir) -> None:
             raise RuntimeError("injected: rank 1's loaded K/V of layer 2 unavailable")
         return original_rotated(self, layer)
 
-    def kv_deviation(kv, metric, reduce=None):
+    def deviation_partials(kv, metric):
         if state["armed"] and mode == "midpass_select":
             state["armed"] = False
             raise RuntimeError("injected: rank 1's selection failed before its score sum")
-        return original_deviation(kv, metric, reduce)
+        return original_deviation(kv, metric)
 
-    layers.LoadedLayers.rotated, cacheblend.kv_deviation = rotated, kv_deviation
+    def rows_attention_at(*args, **kwargs):
+        probe_layers.append(len(probe_layers))
+        if state["armed"] and mode == "midpass_probe" and len(probe_layers) == 2:  # layer 0's output all-reduced
+            state["armed"] = False
+            raise RuntimeError("injected: rank 1's question probe failed in its layer 1")
+        return original_attention(*args, **kwargs)
+
+    def chunk_keys(self, *args, **kwargs):
+        if state["armed"] and mode == "midpass_start":
+            state["armed"] = False
+            raise RuntimeError("injected: rank 1's pass failed at its start, before the ranks agree on hits")
+        return original_keys(self, *args, **kwargs)
+
+    layers.LoadedLayers.rotated, cacheblend.deviation_partials = rotated, deviation_partials
+    probe.rows_attention_at, FusionEngine._chunk_keys = rows_attention_at, chunk_keys
     if mode == "midpass_unagreed":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
