@@ -107,6 +107,10 @@ class CacheFuseMetadata(KVConnectorMetadata):
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests vLLM finished since the last step (aborts among them): a blend still running for one is
     stopped before it does more work."""
+    first_tokens: int = 0
+    """Requests this step computes the first token of after their asynchronous blend ended: the worker
+    holds the waiting blends for the step, so those first tokens do not wait for the next cohort's blend
+    (the step's forward and sampling come after its blend work)."""
 
 
 @dataclass

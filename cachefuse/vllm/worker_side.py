@@ -124,7 +124,8 @@ class WorkerSide:
     def start_load_kv(self, metadata: CacheFuseMetadata, forward_context: Any) -> None:
         """This step's blends: the synchronous ones whole (vLLM's forward reads their K/V next; batched
         together), then the waiting asynchronous ones, batched, oldest first, within what is left of the
-        step's budget (`blend_step_tokens`), the rest resuming next step."""
+        step's budget (`blend_step_tokens`), the rest resuming next step; none of them in a step that
+        computes the first token of an asynchronous blend that ended (CacheFuseMetadata.first_tokens)."""
         for req_id in metadata.finished_req_ids:
             self._cancel(req_id)
         layers = forward_context.no_compile_layers
@@ -132,7 +133,10 @@ class WorkerSide:
         for plan in metadata.plans:
             self._start(plan, layers, self.passes if plan.load_async else now)
         spent = self._advance(now, None).rows if len(now) else 0
-        if len(self.passes) and self.budget_rows > spent:
+        # A step that computes first tokens of blends that ended earlier holds the waiting ones: those tokens
+        # are sampled after the step's blend work, so running the next cohort here would add its whole blend
+        # to their TTFT. Held for one step only (the next has no such tokens: no blend ended in this one).
+        if len(self.passes) and self.budget_rows > spent and not metadata.first_tokens:
             self._advance(self.passes, self.budget_rows - spent)
 
     def _advance(self, batch: PassBatch, budget_rows: float | None) -> Any:

@@ -142,9 +142,11 @@ class SchedulerSide:
         self.planner.allocated(request.request_id, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> CacheFuseMetadata:
+        first_tokens = self.planner.first_tokens(scheduler_output)  # before this step's plans go out
         plans, plain_prefill_tokens = self.planner.step_plans(scheduler_output)
         return CacheFuseMetadata(plans=plans, plain_prefill_tokens=plain_prefill_tokens,
-                                 finished_req_ids=sorted(getattr(scheduler_output, "finished_req_ids", ())))
+                                 finished_req_ids=sorted(getattr(scheduler_output, "finished_req_ids", ())),
+                                 first_tokens=first_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

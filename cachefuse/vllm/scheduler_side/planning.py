@@ -55,6 +55,8 @@ class _Pending:
     """Its pass's rows summed over layers (messages.estimated_rows), estimated when it is (re)planned."""
     cached_prefix: int = 0
     """vLLM's own prefix-cache hit when it was (re)planned: the blend holds [cached_prefix, N-1)."""
+    first_token_scheduled: bool = False
+    """An asynchronous load whose blend ended and whose first token vLLM has scheduled (counted once)."""
 
 
 @dataclass
@@ -275,6 +277,18 @@ class Planner:
             self.fall_back(req_id, "load_skipped_by_vllm", detail=detail)
             return
         pending.block_ids = list(blocks.get_block_ids()[0])
+
+    def first_tokens(self, scheduler_output: Any) -> int:
+        """Requests whose asynchronous blend ended and whose first token this step computes (each once):
+        an asynchronous load is not scheduled until vLLM has its blend's report."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        count = 0
+        for req_id in scheduled:
+            pending = self.pending.get(req_id)
+            if pending is not None and pending.load_async and pending.sent and not pending.first_token_scheduled:
+                pending.first_token_scheduled = True
+                count += 1
+        return count
 
     def step_plans(self, scheduler_output: Any) -> tuple[list[BlendPlan], int]:
         """This step's BlendPlans (requests whose prompt it computes from scratch and whose plan has not
