@@ -28,6 +28,14 @@ full reuse; full prefill (the reference for KL and top-1). The recompute fractio
 retrieved chunks' tokens computed, averaged over layers: chunks admitted (computed in full) count in
 full, and cacheblend's full layers count. Also the variants created and the chosen CFOs.
 
+Admission under the default selector (`cacheblend_admission` in the JSON): the same stream served by
+two more engines from the same store start, cacheblend at its default ratio with admission on (threshold
+0.5 = alpha / 2, one chunk per request, no attention statistics: cacheblend's default) and with it off;
+and cacheblend with admission off, each request at the ratio that recomputes what admission on recomputed
+for it (the same compute, spent on cacheblend's rows instead of a chunk in full). Paired differences
+(on - other) of F1, first-token KL, greedy match and recompute fraction over the measured requests, the
+measured rounds one by one, and both streams per round (recompute, chunks and tokens admitted).
+
 Threads are pinned (`--threads`); quality does not depend on them, and nothing here is a speed figure.
 Writes `--out` (JSON) and the plot next to it (.png; `--replot` redraws it from the JSON).
 """
@@ -63,7 +71,7 @@ from cachefuse.eval.harness import (  # noqa: E402
 )
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import fidelity, summarize  # noqa: E402
-from cachefuse.eval.stats import mean_se  # noqa: E402
+from cachefuse.eval.stats import mean_se, paired_diff  # noqa: E402
 from cachefuse.select.registry import make_selector  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
@@ -98,27 +106,37 @@ def chunk_fraction(result, prompt: RagPrompt) -> float:
     return statistics.fmean(per_layer) / int(mask.sum())
 
 
-def serve(engine, tokenizer, stream, spec: EvalSpec, measure_from: int, bar) -> dict:
-    """The served stream: every request fused as configured, its admitted chunks saved before the next."""
+def serve(engine, tokenizer, stream, spec: EvalSpec, measure_from: int, bar, references=None) -> dict:
+    """The served stream: every request fused as configured, its admitted chunks saved before the next.
+    `references`: the measured requests' full prefills from an earlier serve of the same stream (None:
+    computed here)."""
     out = {"runs": [], "fractions": [], "cfo": [], "per_round": {}, "saved": 0, "references": [],
-           "measure_from": measure_from, "base_variants": engine.metastore.count()}
+           "measure_from": measure_from, "base_variants": engine.metastore.count(), "rounds": [],
+           "admitted_tokens": []}
+    measured = iter(references) if references is not None else None
     for round_, item in stream:
         prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
         result, stats = engine.prefill(prompt.token_ids, prompt.chunks, save_inline=True)
         fraction = chunk_fraction(result, prompt)
         retrieved_cfo = stats.chunk_cfo[1:]  # [0] is the system chunk
-        row = out["per_round"].setdefault(round_, {"fraction": [], "admitted": 0, "cfo": []})
+        row = out["per_round"].setdefault(round_, {"fraction": [], "admitted": 0, "cfo": [], "admitted_tokens": []})
         row["fraction"].append(fraction)
         row["admitted"] += sum(c is None for c in retrieved_cfo)
+        row["admitted_tokens"].append(sum(end - start for (start, end), c in zip(prompt.chunks[1:], retrieved_cfo,
+                                                                                 strict=True) if c is None))
         row["cfo"] += [c for c in retrieved_cfo if c is not None]
         out["saved"] += stats.holes_saved
         if round_ >= measure_from:
-            full = full_prefill(engine, prompt)
-            _, reference = measure_run(engine, tokenizer, item, spec, prompt, full)
+            if measured is None:
+                _, reference = measure_run(engine, tokenizer, item, spec, prompt, full_prefill(engine, prompt))
+            else:
+                reference = next(measured)
             run, _ = measure_run(engine, tokenizer, item, spec, prompt, result, reference)
             out["runs"].append(run)
             out["references"].append(reference)
             out["fractions"].append(fraction)
+            out["rounds"].append(round_)
+            out["admitted_tokens"].append(row["admitted_tokens"][-1])
             out["cfo"] += [("admitted" if c is None else round(c, 4)) for c in retrieved_cfo]
         bar.update(1)
     return out
@@ -151,6 +169,34 @@ def baselines(engine, tokenizer, measured, references, spec: EvalSpec, cacheblen
     return out
 
 
+def cacheblend_matched(engine, tokenizer, measured, references, spec: EvalSpec, targets, at_ratio, bar) -> dict:
+    """cacheblend with admission off on the measured prompts (nothing saved), each at the ratio that computes
+    its `targets` fraction: the fraction is linear in the ratio (up to a row per chunk), so from the
+    fraction at ratio 0 (full layers only) and at `at_ratio` = (ratio, fractions) the ratio is interpolated.
+    Exact chunks are no candidates, which a closed form from the prompt's lengths would miss."""
+    engine.config = engine.config.replace(selector="cacheblend", variant_admission_max_chunks=0)
+    ratio_known, fractions_known = at_ratio
+    out = {"runs": [], "fractions": [], "ratios": []}
+
+    def fused(prompt, ratio):
+        result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector="cacheblend", ratio=ratio,
+                                       save_holes=False)
+        assert stats.chunks_missed == 0, stats.miss_reasons
+        return result
+
+    for item, reference, target, known in zip(measured, references, targets, fractions_known, strict=True):
+        prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
+        floor = chunk_fraction(fused(prompt, 0.0), prompt)
+        ratio = round(min(1.0, max(0.0, ratio_known * (target - floor) / (known - floor))), 4)
+        result = fused(prompt, ratio)
+        run, _ = measure_run(engine, tokenizer, item, spec, prompt, result, reference)
+        out["runs"].append(run)
+        out["fractions"].append(chunk_fraction(result, prompt))
+        out["ratios"].append(ratio)
+        bar.update(1)
+    return out
+
+
 def matched_cacheblend_ratio(engine, fraction: float) -> float:
     """The cacheblend ratio whose layer-averaged share of chunk tokens is `fraction`: its full layers compute
     every row, the others `ratio` of them."""
@@ -177,7 +223,13 @@ def plot(report: dict, path: Path) -> None:
     ax_s.plot(xs, [100 * rounds[r]["fraction_mean"] for r in rounds], marker="o", label="recomputed (%)")
     ax_s.plot(xs, [100 * rounds[r]["cfo_mean"] for r in rounds], marker="s", label="mean CFO of loaded chunks (%)")
     ax_s.plot(xs, [rounds[r]["variants_total"] for r in rounds], marker="^", label="fused variants stored")
-    ax_s.set(xlabel="round", xticks=xs, title="cachecraft as served, per round")
+    blend = report.get("cacheblend_admission", {}).get("served_per_round", {})
+    for key, label in (("on", "cacheblend, admission on: recomputed (%)"),
+                       ("off", "cacheblend, admission off: recomputed (%)")):
+        if key in blend:
+            ax_s.plot(xs, [100 * blend[key][r]["fraction_mean"] for r in blend[key]], marker="x", linestyle="--",
+                      label=label)
+    ax_s.set(xlabel="round", xticks=xs, title="served stream, per round (cachecraft unless named)")
     ax_s.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -202,21 +254,31 @@ def main(argv=None) -> int:
     measure_from = args.rounds // 2 if args.measure_from is None else args.measure_from
     started = time.perf_counter()
     served_engine, tokenizer = reference_engine(args.model, CacheFuseConfig(selector="cachecraft"))
-    base_engine, _ = reference_engine(args.model, CacheFuseConfig())
+    base_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_max_chunks=0))
+    # cacheblend at its default ratio, served with admission at cachecraft's threshold (alpha / 2), and without
+    blend_on_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_cfo=0.5))
+    blend_off_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_max_chunks=0))
     qa = make_items("test", args.items, seed=args.seed)
     stream = make_stream(qa, eval_items(qa, tokenizer), args.rounds, args.seed)
     for _, item in stream:  # the store starts with what offline precompute writes, nothing more
         prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
-        store_base_variants(served_engine, prompt)
-        store_base_variants(base_engine, prompt)
+        for engine in (served_engine, base_engine, blend_on_engine, blend_off_engine):
+            store_base_variants(engine, prompt)
     spec = EvalSpec(selectors=("cacheblend", "cachecraft"), ratios=(0.0,), metric="f1", max_new_tokens=MAX_NEW_TOKENS)
     measured = [item for round_, item in stream if round_ >= measure_from]
-    with tqdm(total=len(stream) + 4 * len(measured), unit="prefill", desc="cachecraft_variants") as bar:
+    with tqdm(total=3 * len(stream) + 5 * len(measured), unit="prefill", desc="cachecraft_variants") as bar:
         served = serve(served_engine, tokenizer, stream, spec, measure_from, bar)
         fraction = statistics.fmean(served["fractions"])
         ratio = matched_cacheblend_ratio(base_engine, fraction)
         others = baselines(base_engine, tokenizer, measured, served["references"], spec, ratio, bar)
+        references = served["references"]
+        blend = {"on": serve(blend_on_engine, tokenizer, stream, spec, measure_from, bar, references),
+                 "off": serve(blend_off_engine, tokenizer, stream, spec, measure_from, bar, references)}
+        blend["matched"] = cacheblend_matched(base_engine, tokenizer, measured, references, spec,
+                                              blend["on"]["fractions"],
+                                              (blend_off_engine.config.recompute_ratio, blend["off"]["fractions"]), bar)
     report = build_report(args, measured, served, others, ratio, served_engine)
+    report["cacheblend_admission"] = admission_report(blend, blend_on_engine, report["measured"]["settings"])
     report["seconds"] = round(time.perf_counter() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -276,6 +338,69 @@ def build_report(args, measured, served, others, ratio, served_engine) -> dict:
             "at_or_above_0_5": sum(c >= 0.5 for c in numeric),
             "mean_loaded": statistics.fmean(numeric) if numeric else None,
             "histogram": dict(sorted(Counter(round(c, 1) for c in numeric).items()))},
+    }
+
+
+def admission_report(blend: dict, on_engine, settings: dict) -> dict:
+    """cacheblend at its default ratio served with admission on against admission off (same prompts, same
+    store start) and against admission off at each request's matched recompute: per setting F1, KL, top-1 and
+    recompute fraction (also added to `settings`), paired differences (on - other), the measured rounds
+    one by one, the served stream per round (recompute, admitted chunks and tokens), the variants created."""
+    on, off, matched = blend["on"], blend["off"], blend["matched"]
+    ratio = on_engine.config.recompute_ratio
+    names = {"on": f"cacheblend@{ratio:g} (served, admission on)", "off": f"cacheblend@{ratio:g} (admission off)",
+             "matched": "cacheblend, admission off, each request at admission on's recompute"}
+    entries = {"on": on, "off": off, "matched": matched}
+    for key, entry in entries.items():
+        quality = fidelity(entry["runs"])
+        settings[names[key]] = {"f1": mean_se([r.score for r in entry["runs"]]).to_dict(),
+                                "recompute_fraction": statistics.fmean(entry["fractions"]),
+                                "kl_mean": quality["kl_mean"], "kl_median": quality["kl_median"],
+                                "top1_agree": quality["top1_agree"], "greedy_match": quality["greedy_match"],
+                                "paired": {}}
+
+    def paired(other: dict) -> dict:
+        return {"f1": paired_diff([r.score for r in on["runs"]], [r.score for r in other["runs"]]).to_dict(),
+                "kl": paired_diff([r.kl for r in on["runs"]], [r.kl for r in other["runs"]]).to_dict(),
+                "greedy_match": paired_diff([r.greedy_match for r in on["runs"]],
+                                            [r.greedy_match for r in other["runs"]]).to_dict(),
+                "recompute_fraction": paired_diff(on["fractions"], other["fractions"]).to_dict()}
+
+    by_round = {}
+    for i, round_ in enumerate(on["rounds"]):
+        row = by_round.setdefault(round_, {key: {"f1": [], "kl": [], "fraction": []} for key in entries})
+        for key, entry in entries.items():
+            row[key]["f1"].append(entry["runs"][i].score)
+            row[key]["kl"].append(entry["runs"][i].kl)
+            row[key]["fraction"].append(entry["fractions"][i])
+    measured_rounds = {round_: {key: {metric: statistics.fmean(values) for metric, values in row[key].items()}
+                                for key in row} for round_, row in by_round.items()}
+    records = on_engine.metastore.all_records()
+    fused = [r for r in records if r.prefix]
+    served = {}
+    for key in ("on", "off"):
+        served[key] = {round_: {"fraction_mean": statistics.fmean(row["fraction"]), "admitted": row["admitted"],
+                                "admitted_tokens_mean": statistics.fmean(row["admitted_tokens"]),
+                                "cfo_mean": statistics.fmean(row["cfo"]) if row["cfo"] else 0.0}
+                       for round_, row in entries[key]["per_round"].items()}
+    cfo = on["cfo"]
+    numeric = [c for c in cfo if c != "admitted"]
+    return {
+        "settings": names, "recompute_ratio": ratio,
+        "matched_ratios": {"mean": statistics.fmean(matched["ratios"]), "min": min(matched["ratios"]),
+                           "max": max(matched["ratios"])},
+        "admission_cfo": on_engine.config.admission_cfo,
+        "max_chunks": on_engine.config.variant_admission_max_chunks,
+        "attention_stats": on_engine.config.gathers_attention_stats,
+        "paired_on_minus_off": paired(off), "paired_on_minus_matched": paired(matched),
+        "measured_rounds": measured_rounds, "served_per_round": served,
+        "admitted_tokens_per_request_measured": statistics.fmean(on["admitted_tokens"]),
+        "variants": {"fused_created": len(fused), "fused_used": sum(r.access_count > 0 for r in fused),
+                     "fused_bytes": sum(r.size_bytes for r in fused), "holes_saved": on["saved"],
+                     "per_chunk_max": max(Counter(r.chunk_key for r in records).values())},
+        "chosen_cfo_measured": {
+            "chunks": len(cfo), "admitted": cfo.count("admitted"), "zero": sum(c == 0.0 for c in numeric),
+            "below_0_5": sum(0.0 < c < 0.5 for c in numeric), "at_or_above_0_5": sum(c >= 0.5 for c in numeric)},
     }
 
 
