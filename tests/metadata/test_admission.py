@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cachefuse.config import CacheFuseConfig
+from cachefuse.config_checks import SELECTORS
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import VariantRecord
 from cachefuse.metadata.index import Admission, VariantIndex, plan_variants
@@ -31,6 +32,38 @@ def test_config_resolves_the_threshold_from_the_selector_and_alpha():
     assert CacheFuseConfig(variant_admission_cfo=0.7).admission_cfo == 0.7  # set: any selector
     assert Admission.from_config(CacheFuseConfig(selector="cachecraft")) == Admission(0.5, 1)
     assert Admission.from_config(CacheFuseConfig()) is None
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_default_admission_is_on_only_under_cachecraft(selector):
+    """The resolved default per selector (docs/variants.md, "Admission under cacheblend"): measured under
+    cacheblend, a chunk in full buys no more quality than the same rows spent by the selector, so null
+    stays off there and under the other selectors; an explicit threshold turns it on under any of them,
+    and `variant_admission_max_chunks: 0` turns it off under any of them."""
+    default = CacheFuseConfig(selector=selector)
+    assert default.admission_cfo == (0.5 if selector == "cachecraft" else None)
+    assert (Admission.from_config(default) is None) == (selector != "cachecraft")
+    assert CacheFuseConfig(selector=selector, variant_admission_cfo=0.5).admission_cfo == 0.5
+    assert CacheFuseConfig(selector=selector, variant_admission_cfo=0.5,
+                           variant_admission_max_chunks=0).admission_cfo is None
+
+
+def test_default_cacheblend_engine_serves_without_admitting(adapter):
+    """A default-config engine (cacheblend) loads B's base variant after A at CFO 0.5 request after request
+    and stores nothing. Negative control: the same engine with the threshold set admits B in the first
+    request and loads the variant at CFO 0 in the second."""
+    case = make_case(adapter.shape.vocab_size, seed=34)
+    engine = make_engine(adapter, CacheFuseConfig())
+    precompute_case(engine, case, with_hole=False)
+    for stats in served(engine, case, [[0, 1, 2], [0, 1, 2]]):
+        assert stats.chunk_cfo == [0.0, 0.0, 0.5, 0.5] and stats.holes_saved == 0
+    assert fused_variants(engine) == []
+
+    control = make_engine(adapter, CacheFuseConfig(variant_admission_cfo=0.5))
+    precompute_case(control, case, with_hole=False)
+    first, second = served(control, case, [[0, 1, 2], [0, 1, 2]])
+    assert first.chunk_cfo == [0.0, 0.0, None, 0.5] and first.holes_saved == 1
+    assert second.chunk_cfo == [0.0, 0.0, 0.0, None] and second.holes_saved == 1  # B loaded, C admitted
 
 
 def test_at_most_max_chunks_are_admitted_highest_cfo_first():
