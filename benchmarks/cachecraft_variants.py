@@ -1,6 +1,6 @@
 """Cache-Craft as deployed on SmolLM2-135M-Instruct: variants admitted from served requests, CFO driving recompute.
 
-    make model && python benchmarks/cachecraft_variants.py --threads 1      # ~20 min on one CPU core
+    make model && python benchmarks/cachecraft_variants.py --threads 1      # ~11 min on one idle CPU core
     python benchmarks/cachecraft_variants.py --items 3 --rounds 2 --out /tmp/cv.json   # a smoke run
 
 The workload is Cache-Craft's setting: the same documents recur across requests after related

@@ -1,8 +1,8 @@
 """Variant admission (cachefuse/metadata/index.py, rule 4): which stored chunks a prompt computes in full so
-they are stored for its prefix, as served requests arrive; the default under the cachecraft selector.
+they are stored for its prefix, as served requests arrive; the default per selector (on under cachecraft only).
 
 The vLLM path (scheduler plans, worker saves, metadata flows back) is tests/vllm/test_variants_e2e.py's and
-tests/vllm/test_connector_scheduler.py's.
+tests/vllm/scheduler_side/test_hooks.py's.
 """
 
 from __future__ import annotations
