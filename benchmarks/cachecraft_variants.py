@@ -23,8 +23,8 @@ ceil(CFO x |C|) of its tokens, CFO from the variant it chose.
 
 Measured over the later rounds (`--measure-from`), on the same prompts: the served run; cachecraft
 with admission off (base variants only: every non-first chunk at CFO 0.5, what deployments had before
-admission); cacheblend on base variants at the recompute fraction that matches the served run's;
-full reuse; full prefill (the reference for KL and top-1). The recompute fraction is the share of the
+admission); cacheblend on base variants with each request at the ratio that recomputes what the
+served run recomputed for it (labelled by the mean ratio); full reuse; full prefill (the reference for KL and top-1). The recompute fraction is the share of the
 retrieved chunks' tokens computed, averaged over layers: chunks admitted (computed in full) count in
 full, and cacheblend's full layers count. Also the variants created and the chosen CFOs.
 
@@ -72,7 +72,6 @@ from cachefuse.eval.harness import (  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import fidelity, summarize  # noqa: E402
 from cachefuse.eval.stats import mean_se, paired_diff  # noqa: E402
-from cachefuse.select.registry import make_selector  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 MAX_NEW_TOKENS = 8
@@ -142,11 +141,9 @@ def serve(engine, tokenizer, stream, spec: EvalSpec, measure_from: int, bar, ref
     return out
 
 
-def baselines(engine, tokenizer, measured, references, spec: EvalSpec, cacheblend_ratio: float, bar) -> dict:
-    """On base variants only (nothing saved): full prefill and full reuse, cacheblend at `cacheblend_ratio`,
-    cachecraft with admission off."""
+def baselines(engine, tokenizer, measured, references, spec: EvalSpec, bar) -> dict:
+    """On base variants only (nothing saved): full prefill and full reuse, cachecraft with admission off."""
     settings = {"full_prefill": ("full_prefill", 1.0), "full_reuse": ("full_reuse", 0.0),
-                setting_name("cacheblend", cacheblend_ratio): ("cacheblend", cacheblend_ratio),
                 "cachecraft_no_admission": ("cachecraft", 0.15)}
     no_admission = engine.config.replace(selector="cachecraft", variant_admission_max_chunks=0)
     out = {name: {"runs": [], "fractions": []} for name in settings}
@@ -156,8 +153,7 @@ def baselines(engine, tokenizer, measured, references, spec: EvalSpec, cacheblen
             if name == "full_prefill":
                 result, fraction = reference.result, 1.0
             else:
-                engine.config = no_admission if name == "cachecraft_no_admission" else no_admission.replace(
-                    selector="cacheblend")
+                engine.config = no_admission
                 result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio,
                                                save_holes=False)
                 assert stats.chunks_missed == 0, stats.miss_reasons  # base variants of every chunk are stored
@@ -195,14 +191,6 @@ def cacheblend_matched(engine, tokenizer, measured, references, spec: EvalSpec, 
         out["ratios"].append(ratio)
         bar.update(1)
     return out
-
-
-def matched_cacheblend_ratio(engine, fraction: float) -> float:
-    """The cacheblend ratio whose layer-averaged share of chunk tokens is `fraction`: its full layers compute
-    every row, the others `ratio` of them."""
-    num_layers = engine.adapter.shape.num_layers
-    full = make_selector("cacheblend", engine.config).num_full_layers(num_layers)
-    return round(min(1.0, max(0.0, (fraction * num_layers - full) / (num_layers - full))), 4)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -268,15 +256,18 @@ def main(argv=None) -> int:
     measured = [item for round_, item in stream if round_ >= measure_from]
     with tqdm(total=3 * len(stream) + 5 * len(measured), unit="prefill", desc="cachecraft_variants") as bar:
         served = serve(served_engine, tokenizer, stream, spec, measure_from, bar)
-        fraction = statistics.fmean(served["fractions"])
-        ratio = matched_cacheblend_ratio(base_engine, fraction)
-        others = baselines(base_engine, tokenizer, measured, served["references"], spec, ratio, bar)
         references = served["references"]
+        others = baselines(base_engine, tokenizer, measured, references, spec, bar)
         blend = {"on": serve(blend_on_engine, tokenizer, stream, spec, measure_from, bar, references),
                  "off": serve(blend_off_engine, tokenizer, stream, spec, measure_from, bar, references)}
+        at_default = (blend_off_engine.config.recompute_ratio, blend["off"]["fractions"])
         blend["matched"] = cacheblend_matched(base_engine, tokenizer, measured, references, spec,
-                                              blend["on"]["fractions"],
-                                              (blend_off_engine.config.recompute_ratio, blend["off"]["fractions"]), bar)
+                                              blend["on"]["fractions"], at_default, bar)
+        # cacheblend at cachecraft's recompute, request by request (labelled by its mean ratio)
+        matched = cacheblend_matched(base_engine, tokenizer, measured, references, spec, served["fractions"],
+                                     at_default, bar)
+        ratio = round(statistics.fmean(matched["ratios"]), 4)
+        others[setting_name("cacheblend", ratio)] = matched
     report = build_report(args, measured, served, others, ratio, served_engine)
     report["cacheblend_admission"] = admission_report(blend, blend_on_engine, report["measured"]["settings"])
     report["seconds"] = round(time.perf_counter() - started, 1)
