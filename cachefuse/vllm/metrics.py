@@ -56,7 +56,7 @@ LABELLED = {  # key prefix -> (Prometheus counter name, label, help text)
     "controller_": ("vllm:cachefuse_controller_decisions", "verdict",
                     "The loading controller's decision per finished request (ratio_mode: controller): go, "
                     "no_go, force_fuse, remeasure (a load-bound no-go fused to measure its tier again), "
-                    "no_figures (nothing measured yet)."),
+                    "save_holes (a no-go fused to save its chunks not stored), no_figures (nothing measured yet)."),
     "bytes_loaded_tier_": ("vllm:cachefuse_bytes_loaded_by_tier", "tier",
                            "Bytes of chunk K/V read, by the store tier that served them (summed over ranks)."),
     "load_seconds_tier_": ("vllm:cachefuse_load_seconds_by_tier", "tier",

@@ -71,7 +71,7 @@ def test_prometheus_counters_observe_the_stats():
 
 def test_labelled_counters_histograms_and_gauges():
     registry, metrics = prometheus_metrics()
-    for verdict in ("go", "no_go", "force_fuse", "remeasure", "no_figures"):  # exported before any request
+    for verdict in ("go", "no_go", "force_fuse", "remeasure", "save_holes", "no_figures"):  # exported before any request
         assert registry.get_sample_value("vllm:cachefuse_controller_decisions_total", {**LABELS, "verdict": verdict}) == 0
     step = CacheFuseConnectorStats()
     step.record(controller_go=2, controller_no_go=1, bytes_loaded_tier_memory=300, bytes_loaded_tier_disk=50,

@@ -28,9 +28,10 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_
                "float8_e5m2": 1, "float8_e5m2fnuz": 1, "int8": 1, "uint8": 1}
 """Bytes per element of the dtypes a model's K/V are stored in, by `chunks.dtype_name`."""
 
-VERDICTS = (*controller.VERDICTS, "remeasure", "no_figures")
+VERDICTS = (*controller.VERDICTS, "remeasure", "save_holes", "no_figures")
 """A decision's `verdict` as the gate hands it out: the controller's, or `remeasure` (a load-bound no-go
-fused anyway to measure its tier again), or `no_figures` (nothing measured yet: the request's own ratio)."""
+fused anyway to measure its tier again), `save_holes` (a no-go fused anyway because it has declared chunks
+not stored, which only a blend saves), or `no_figures` (nothing measured yet: the request's own ratio)."""
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -123,7 +124,23 @@ class Gate:
                                       r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                                       ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,
                                       force_fuse=self.config.force_fuse, margin=self.config.controller_margin)
+        holes = [e - s for (s, e), choice in zip(fusion.chunks, variants, strict=True) if choice is None]
+        if not decision.fuse and holes and self.config.save_holes:
+            return self._save_holes(decision, holes)
         return self._remeasure(req_id, decision)
+
+    def _save_holes(self, decision: controller.Decision, holes: Sequence[int]) -> dict[str, Any]:
+        """A no-go fused anyway because some declared chunks are not stored (holes): only a blend saves a
+        hole, so plain vLLM would leave them unstored, and every later request with them would price them
+        as computed in full and be turned down again; the cache would never fill from served requests.
+        The estimate counts a hole's rows as computed, so mostly-new prompts are the ones turned down."""
+        out = dataclasses.asdict(decision)
+        if decision.tier is not None:
+            self.no_go_since.pop(decision.tier, None)  # this blend reads the tier: its figure is current again
+        out.update(fuse=True, verdict="save_holes",
+                   reason=f"save holes: {len(holes)} declared chunk(s) of {sum(holes)} tokens not stored, which "
+                          f"plain vLLM would not save: fused anyway; {decision.reason}")
+        return out
 
     def _remeasure(self, req_id: str, decision: controller.Decision) -> dict[str, Any]:
         """The decision, or, for a no-go bound by the load of a tier that has lasted FIGURE_STALE_S, a go for

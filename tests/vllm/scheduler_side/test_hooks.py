@@ -255,6 +255,15 @@ def index_variants(side: SchedulerSide, *records: VariantRecord) -> None:
         saved_variants=[record_to_dict(r) for r in records])))
 
 
+def index_chunks(side: SchedulerSide, req) -> None:
+    """Every declared chunk of `req` stored (its base variant indexed), so the controller's verdict stands
+    alone: a declared chunk not stored is a hole, which a no-go fuses anyway to save (`save_holes`)."""
+    prompt = req.prompt_token_ids
+    index_variants(side, *(VariantRecord.without_stats(chunk_key(prompt[s:e], side.key_context, at_prompt_start=s == 0),
+                                                       (), e - s)
+                           for s, e in req.kv_transfer_params["cachefuse"]["chunks"]))
+
+
 def planned_controller(side: SchedulerSide, req) -> tuple:
     """Schedules `req`; its plan and the controller's decision in its outcome."""
     (plan,) = schedule(side, req)
@@ -531,6 +540,7 @@ def test_a_request_that_fell_back_then_was_planned_leaves_nothing_and_counts_as_
     neither outlive it nor be counted, its response says fused."""
     side = make_side(ratio_mode="controller")
     req = request("r1")
+    index_chunks(side, req)
     side.figures = {**measured(disk=1.0), "compute": {**measured()["compute"], "per_row_s": 1.0,
                                                       "prefill_per_token_s": 1e-9}}  # vLLM's prefill far faster
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -585,6 +595,37 @@ def test_an_unexpected_planning_error_runs_the_request_as_plain_vllm(make_side, 
 def no_go_figures() -> dict:
     """Measured figures under which the controller turns every request down (vLLM's prefill far faster)."""
     return {**measured(disk=1.0), "compute": {**measured()["compute"], "per_row_s": 1.0, "prefill_per_token_s": 1e-9}}
+
+
+def test_a_no_go_with_chunks_not_stored_fuses_to_save_them(make_side):
+    """Under figures that turn every request down, a request whose chunk is not stored is fused anyway
+    (verdict save_holes): plain vLLM would not save it, and every later request with it would price it as
+    computed in full and be turned down again, so the cache would never fill from served requests.
+    Negative controls: the same prompt with every chunk stored is a no-go (plain vLLM), and so is the
+    request with holes when the engine does not save holes."""
+    outcomes = {}
+    for case in ("hole", "stored", "hole_not_saved"):
+        side = make_side(ratio_mode="controller", save_holes=case != "hole_not_saved")
+        req = request(f"r-{case}")  # system [0, 10), chunk [10, 60)
+        if case == "stored":
+            index_chunks(side, req)
+        else:  # the system prompt stored, the chunk not
+            index_variants(side, VariantRecord.without_stats(
+                chunk_key(req.prompt_token_ids[0:10], side.key_context, at_prompt_start=True), (), 10))
+        side.figures = no_go_figures()
+        plans = schedule(side, req)
+        _, params = side.request_finished(req, [])
+        if plans:
+            worker_reports(side, req.request_id)
+        outcomes[case] = (len(plans), params["cachefuse"])
+        assert_no_state(side)
+    num_plans, hole = outcomes["hole"]
+    assert num_plans == 1 and hole["status"] == "fused" and hole["controller"]["verdict"] == "save_holes"
+    assert hole["controller"]["reason"].startswith("save holes: 1 declared chunk(s) of 50 tokens")
+    assert "no-go:" in hole["controller"]["reason"]  # what the estimate said, kept
+    for case in ("stored", "hole_not_saved"):
+        num_plans, outcome = outcomes[case]
+        assert num_plans == 0 and outcome["fallback_reason"] == "no_go", (case, outcome)
 
 
 def test_a_preempted_fused_request_replays_its_first_plan(make_side):
@@ -680,6 +721,7 @@ def test_a_request_whose_blend_failed_or_that_fell_back_stays_plain_when_resumed
     assert side.build_connector_meta(step_output(resumed=[failed])).plans == []
 
     turned_down = request("r2")
+    index_chunks(side, turned_down)
     side.figures = no_go_figures()
     assert side.get_num_new_matched_tokens(turned_down, 0) == (0, False)
     turned_down.num_output_tokens = 3  # ran plain, preempted, resumes with figures that would fuse
