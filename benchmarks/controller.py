@@ -118,7 +118,7 @@ def calibrate(bench: Bench, runs: int) -> dict:
 def controller_decision(bench: Bench, cal: dict, throttled_stats) -> tuple:
     """decide() over a fresh FigureRecorder: calibration passes, full prefills, one throttled pass."""
     num_tokens = len(bench.token_ids)
-    recorder = FigureRecorder()
+    recorder = FigureRecorder(warmup_blends=0)  # the calibration passes ran after the benchmark's own warm-up
     for stats in (*cal["blend_stats"], throttled_stats):
         recorder.observe_blend(stats, num_tokens)
     for seconds in cal["full_times_s"]:

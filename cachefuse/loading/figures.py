@@ -6,8 +6,8 @@ Imports only the standard library (the scheduler reads these figures: no torch, 
   them from samples (`EmaEstimator`, `BandwidthMeter`, `fit_compute_figures`, `fit_prefill`: least
   squares with non-negative coefficients, solved by hand over at most three features);
 - `FigureRecorder`, which the worker feeds from real work only: every blend pass (bytes and seconds
-  of each load by serving tier; seconds and rows of each layer) and every step that was nothing but
-  plain vLLM prefills (tokens, seconds). `snapshot()` is the plain dict that travels to the scheduler
+  of each load by serving tier; seconds and rows of each layer, but the first pass's: warm-up) and every
+  step that was nothing but one plain vLLM prefill (tokens, seconds). `snapshot()` is the plain dict that travels to the scheduler
   in the connector's worker metadata, where `cachefuse.loading.controller` decides.
 """
 
@@ -195,22 +195,40 @@ def fit_prefill(samples: Sequence[tuple[float, float]], base: ComputeFigures | N
 
 
 MAX_SAMPLES = 256
+WARMUP_BLENDS = 1
+"""A process's first blend passes whose compute is not sampled (their loads are): the first pays one-time
+costs (kernel compilation and autotuning on a GPU, first-touch allocations), and fitted it priced every
+later blend too high; the controller's recompute-bound no-go then turned requests down on its word."""
 
 
 class FigureRecorder:
-    def __init__(self, min_load_bytes: int = 1 << 20, alpha: float = 0.2) -> None:
-        self.bandwidth = BandwidthMeter(alpha=alpha, min_bytes=min_load_bytes)
+    def __init__(self, min_load_bytes: int = 1 << 20, alpha: float = 0.2, *, warmup_blends: int = WARMUP_BLENDS,
+                 stale_after_s: float = FIGURE_STALE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.bandwidth = BandwidthMeter(alpha=alpha, min_bytes=min_load_bytes, stale_after_s=stale_after_s, clock=clock)
         self.blend_samples: deque[tuple[float, float, float]] = deque(maxlen=MAX_SAMPLES)
         self.prefill_samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
         self.changed = False
+        self.clock, self.stale_after_s = clock, stale_after_s
+        self._warmup_left = warmup_blends
+        self._last_blend_at: float | None = None
 
     def observe_blend(self, stats: Any, num_tokens: int) -> None:
-        """One blend pass: FusionStats' loads by tier and its per-layer (rows, seconds)."""
+        """One blend pass: FusionStats' loads by tier and its per-layer (rows, seconds). A pass's compute is
+        not sampled while warm-up passes are left (WARMUP_BLENDS); one coming `stale_after_s` or more after
+        the last sampled pass replaces the samples (no blend ran meanwhile: the scheduler turned requests
+        down on these figures, and a pass it fuses to re-measure them must not be averaged into them)."""
         for tier, seconds in stats.load_seconds_by_tier.items():
             self.bandwidth.observe(tier, stats.load_bytes_by_tier.get(tier, 0), seconds)
+        self.changed = True
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return
+        now = self.clock()
+        if self._last_blend_at is not None and now - self._last_blend_at >= self.stale_after_s:
+            self.blend_samples.clear()
+        self._last_blend_at = now
         for rows, seconds in zip(stats.layer_rows, stats.layer_seconds, strict=True):
             self.blend_samples.append((float(rows), float(num_tokens), float(seconds)))
-        self.changed = True
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step of vLLM's own (unfused) prefills: its tokens and wall time."""

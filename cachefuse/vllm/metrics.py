@@ -55,7 +55,7 @@ LABELLED = {  # key prefix -> (Prometheus counter name, label, help text)
     FALLBACK_PREFIX: ("vllm:cachefuse_requests_fallback", "reason", "Requests that ran as plain vLLM, by reason."),
     "controller_": ("vllm:cachefuse_controller_decisions", "verdict",
                     "The loading controller's decision per finished request (ratio_mode: controller): go, "
-                    "no_go, force_fuse, remeasure (a load-bound no-go fused to measure its tier again), "
+                    "no_go, force_fuse, remeasure (a no-go fused to measure its tier or the blend's compute again), "
                     "save_holes (a no-go fused to save its chunks not stored), no_figures (nothing measured yet)."),
     "bytes_loaded_tier_": ("vllm:cachefuse_bytes_loaded_by_tier", "tier",
                            "Bytes of chunk K/V read, by the store tier that served them (summed over ranks)."),

@@ -4,7 +4,8 @@ Imports cachefuse.loading (controller, figures) and cachefuse.chunks; no vllm, a
 selectors (cachefuse.select, whose modules import torch) are built by `make_selector` inside `decide`,
 only when the controller has measured figures to decide with. The geometry reads the model's config
 and a table of dtype sizes, never a tensor. The controller itself is cachefuse.loading.controller
-(docs/loading.md); this module gathers its inputs and keeps the per-tier re-measure clock.
+(docs/loading.md); this module gathers its inputs and keeps the re-measure clocks (per tier, and the
+blend's compute).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ VERDICTS = (*controller.VERDICTS, "remeasure", "save_holes", "no_figures")
 """A decision's `verdict` as the gate hands it out: the controller's, or `remeasure` (a load-bound no-go
 fused anyway to measure its tier again), `save_holes` (a no-go fused anyway because it has declared chunks
 not stored, which only a blend saves), or `no_figures` (nothing measured yet: the request's own ratio)."""
+
+
+BLEND_COMPUTE = "blend compute"
+"""`Gate.no_go_since`'s key for recompute-bound no-gos (the tiers' keys are their names)."""
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -78,8 +83,9 @@ class Gate:
         self.clock: Callable[[], float] = time.monotonic
         self.no_go_since: dict[str, float] = {}
         """Per tier, since when the controller has turned down requests whose load it bounds (and fused
-        none of them): a tier's figure only changes when a blend reads it, so after FIGURE_STALE_S of
-        that, one request is fused anyway to measure the tier again."""
+        none of them), and under BLEND_COMPUTE since when it has turned down recompute-bound ones: a figure
+        only changes when a blend runs, so after FIGURE_STALE_S of that, one request is fused anyway to
+        measure it again."""
         self.remeasuring: dict[str, dict[str, Any]] = {}
         """The forced decision of a request picked to re-measure, kept until the request finishes, so
         vLLM asking again (no free blocks yet) gets the same answer."""
@@ -135,35 +141,41 @@ class Gate:
         as computed in full and be turned down again; the cache would never fill from served requests.
         The estimate counts a hole's rows as computed, so mostly-new prompts are the ones turned down."""
         out = dataclasses.asdict(decision)
-        if decision.tier is not None:
-            self.no_go_since.pop(decision.tier, None)  # this blend reads the tier: its figure is current again
+        self._measured(decision.tier)
         out.update(fuse=True, verdict="save_holes",
                    reason=f"save holes: {len(holes)} declared chunk(s) of {sum(holes)} tokens not stored, which "
                           f"plain vLLM would not save: fused anyway; {decision.reason}")
         return out
 
     def _remeasure(self, req_id: str, decision: controller.Decision) -> dict[str, Any]:
-        """The decision, or, for a no-go bound by the load of a tier that has lasted FIGURE_STALE_S, a go for
-        this one request: only blends update a tier's figure, so one slow first read (the figure is seeded
-        by it) kept every request of that tier at no-go for good, the tier never read again. The worker
-        reseeds a figure that old with its next read, so this request's load replaces it."""
+        """The decision, or, for a no-go that has lasted FIGURE_STALE_S, a go for this one request. Only
+        blends update the figures a no-go rests on, so one bad figure kept every request at no-go for good:
+        a slow first read of a tier (the figure is seeded by it), or blend compute measured slow (a busy
+        machine, a pass paying one-time costs). A load-bound no-go waits per tier (the bottleneck tier), a
+        recompute-bound one on the blend's compute (BLEND_COMPUTE). The worker replaces figures that old
+        with this request's (BandwidthMeter, FigureRecorder.observe_blend), rather than averaging."""
         if req_id in self.remeasuring:
             return self.remeasuring[req_id]
         out = dataclasses.asdict(decision)
-        tier = decision.tier
-        if tier is None:
-            return out
         if decision.fuse:
-            self.no_go_since.pop(tier, None)  # read by this blend: its figure is current
+            self._measured(decision.tier)
             return out
-        if decision.est_load_s < decision.est_recompute_s:
-            return out  # recompute-bound: a new measurement of the tier would not change it
+        load_bound = decision.tier is not None and decision.est_load_s >= decision.est_recompute_s
+        what = decision.tier if load_bound else BLEND_COMPUTE
         now = self.clock()
-        since = self.no_go_since.setdefault(tier, now)
+        since = self.no_go_since.setdefault(what, now)
         if now - since >= FIGURE_STALE_S:
-            self.no_go_since[tier] = now
+            self._measured(decision.tier)
+            self.no_go_since[what] = now  # the next re-measure of it is due FIGURE_STALE_S from this one
+            figure = f"load-bound no-go on {what}" if load_bound else "recompute-bound no-go"
             out.update(fuse=True, verdict="remeasure",
-                       reason=f"re-measure (load-bound no-go on {tier} for {FIGURE_STALE_S:g} s, its "
-                              f"figure unread since): fused anyway; {decision.reason}")
+                       reason=f"re-measure ({figure} for {FIGURE_STALE_S:g} s, its figures unmeasured since): "
+                              f"fused anyway; {decision.reason}")
             self.remeasuring[req_id] = out
         return out
+
+    def _measured(self, tier: str | None) -> None:
+        """A blend runs: it measures the blend's compute and reads `tier`; their no-go clocks start over."""
+        self.no_go_since.pop(BLEND_COMPUTE, None)
+        if tier is not None:
+            self.no_go_since.pop(tier, None)

@@ -797,11 +797,13 @@ def test_preemption_outcomes_under_vllms_hook_order(make_side):
         assert_no_state(s)
 
 
-def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again(make_side):
+def test_a_no_go_fuses_one_request_a_minute_to_measure_its_figures_again(make_side):
     """A tier's figure changes only when a blend reads it, and its first read seeds it outright: one slow
     read kept every request at no-go for good (the disk never read again). After FIGURE_STALE_S of
-    load-bound no-gos one request fuses anyway; the rest stay plain. A recompute-bound no-go (vLLM's own
-    prefill faster than any blend, whatever the load) is no reason to re-measure: it stays no-go."""
+    load-bound no-gos one request fuses anyway; the rest stay plain. The blend's compute figures too change
+    only when a blend runs: a recompute-bound no-go (blend compute measured slow: a busy machine, a first
+    pass paying one-time costs) kept every request plain for good, until it too re-measured after
+    FIGURE_STALE_S (before this, it never did)."""
     from cachefuse.loading.figures import FIGURE_STALE_S
 
     side = make_side(ratio_mode="controller")
@@ -841,14 +843,19 @@ def test_a_load_bound_no_go_fuses_one_request_a_minute_to_measure_the_tier_again
                                                           "prefill_per_token_s": 1e-9}}
     now[0] = 10 * FIGURE_STALE_S
     fused, outcome = decision("e", recompute_bound)
-    assert not fused and "recompute-bound" in outcome["detail"]  # no re-measure
-    now[0] = 20 * FIGURE_STALE_S
-    assert not decision("f", recompute_bound)[0]
+    assert not fused and "recompute-bound" in outcome["detail"]
+    now[0] = 11 * FIGURE_STALE_S - 1
+    assert not decision("f", recompute_bound)[0]  # the disk's re-measure fused "c": its clock started at "e"
+    now[0] = 11 * FIGURE_STALE_S
+    fused, outcome = decision("g", recompute_bound)
+    assert fused and outcome["controller"]["reason"].startswith("re-measure (recompute-bound no-go for 60 s")
+    now[0] = 11 * FIGURE_STALE_S + 1
+    assert not decision("h", recompute_bound)[0]  # one request, then no-go again
     assert_no_state(side)
     # Prometheus counts each finished request's verdict once: "c" twice (aborted, then fused), both re-measures
     counted = side.get_kv_connector_stats().data
     assert (counted.get("controller_no_go"), counted.get("controller_remeasure"), counted.get("controller_go")) == (
-        5, 2, None), counted
+        6, 3, None), counted
 
 
 def test_only_a_step_of_one_plain_prefill_times_vllms_prefill():
