@@ -64,6 +64,9 @@ class RequestShape:
     num_probe_layers: int = 0
     """Layers a query-aware selector's question probe runs before the pass (`ProbeSpec.depth`): the
     forced rows through each, over at most `num_tokens` keys. Non-zero: the load precedes all compute."""
+    num_prefix_cached: int = 0
+    """Leading tokens vLLM's own prefix cache holds: plain vLLM would compute only the rest, while the
+    blend pass computes every row as ever (it only skips writing those slots)."""
 
     def __post_init__(self) -> None:
         listed = sum(self.bytes_by_tier.values())
@@ -271,7 +274,8 @@ def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFig
     """Ratio, preload depth and go/no-go for one request.
 
     `tiers` are the measured tiers; the request's bytes are priced where `shape.bytes_by_tier` puts
-    them, the rest at the slowest tier (load_seconds_by_tier). "fixed" uses `fixed_ratio`;
+    them, the rest at the slowest tier (load_seconds_by_tier). vLLM's prefill is priced past what its
+    own prefix cache holds (`num_prefix_cached`). "fixed" uses `fixed_ratio`;
     "controller" raises r from r_min until recomputing hides that load (choose_ratio). Fuse only if
     the estimated fused TTFT max(load, recompute) is below vLLM's own prefill of the prompt by
     `margin` (the estimates are fits: a thin predicted win is not a win), and fewer than every
@@ -296,13 +300,15 @@ def decide(shape: RequestShape, figures: ComputeFigures, tiers: Sequence[TierFig
     est_probe = probe_time(shape, figures)
     est_recompute = recompute_time(shape, figures, ratio) + est_probe
     est_fused = est_load + est_recompute if probes else max(est_load, est_recompute)
-    est_prefill = figures.prefill_time(shape.num_tokens)
+    est_prefill = figures.prefill_time(shape.num_tokens, shape.num_prefix_cached)
     layers = max(1, shape.num_layers)
     depth = 0 if probes else pipeline_depth(layer_compute_times(shape, figures, ratio), est_load / layers)
     probe_part = f", of which probe {est_probe * 1e3:.1f} ms; loaded first" if probes else ""
     cmp = (f"estimated fused {est_fused * 1e3:.1f} ms (load {_describe_load(load_by_tier)}, "
            f"recompute {est_recompute * 1e3:.1f} ms{probe_part})")
     vllm = f"vLLM prefill {est_prefill * 1e3:.1f} ms"
+    if shape.num_prefix_cached:
+        vllm += f" (its prefix cache holds {shape.num_prefix_cached} of {shape.num_tokens} tokens)"
     every_row = shape.num_candidates > 0 and rows >= shape.num_candidates
     if est_fused < (1.0 - margin) * est_prefill and not every_row:
         fuse, verdict, summary = True, "go", f"go: {cmp} < {vllm} less {margin:.0%}"

@@ -51,10 +51,13 @@ class ComputeFigures:
         """One blend-pass layer computing `rows` rows over `context` keys."""
         return self.fixed_s + self.per_row_s * rows + self.per_row_key_s * rows * context
 
-    def prefill_time(self, num_tokens: float) -> float:
-        """vLLM's own prefill of a `num_tokens` prompt, all layers."""
-        n = num_tokens
-        return self.prefill_fixed_s + self.prefill_per_token_s * n + self.prefill_per_token2_s * n * n
+    def prefill_time(self, num_tokens: float, cached: float = 0) -> float:
+        """vLLM's own prefill of a `num_tokens` prompt, all layers, when its prefix cache holds the first
+        `cached` tokens: the step's fixed cost, the new tokens' own cost, and their attention over the keys
+        before them (the quadratic term's n^2 - c^2, as a prompt's n^2 is its rows over their keys)."""
+        n, c = num_tokens, min(cached, num_tokens)
+        return (self.prefill_fixed_s + self.prefill_per_token_s * (n - c)
+                + self.prefill_per_token2_s * (n * n - c * c))
 
 
 class EmaEstimator:

@@ -73,6 +73,21 @@ def test_choose_ratio_floor_raise_and_cap():
     assert r == 0.2 and why.startswith("capped at r_max")
 
 
+def test_plain_vllm_is_priced_past_its_own_prefix_cache():
+    """vLLM computes only the tokens past its prefix-cache hit, while the blend pass computes every row: a
+    request whose first 3,500 of 4,000 tokens vLLM holds runs plain (no-go), priced as 500 new tokens over
+    4,000 keys. Negative control: the same request without the hit fuses (priced as a whole prompt, it had
+    fused with the hit too, at ~3x vLLM's time)."""
+    assert FIG.prefill_time(4000, 3500) == pytest.approx(
+        FIG.prefill_fixed_s + FIG.prefill_per_token_s * 500 + FIG.prefill_per_token2_s * (4000**2 - 3500**2))
+    assert FIG.prefill_time(4000, 0) == FIG.prefill_time(4000) and FIG.prefill_time(100, 500) == FIG.prefill_fixed_s
+    whole = _decide()
+    cached = _decide(shape=replace(SHAPE, num_prefix_cached=3500))
+    assert whole.fuse and whole.verdict == "go"
+    assert not cached.fuse and cached.verdict == "no_go" and "prefix cache holds 3500 of 4000" in cached.reason
+    assert cached.est_fused_s == whole.est_fused_s and cached.est_prefill_s < whole.est_fused_s / 2
+
+
 def test_throttled_tier_raises_r_unthrottled_keeps_r_min():
     fast = TierFigures("disk", 10e9)
     throttled = TierFigures("disk", 2e9)  # 5x slower

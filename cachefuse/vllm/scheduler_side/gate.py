@@ -99,9 +99,10 @@ class Gate:
         self.remeasuring.pop(req_id, None)
 
     def decide(self, req_id: str, fusion: FusionRequest, num_tokens: int,
-               variants: Sequence[VariantChoice | None]) -> dict[str, Any]:
+               variants: Sequence[VariantChoice | None], cached_prefix: int = 0) -> dict[str, Any]:
         """The loading controller's choice for one request, from the worker's measured figures: each
-        chunk's load priced at the tiers the index knows hold it, rows as the selector will pick them."""
+        chunk's load priced at the tiers the index knows hold it, rows as the selector will pick them,
+        plain vLLM's prefill past the `cached_prefix` tokens its own prefix cache holds."""
         from cachefuse.select.base import PlannedChunk  # torch: only once there are figures to decide with
         from cachefuse.select.registry import make_selector
 
@@ -125,7 +126,7 @@ class Gate:
             bytes_to_load=loaded_tokens * bytes_per_token,
             bytes_by_tier=controller.tier_bytes([(n * bytes_per_token, c.tiers) for n, _, c in loaded], tiers),
             num_planned_rows=rows.num_planned_rows, num_ratio_candidates=rows.num_ratio_candidates,
-            num_probe_layers=0 if probe is None else probe.depth)
+            num_probe_layers=0 if probe is None else probe.depth, num_prefix_cached=cached_prefix)
         decision = controller.decide(shape, ComputeFigures(**figures["compute"]), tiers, r_min=fusion.recompute_ratio,
                                       r_max=max(self.config.max_recompute_ratio, fusion.recompute_ratio),
                                       ratio_mode="controller", fixed_ratio=fusion.recompute_ratio,

@@ -213,7 +213,7 @@ class Planner:
         indexed = [choice is not None for choice in variants]
         controller = None
         if self.config.ratio_mode == "controller":
-            controller = self.gate.decide(req_id, fusion, len(prompt), variants)
+            controller = self.gate.decide(req_id, fusion, len(prompt), variants, cached_prefix)
             if not controller["fuse"]:
                 self.fall_back(req_id, "no_go", detail=controller["reason"])
                 return 0, False

@@ -628,6 +628,25 @@ def test_a_no_go_with_chunks_not_stored_fuses_to_save_them(make_side):
         assert num_plans == 0 and outcome["fallback_reason"] == "no_go", (case, outcome)
 
 
+def test_the_controller_prices_plain_vllm_past_its_own_prefix_cache_hit(make_side):
+    """vLLM asks with its prefix-cache hit (80 of 100 tokens): plain vLLM would compute 20, the blend all
+    100 (it only skips writing the hit), so the request runs plain. Negative control: with no hit, the same
+    request and figures fuse."""
+    figures = {**measured(memory=1e12), "compute": {**measured()["compute"], "prefill_per_token_s": 5e-4}}
+    outcomes = {}
+    for hit in (0, 80):
+        side = make_side(ratio_mode="controller")
+        req = request(f"hit{hit}")
+        index_chunks(side, req)
+        side.figures = figures
+        matched, _ = side.get_num_new_matched_tokens(req, hit)
+        _, params = side.request_finished(req, [])
+        outcomes[hit] = matched, params["cachefuse"]
+    assert outcomes[0][0] == 99 and outcomes[0][1]["controller"]["verdict"] == "go"
+    assert outcomes[80][0] == 0 and outcomes[80][1]["fallback_reason"] == "no_go"
+    assert "its prefix cache holds 80 of 100 tokens" in outcomes[80][1]["detail"]
+
+
 def test_a_preempted_fused_request_replays_its_first_plan(make_side):
     """Blended, preempted after its own holes were saved and indexed, resumed when the controller would say
     no-go: the resumed blend replays the first plan (the holes in full again, no controller), so vLLM decodes
