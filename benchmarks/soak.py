@@ -65,6 +65,9 @@ KV_CACHE_BYTES = {  # small enough that 64 clients preempt
 MODELS = {  # size -> (model config, document lengths, KV cache bytes)
     size: (config, doc_lengths, KV_CACHE_BYTES[size]) for size, (config, doc_lengths) in vllm_server.MODELS.items()}
 DISK_CAP_BYTES = 64 << 20
+RATIO_MODE = "fixed"
+"""The connector's ratio_mode: fixed (not the default, the loading controller), as in the committed runs, whose
+phases compare a fixed 15% blend with plain vLLM; the result says which mode ran."""
 SURROGATE = {"cachefuse": {"chunk_texts": ["\ud800"]}}
 """vLLM's HTTP front end answers a lone surrogate with a 500 before the connector sees the request (it
 cannot serialize it to the engine process); the engine keeps serving. Counted apart, not as an error."""
@@ -116,7 +119,8 @@ def server_args(store: Path | None, max_len: int, prefix_caching: bool) -> list[
     if not prefix_caching:
         args.append("--no-enable-prefix-caching")
     if store is not None:
-        extra = {"store_dir": str(store), "disk_capacity_bytes": DISK_CAP_BYTES, "memory_capacity_bytes": 8 << 20}
+        extra = {"store_dir": str(store), "disk_capacity_bytes": DISK_CAP_BYTES, "memory_capacity_bytes": 8 << 20,
+                 "ratio_mode": RATIO_MODE}
         args += ["--kv-transfer-config", kv_transfer_config(extra)]
     return args
 
@@ -362,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
               "machine": platform.machine(), "model_size": args.model_size, "model": str(model_dir.name),
               "kv_cache_bytes": args.kv_cache_bytes, "allocator": args.allocator,
               "prefix_caching": args.prefix_caching, "max_model_len": max_model_len(workload), "mix": KINDS,
+              "ratio_mode": RATIO_MODE,
               "phases": {"plain": plain, "cachefuse": fused},
               "ratios": {"ttft_p50_plain_over_cachefuse": (plain["ttft_p50_s"] or 0) / (fused["ttft_p50_s"] or 1),
                          "requests_per_s_cachefuse_over_plain":

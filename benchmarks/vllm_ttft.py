@@ -69,10 +69,12 @@ CONFIGS = {
     "plain": dict(label="(a) vLLM", prefix_caching=False, cachefuse=None),
     "prefix_caching": dict(label="(b) vLLM + prefix caching", prefix_caching=True, cachefuse=None),
     "full_reuse": dict(label="(c) cachefuse full_reuse", prefix_caching=False,
-                       cachefuse=dict(selector="full_reuse", recompute_ratio=0.0)),
+                       cachefuse=dict(selector="full_reuse", recompute_ratio=0.0, ratio_mode="fixed")),
     "cacheblend": dict(label="(d) cachefuse cacheblend 15%", prefix_caching=False,
-                       cachefuse=dict(selector="cacheblend", recompute_ratio=0.15)),
+                       cachefuse=dict(selector="cacheblend", recompute_ratio=0.15, ratio_mode="fixed")),
 }
+"""`ratio_mode: fixed` (not the default, the loading controller): each configuration measures the ratio its
+label names; the results record the connector config they ran (`cachefuse_config`)."""
 DECODE_CONFIGS = ("plain", "cacheblend")
 TARGET_TTFT_SPEEDUP, TARGET_DECODE_RATIO = 2.5, 0.95
 BOOTSTRAP_SAMPLES = 10000
@@ -309,7 +311,8 @@ def cachefuse_summary(records: list[dict]) -> dict | None:
 def summarize(raw: dict[str, dict], args: argparse.Namespace) -> dict:
     configs = {}
     for name, run in raw.items():
-        configs[name] = dict(label=CONFIGS[name]["label"], median_ttft_s=statistics.median(run["ttft_s"]),
+        configs[name] = dict(label=CONFIGS[name]["label"], cachefuse_config=CONFIGS[name]["cachefuse"],
+                             median_ttft_s=statistics.median(run["ttft_s"]),
                              cachefuse_summary=cachefuse_summary(run["requests"]), **run)
         paired = run["paired_plain_ttft_s"]
         if paired:

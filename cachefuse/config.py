@@ -38,7 +38,7 @@ class CacheFuseConfig:
     """Token selector, a module name under cachefuse/select/."""
     recompute_ratio: float = 0.15
     """Selected rows / cached tokens of the declared non-system chunks (docs/architecture.md, Definitions)."""
-    ratio_mode: str = "fixed"
+    ratio_mode: str = "controller"
     """"fixed": use recompute_ratio; "controller": the loading controller picks r >= recompute_ratio
     from measured figures, and runs a request as plain vLLM when fusing would not be faster."""
     max_recompute_ratio: float = 1.0

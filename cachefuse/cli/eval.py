@@ -138,7 +138,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _run_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser, items: list, spec: Any) -> Any:
     """A connector-enabled vLLM engine over --store (or a temporary directory) with a variant budget
-    that holds every chunk of the run. (Holes stay saved: precompute stores chunks as holes, and the
+    that holds every chunk of the run, at `ratio_mode: fixed` whatever --config says: each setting is
+    measured at the ratio it is labelled with, where the loading controller (the default) could raise it
+    or run the request as plain vLLM. (Holes stay saved: precompute stores chunks as holes, and the
     evaluated requests have none, every declared chunk being a checked hit.)"""
     import tempfile
 
@@ -147,7 +149,8 @@ def _run_vllm(args: argparse.Namespace, parser: argparse.ArgumentParser, items: 
     with tempfile.TemporaryDirectory(prefix="cachefuse-eval-") as scratch:
         args.store = args.store or Path(scratch)
         budget = sum(len(item.chunks) + 1 for item in items) + 1
-        extra, config = engine_config(args, parser, max_variants=max(budget, CacheFuseConfig().max_variants))
+        extra, config = engine_config(args, parser, max_variants=max(budget, CacheFuseConfig().max_variants),
+                                      ratio_mode="fixed")
         llm = engine_llm(args, extra)
         try:
             return run_eval_vllm(llm, items, spec, store_dir=config.store_path, progress=not args.no_progress)

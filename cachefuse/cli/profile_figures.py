@@ -38,7 +38,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import random
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the figures are read from this process's scheduler
-    extra, _ = engine_config(args, parser, **({"memory_capacity_bytes": 0} if args.tier == "disk" else {}))
+    # ratio_mode fixed: every cacheblend request blends (the default controller could turn it down, unmeasured)
+    extra, _ = engine_config(args, parser, ratio_mode="fixed",
+                             **({"memory_capacity_bytes": 0} if args.tier == "disk" else {}))
     llm = engine_llm(args, extra)
     from cachefuse.vllm.engines import sampling_params
 

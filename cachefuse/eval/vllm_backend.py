@@ -9,8 +9,9 @@ attention deviation and the full KL need the reference engine (`--engine referen
 The reference is plain vLLM (the same engine, a request with no cachefuse parameters: vLLM's own
 prefill). Chunks are stored first with `cachefuse precompute`'s path (each computed after the system
 prompt: the base variant). Each setting is one request carrying `selector` and `recompute_ratio`
-(cachefuse.request); a request that fell back to plain vLLM, or loaded fewer chunks than it declared,
-stops the run: it would not measure what it is labelled with.
+(cachefuse.request); a request that fell back to plain vLLM, loaded fewer chunks than it declared, or
+ran at another ratio (the loading controller's choice: `cachefuse eval` runs its engine at `ratio_mode:
+fixed`), stops the run: it would not measure what it is labelled with.
 
 NOTE: `cachecraft` is not offered here: its ratio axis is `force_cfo`, an engine-wide config field,
 not a per-request one.
@@ -59,7 +60,7 @@ def run_eval_vllm(llm: Any, items: Sequence[EvalItem], spec: EvalSpec, *, store_
             reference = outputs[0]
             for (name, ratio), output in zip(settings, outputs, strict=True):
                 if name != "full_prefill":
-                    _check_fused(setting_name(name, ratio), output, len(prompt.chunks))
+                    _check_fused(setting_name(name, ratio), output, len(prompt.chunks), ratio)
                 runs.runs[setting_name(name, ratio)].append(
                     _item_run(output, reference, tokenizer, item, prompt, metric, spec.max_new_tokens))
             bar.update(len(settings))
@@ -84,11 +85,14 @@ def _generate(llm: Any, prompt: Any, settings: list[tuple[str, float]], max_new_
     return llm.generate([{"prompt_token_ids": prompt.token_ids}] * len(settings), params, use_tqdm=False)
 
 
-def _check_fused(name: str, output: Any, num_chunks: int) -> None:
+def _check_fused(name: str, output: Any, num_chunks: int, ratio: float) -> None:
     status = (output.kv_transfer_params or {}).get(PARAMS_KEY, {})
     if status.get("status") != "fused":
         raise RuntimeError(f"{name}: the request ran as plain vLLM ({status.get('fallback_reason')}: "
                            f"{status.get('detail')})")
+    if status.get("recompute_ratio") != ratio:
+        raise RuntimeError(f"{name}: the request ran at ratio {status.get('recompute_ratio')!r} "
+                           f"({(status.get('controller') or {}).get('reason')}); run the engine at ratio_mode: fixed")
     if status.get("chunks_hit") != num_chunks:
         raise RuntimeError(f"{name}: {status.get('chunks_hit')} of {num_chunks} declared chunks were loaded "
                            f"({status.get('miss_reasons')})")

@@ -33,7 +33,7 @@ def test_a_bad_axis_value_fails_at_start_up_naming_the_field():
 
 def test_the_defaults_configuration_is_the_one_cachefuse_config_picks():
     _, configs = grid()
-    assert frontier.default_configuration(configs).name == "cacheblend/0.15/fixed"
+    assert frontier.default_configuration(configs).name == "cacheblend/0.15/controller"
     _, without = grid(ratios=(0.05, 0.5))  # negative control: the default ratio is not in the grid
     with pytest.raises(SystemExit, match="recompute_ratio=0.15"):
         frontier.default_configuration(without)
@@ -102,7 +102,7 @@ def test_quick_run_on_the_tiny_model_writes_every_point_and_the_plot(tiny_model_
     points = {p["name"]: p for p in result["points"]}
     configs = [p for p in points.values() if not p["baseline"]]
     assert len(configs) == 2 * 2 * 2  # --quick: 2 selectors x 2 ratios x 2 ratio modes
-    assert [p["name"] for p in configs if p["default"]] == ["cacheblend/0.15/fixed"]
+    assert [p["name"] for p in configs if p["default"]] == ["cacheblend/0.15/controller"]
     assert points["plain vLLM"]["speedup"] == 1.0 and points["plain vLLM"]["quality"]["kl_mean"] == 0.0
     assert points["full_reuse"]["speed"]["pairs"] == 1
     for p in configs:

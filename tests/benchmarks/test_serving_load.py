@@ -44,6 +44,11 @@ def test_cachefuse_config_is_merged_over_the_defaults_and_passed_through(tmp_pat
     assert extra["max_blend_tokens_per_step"] == 512 and extra["a_field_of_tomorrow"] == [1, 2]
     assert extra["selector"] == "cacheblend" and extra["memory_capacity_bytes"] == 256 << 20
     assert extra["store_dir"] == str(tmp_path / "store")
+    # the committed runs measured the fixed ratio, not the default controller; a given mode still wins
+    assert extra["ratio_mode"] == "fixed"
+    controlled = kv_transfer_extra(configurations(["--cachefuse-config", json.dumps({"ratio_mode": "controller"})],
+                                                  tmp_path)["cachefuse"])
+    assert controlled["ratio_mode"] == "controller"
 
 
 def test_quick_sets_small_defaults_and_given_flags_still_win():

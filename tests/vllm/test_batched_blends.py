@@ -75,6 +75,8 @@ def test_each_request_of_a_batched_split_blend_gets_its_output_alone(setup, sele
     ids, params = prompts(pieces, selector=selector, recompute_ratio=0.15)
     expected = alone(llm, ids, params)
     assert all(stats_of(o)["blend_batch_size"] == 1 for o in expected)
+    samples = engines.worker_side().figures.blend_samples
+    samples.clear()
     batch = engines.generate(llm, ids, params, MAX_TOKENS)
     stats = [stats_of(o) for o in batch]
     assert all(s["status"] == "fused" and s["chunks_hit"] == 4 for s in stats), stats
@@ -82,6 +84,10 @@ def test_each_request_of_a_batched_split_blend_gets_its_output_alone(setup, sele
     # (a blend that fits the step's budget with nothing older waiting runs whole, synchronously)
     assert max(s["blend_steps"] for s in stats) > 1, "no blend was split across steps: the test proves nothing"
     assert_same_outputs(batch, expected)
+    # The controller's compute samples: a batched pass's layer time is the batch's, never one request's
+    # speed (under load it would read as a slow blend and turn requests down); a pass alone, split or not,
+    # is timed only while it computes (4 layers each)
+    assert len(samples) == 4 * sum(s["blend_batch_size"] == 1 for s in stats), (len(samples), stats)
 
 
 def test_ratio_one_batched_and_split_equals_plain_vllm(setup):

@@ -1,6 +1,8 @@
-"""The loading controller in a real engine: the worker's measured figures reach the scheduler, and
-the scheduler's decision (ratio, go/no-go) shapes the request, with injected figures so the
-outcome does not depend on this machine's speed."""
+"""The loading controller in a real engine started with the default config (the controller is the
+default `ratio_mode`): the worker's measured figures reach the scheduler, and the scheduler's decision
+(ratio, go/no-go) shapes the request, with injected figures so the outcome does not depend on this
+machine's speed. Negative control: the same engine switched to `ratio_mode: fixed` fuses what the
+default runs plain."""
 
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ def family():
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, tmp_path_factory):
-    llm = start_engine(tiny_model_dir("llama"), tmp_path_factory.mktemp("controller-store"),
-                       ratio_mode="controller", recompute_ratio=0.15)
+    llm = start_engine(tiny_model_dir("llama"), tmp_path_factory.mktemp("controller-store"))  # the defaults
+    config = scheduler_connector(llm)._scheduler.config
+    assert (config.ratio_mode, config.recompute_ratio) == ("controller", 0.15)
     worker_side().figures.bandwidth.min_bytes = 0  # tiny test entries still count as loads
     g = torch.Generator().manual_seed(5)
     system, a, c, question = (torch.randint(3, 1000, (n,), generator=g).tolist() for n in (10, 60, 50, 9))
@@ -71,6 +74,22 @@ def test_slow_tier_is_a_no_go_and_runs_plain(setup):
     assert stats["detail"].startswith("no-go:") and "slow tier memory" in stats["detail"]
     assert first_logprobs(out) == first_logprobs(plain)
     assert scheduler_connector(llm).counters["fallback:no_go"] >= 1
+
+
+def test_a_fixed_ratio_engine_fuses_what_the_default_runs_plain(setup):
+    """Negative control of the no-go above: the same figures under `ratio_mode: fixed` (the old default)
+    fuse at the fixed ratio, with no controller decision."""
+    llm, ids, params = setup
+    side = scheduler_connector(llm)._scheduler
+    inject(llm, bytes_per_s=1e3, prefill_per_token_s=1e-5)
+    config = side.config
+    side.config = config.replace(ratio_mode="fixed")
+    try:
+        (out,) = generate(llm, [ids], [params])
+    finally:
+        side.config = config
+    stats = out.kv_transfer_params["cachefuse"]
+    assert stats["status"] == "fused" and stats["recompute_ratio"] == 0.15 and "controller" not in stats, stats
 
 
 def test_force_fuse_overrides_the_no_go(setup):

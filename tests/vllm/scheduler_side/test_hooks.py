@@ -518,7 +518,7 @@ def test_a_request_waiting_for_blocks_is_one_fallback(make_side, caplog):
 def test_a_preempted_fused_request_is_one_fused_request(make_side, caplog):
     """Blended, preempted, blended again on resumption: one request fused (counted by the scheduler for
     Prometheus, not per blend by the worker) and one outcome logged; the replan is an event, counted."""
-    side = make_side()
+    side = make_side(ratio_mode="fixed")  # the counters of a fixed-ratio engine: no controller decision counted
     req = request("r1")
     with caplog.at_level(logging.DEBUG, logger="cachefuse.vllm.scheduler_side"):
         schedule(side, req)
