@@ -125,6 +125,20 @@ def default_configuration(configs: list[Configuration]) -> Configuration:
                      + ", ".join(f"{k}={getattr(defaults, k)!r}" for k in fields) + " to the axes' values")
 
 
+def full_reuse_host(configs: list[Configuration]) -> Configuration:
+    """The configuration in whose engine full_reuse is timed: the defaults' other settings at ratio_mode
+    fixed (in a controller's engine, the default one, full reuse could be turned down and timed as plain
+    vLLM), else the first fixed configuration, else the first."""
+    defaults = CacheFuseConfig()
+
+    def rank(config: Configuration) -> tuple[bool, bool]:
+        fixed = config.overrides.get("ratio_mode", defaults.ratio_mode) == "fixed"
+        like_defaults = all(getattr(defaults, k) == v for k, v in config.overrides.items() if k != "ratio_mode")
+        return not fixed, not like_defaults
+
+    return min(configs, key=rank)
+
+
 def engine_overrides(config: Configuration) -> dict[str, Any]:
     """The connector config one engine needs for `config`: its overrides but the per-request ones, and
     cachecraft's ratio as `force_cfo` (its ratio axis, as cachefuse.eval.harness.selector_at runs it)."""
@@ -207,8 +221,8 @@ def speed_key(config: Configuration, all_axes) -> str:
     return "/".join(next(iter(a.values)) if not a.moves_speed else config.label(a.name) for a in all_axes)
 
 
-def measure_speed(args, all_axes, configs, timed_items, default: Configuration) -> dict[str, dict]:
-    """Per timed configuration (and full_reuse, in the defaults' engine): TTFTs, speed-up, decisions."""
+def measure_speed(args, all_axes, configs, timed_items, reuse_host: Configuration) -> dict[str, dict]:
+    """Per timed configuration (and full_reuse, in `reuse_host`'s engine): TTFTs, speed-up, decisions."""
     from frontier_ttft import decisions, paired_speedup, run_group
     from tqdm.auto import tqdm
 
@@ -219,7 +233,7 @@ def measure_speed(args, all_axes, configs, timed_items, default: Configuration) 
         for index, (key, members) in enumerate(tqdm(groups.items(), desc="TTFT through vLLM", unit="engine")):
             requests = [{"name": c.name, "selector": c.overrides["selector"], "ratio": c.overrides["recompute_ratio"]}
                         for c in members]
-            if default in members:
+            if reuse_host in members:
                 requests.append({"name": "full_reuse", "selector": "full_reuse", "ratio": 0.0})
             job = {"group": f"engine{index}", "model": str(args.model), "items": items, "requests": requests,
                    "engine_overrides": engine_overrides(members[0]), "seed": args.seed}
@@ -370,7 +384,7 @@ def main(argv=None) -> int:
 
     all_axes = axes(args.selectors, args.ratios, args.ratio_modes)
     configs = configurations(all_axes)
-    default = default_configuration(configs)
+    default = None if args.speed_only else default_configuration(configs)  # speed alone marks no defaults
     cpus = parse_cpus(args.cpus)
     torch.set_num_threads(len(cpus))
     started = time.perf_counter()
@@ -379,7 +393,7 @@ def main(argv=None) -> int:
     if args.speed_from is not None:
         speed = json.loads(args.speed_from.read_text())["speed"]["configurations"]
     else:
-        speed = measure_speed(args, all_axes, configs, items[:args.timed_items], default)
+        speed = measure_speed(args, all_axes, configs, items[:args.timed_items], full_reuse_host(configs))
     speed_s = time.perf_counter() - started
     if args.speed_only:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,17 @@ def test_the_defaults_configuration_is_the_one_cachefuse_config_picks():
         frontier.default_configuration(without)
 
 
+def test_full_reuse_is_timed_in_a_fixed_ratio_engine():
+    """The default ratio_mode is the controller, which could turn full reuse down (timed as plain vLLM): the
+    baseline goes with the defaults' fixed twin, or the first fixed configuration, or, with none, the first."""
+    _, configs = grid()
+    assert frontier.full_reuse_host(configs).name == "cacheblend/0.15/fixed"
+    _, other_ratios = grid(ratios=(0.05, 0.5))
+    assert frontier.full_reuse_host(other_ratios).name == "cacheblend/0.05/fixed"
+    _, controlled = grid(modes=("controller",))
+    assert frontier.full_reuse_host(controlled).name == "cacheblend/0.15/controller"
+
+
 def test_one_engine_serves_every_per_request_value_and_cachecraft_gets_one_per_ratio():
     all_axes, configs = grid()
     groups = frontier.speed_groups(configs, all_axes)
