@@ -6,9 +6,10 @@ Imports only the standard library (the scheduler reads these figures: no torch, 
   them from samples (`EmaEstimator`, `BandwidthMeter`, `fit_compute_figures`, `fit_prefill`: least
   squares with non-negative coefficients, solved by hand over at most three features);
 - `FigureRecorder`, which the worker feeds from real work only: every blend pass (bytes and seconds
-  of each load by serving tier; seconds and rows of each layer, but the first pass's: warm-up) and every
-  step that was nothing but one plain vLLM prefill (tokens, seconds). `snapshot()` is the plain dict that travels to the scheduler
-  in the connector's worker metadata, where `cachefuse.loading.controller` decides.
+  of each load by serving tier; seconds and rows of each layer, but the first pass's: warm-up) and
+  every step that was nothing but one plain vLLM prefill (tokens, seconds). `snapshot()` is the plain
+  dict that travels to the scheduler in the connector's worker metadata, where
+  `cachefuse.loading.controller` decides.
 """
 
 from __future__ import annotations

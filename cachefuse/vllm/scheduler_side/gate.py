@@ -30,8 +30,8 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_
 """Bytes per element of the dtypes a model's K/V are stored in, by `chunks.dtype_name`."""
 
 VERDICTS = (*controller.VERDICTS, "remeasure", "save_holes", "no_figures")
-"""A decision's `verdict` as the gate hands it out: the controller's, or `remeasure` (a load-bound no-go
-fused anyway to measure its tier again), `save_holes` (a no-go fused anyway because it has declared chunks
+"""A decision's `verdict` as the gate hands it out: the controller's, or `remeasure` (a no-go lasting
+FIGURE_STALE_S fused anyway to measure its tier, or the blend's compute, again), `save_holes` (a no-go fused anyway because it has declared chunks
 not stored, which only a blend saves), or `no_figures` (nothing measured yet: the request's own ratio)."""
 
 
