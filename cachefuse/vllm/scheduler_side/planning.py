@@ -130,7 +130,11 @@ class Planner:
             return True
         if self.config.blend_step_tokens == 0:
             return False
-        if any(p.load_async and (not p.sent or p.figures_due) for p in self.pending.values() if p is not pending):
+        # An older asynchronous blend still waiting or running, or one that ended whose first token vLLM has
+        # not scheduled yet (it waits ahead in vLLM's queue, so this step computes it): a synchronous blend
+        # here would run before this step's forward, and those first tokens would wait for it.
+        if any(p.load_async and (not p.sent or not p.first_token_scheduled)
+               for p in self.pending.values() if p is not pending):
             return True
         step_rows = blend_budget_rows(self.config.blend_step_tokens, self.max_num_batched_tokens, self.num_layers)
         if self.budget.sync_rows + pending.estimated_rows > step_rows:
@@ -253,6 +257,7 @@ class Planner:
             if isinstance(loaded, list) and len(loaded) == len(previous.variants):
                 previous.variants = [v if hit else None for v, hit in zip(previous.variants, loaded, strict=True)]
             previous.sent, previous.replay, previous.block_ids = False, True, None
+            previous.first_token_scheduled = False  # the replay's first forward is due again
         self.outcomes.fallbacks.pop(req_id, None)
         previous.cached_prefix = cached_prefix  # exact blocks, or its own blended ones found again
         previous.load_async = self._loads_async(previous)

@@ -53,16 +53,19 @@ def blocks(num_tokens: int, block_size: int = 16, first: int = 7):
     return SimpleNamespace(get_block_ids=lambda: (ids,))
 
 
-def step_output(*reqs, resumed=(), resumed_first_block: int = 40):
+def step_output(*reqs, resumed=(), resumed_first_block: int = 40, first_tokens=()):
     """A SchedulerOutput: `reqs` scheduled as new, `resumed` as preempted requests resumed this step (vLLM
-    lists those among the cached requests, with a whole new block table)."""
+    lists those among the cached requests, with a whole new block table), `first_tokens` the request ids
+    of asynchronous loads whose last prompt token it computes (their blends ended)."""
     new = [SimpleNamespace(req_id=r.request_id, block_ids=(blocks(len(r.prompt_token_ids)).get_block_ids()[0],))
            for r in reqs]
     cached = SimpleNamespace(
         req_ids=[r.request_id for r in resumed], resumed_req_ids={r.request_id for r in resumed},
         new_block_ids=[(blocks(len(r.prompt_token_ids), first=resumed_first_block).get_block_ids()[0],)
                        for r in resumed])
-    return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached)
+    return SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={**{r.request_id: len(r.prompt_token_ids) for r in reqs},
+                                                 **dict.fromkeys(first_tokens, 1)})
 
 
 def schedule(side: SchedulerSide, req, **resumed) -> list:
@@ -989,8 +992,15 @@ def test_a_blend_runs_synchronously_when_it_fits_the_step_and_nothing_older_wait
     assert side.get_num_new_matched_tokens(request("d"), 0) == (99, True)  # c still runs
     side.request_finished(request("d"), [])  # d aborted before it was scheduled
     worker_reports(side, "c")
-    side.build_connector_meta(step_output())  # the next step starts with a fresh budget
+    # b's and c's blends ended, their first tokens not yet scheduled: vLLM computes them in the next step,
+    # which a synchronous blend would make wait (it runs before the step's forward)
+    assert side.get_num_new_matched_tokens(request("e0"), 0) == (99, True)
+    side.request_finished(request("e0"), [])
+    meta = side.build_connector_meta(step_output(first_tokens=("b", "c")))  # the step of their first tokens
+    assert meta.first_tokens == 2  # the worker holds its waiting blends for this step
     assert side.get_num_new_matched_tokens(request("e"), 0) == (99, False)  # nothing waits: synchronous again
+    side.update_state_after_alloc(request("e"), blocks(100), 99)
+    assert side.build_connector_meta(step_output(request("e"), first_tokens=("b", "c"))).first_tokens == 0  # once
 
 
 def test_vllms_own_prefix_hit_stays_vllms_and_the_blend_holds_the_rest(make_side):
