@@ -145,6 +145,12 @@ def at_start(op: Any) -> bool:
     return op.layer == START_LAYER
 
 
+def summed_over_ranks(values: torch.Tensor, layer: int, across_ranks: bool) -> PassSteps:
+    """`values` summed over the tensor-parallel ranks, as a RankSum op of the pass (`yield from` it);
+    on one rank (`across_ranks` False) `values` as they are, no op yielded."""
+    return (yield RankSum(values, layer)) if across_ranks else values
+
+
 def run_alone(steps: PassSteps, execute: ExecuteOps) -> Any:
     """Runs one pass to its end, each op on its own; returns what the pass returns."""
     result = None

@@ -42,6 +42,7 @@ from cachefuse.fusion.batch import (
     Project,
     RankSum,
     run_alone,
+    summed_over_ranks,
 )
 from cachefuse.fusion.batch_ops import run_ops, window_kwargs
 from cachefuse.fusion.layers import LoadedLayers
@@ -181,16 +182,15 @@ class Fusor:
             source = request.probe_source
         timer = _LayerTimer(self.clock, layout.device)
         timer.start()
-        anchored = [index for index in source.indices()
-                    if spec.anchors_only and not spec.question_only and not request.segments[index].is_system]
-        summed: dict[int, torch.Tensor | None] = dict.fromkeys(anchored)
-        if anchored and self.sum_over_ranks is not None:  # every rank ranks by every head's keys: the same anchors
-            partials = [selector.probe_anchor_partials(request.segments[i], source.layer_keys(i)) for i in anchored]
+        keys = {index: source.layer_keys(index) for index in source.indices()
+                if spec.anchors_only and not spec.question_only and not request.segments[index].is_system}
+        summed: dict[int, torch.Tensor | None] = dict.fromkeys(keys)
+        if keys and self.sum_over_ranks is not None:  # every rank ranks by every head's keys: the same anchors
+            partials = [selector.probe_anchor_partials(request.segments[i], k) for i, k in keys.items()]
             total = yield RankSum(torch.cat(partials), START_LAYER)
-            summed = dict(zip(anchored, total.split([p.numel() for p in partials]), strict=True))
-        anchors = {index: selector.probe_anchors(request.segments[index], source.layer_keys(index),
-                                                 source.meta(index), summed[index])
-                   for index in anchored}
+            summed = dict(zip(keys, total.split([p.numel() for p in partials]), strict=True))
+        anchors = {index: selector.probe_anchors(request.segments[index], k, source.meta(index), summed[index])
+                   for index, k in keys.items()}
         result: ProbeResult = yield from probe_steps(
             layout.token_ids, request.segments, source, layout.forced_rows, layout.ctx, spec, anchors,
             self.adapter.shape, self.adapter.rope_spec, self.block_rows, across_ranks=self.sum_over_ranks is not None)
@@ -251,8 +251,7 @@ class Fusor:
             if question is not None and layer < num_layers - 1:
                 mass = question.partial_mass(q, row_positions, k_merged, adapter.shape.scaling, self.block_rows,
                                              window)
-                if self.sum_over_ranks is not None:
-                    mass = yield RankSum(mass, layer)
+                mass = yield from summed_over_ranks(mass, layer, self.sum_over_ranks is not None)
                 tracked = selector.after_layer(layout.ctx, layer, question.mass(mass))
 
             # Rows that continue to the next layer: only they need this layer's attention and MLP;
@@ -317,9 +316,9 @@ class Fusor:
             rows=candidate_rows, fresh_k_nope=k_nope[index], fresh_v=v[index],
             loaded_k_nope=loaded_k_nope[candidate_rows], loaded_v=loaded_v[candidate_rows])
         check_index = check_layers.index(layer)
-        summed = selector.check_partials(layout.ctx, check_index, kv)
-        if summed is not None and self.sum_over_ranks is not None:  # each rank holds its own heads' partials
-            summed = yield RankSum(summed, layer)
+        partials = selector.check_partials(layout.ctx, check_index, kv)  # this rank's heads'
+        summed = None if partials is None else (
+            yield from summed_over_ranks(partials, layer, self.sum_over_ranks is not None))
         return selector.select_at_check(layout.ctx, check_index, kv, summed)
 
 

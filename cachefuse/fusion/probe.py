@@ -39,7 +39,7 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import rows_attention_at, segment_attention_mass
 from cachefuse.chunks import Segment
-from cachefuse.fusion.batch import Embed, Output, PassSteps, Project, RankSum, run_alone
+from cachefuse.fusion.batch import Embed, Output, PassSteps, Project, run_alone, summed_over_ranks
 from cachefuse.fusion.batch_ops import run_ops
 from cachefuse.select.base import ProbeSpec, SelectionContext
 from cachefuse.store.base import ChunkKV, select_rows
@@ -220,9 +220,8 @@ def probe_steps(token_ids: torch.Tensor, segments: Sequence[Segment], loaded: Ma
                                  shape.window(layer))
         hidden, residual = yield Output(layer, attn.flatten(1), residual)
     # Each rank scored its own heads: the total and the per-layer shares cross the ranks in one sum
-    summed = torch.stack([scores[ctx.candidate_rows], *per_layer])
-    if across_ranks:
-        summed = yield RankSum(summed, spec.depth - 1)
+    summed = yield from summed_over_ranks(torch.stack([scores[ctx.candidate_rows], *per_layer]), spec.depth - 1,
+                                          across_ranks)
     layer_scores = dict(zip(score_layers, summed[1:], strict=True)) if spec.per_layer else None
     return ProbeResult(summed[0], spec.depth, int(context.view_positions.numel()), int(forced_rows.numel()),
                        layer_scores)

@@ -351,10 +351,9 @@ def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
 def _pass_agreement(device: Any) -> Agreement:
     """PassBatch's agreement over vLLM's tensor-parallel group: one all-reduce (sum) of a failed flag per
     pass; a pass failed on any rank fails on all (cachefuse.fusion.batch)."""
-    from vllm.distributed import tensor_model_parallel_all_reduce
 
     def agree(failed: list[bool]) -> list[bool]:
         flags = torch.tensor([float(f) for f in failed], dtype=torch.float32, device=device)
-        return [count > 0 for count in tensor_model_parallel_all_reduce(flags).tolist()]
+        return [count > 0 for count in _sum_over_ranks(flags).tolist()]
 
     return agree

@@ -245,6 +245,20 @@ def _on_two_ranks(run_rank) -> None:
         thread.join(timeout=60)
 
 
+def _assert_pass_0_failed_on_both_ranks(group: _TwoRankGroup, outcomes: dict, expected: list, agreed: bool) -> None:
+    """With the agreement: both ranks failed pass 0 (rank 1 with its own fault, rank 0 as OtherRankFailed)
+    and finished pass 1 with its answer alone. Without it (the control): their collectives came apart."""
+    if not agreed:
+        assert group.errors  # the control: without the agreement the ranks' collectives come apart
+        return
+    assert not group.errors, group.errors
+    for rank in (0, 1):
+        advanced = outcomes[rank]
+        assert set(advanced.failed) == {0} and set(advanced.finished) == {1}, (rank, advanced)
+        assert isinstance(advanced.failed[0], OtherRankFailed if rank == 0 else RuntimeError)
+        assert_same(advanced.finished[1][0], expected[1][0])
+
+
 def _rank_batch(engine, group: _TwoRankGroup, rank: int, agreed: bool) -> PassBatch:
     """One rank's PassBatch: its `Output` ops all-reduce the batch's rows (the row-parallel o_proj / MLP
     all-reduce), and with `agreed` the ranks agree on failures over the same group."""
@@ -293,15 +307,7 @@ def test_a_pass_failing_on_one_rank_fails_on_every_rank_before_the_next_collecti
         outcomes[rank] = batch.advance()
 
     _on_two_ranks(run_rank)
-    if not agreed:
-        assert group.errors  # the control: without the agreement the ranks' collectives come apart
-        return
-    assert not group.errors, group.errors
-    for rank in (0, 1):
-        advanced = outcomes[rank]
-        assert set(advanced.failed) == {0} and set(advanced.finished) == {1}, (rank, advanced)
-        assert isinstance(advanced.failed[0], OtherRankFailed if rank == 0 else RuntimeError)
-        assert_same(advanced.finished[1][0], expected[1][0])
+    _assert_pass_0_failed_on_both_ranks(group, outcomes, expected, agreed)
 
 
 @pytest.mark.parametrize("agreed", [True, False])
@@ -406,15 +412,7 @@ def test_a_pass_failing_on_one_rank_anywhere_leaves_no_rank_in_a_collective(engi
             pass  # the control's mismatched collective
 
     _on_two_ranks(run_rank)
-    if not agreed:
-        assert group.errors  # the control: without the agreement the ranks' collectives come apart
-        return
-    assert not group.errors, group.errors
-    for rank in (0, 1):
-        advanced = outcomes[rank]
-        assert set(advanced.failed) == {0} and set(advanced.finished) == {1}, (rank, advanced)
-        assert isinstance(advanced.failed[0], OtherRankFailed if rank == 0 else RuntimeError)
-        assert_same(advanced.finished[1][0], expected[1][0])
+    _assert_pass_0_failed_on_both_ranks(group, outcomes, expected, agreed)
 
 
 def test_a_tensor_parallel_pass_yields_its_collectives_as_ops(engine):
