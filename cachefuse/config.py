@@ -157,6 +157,11 @@ class CacheFuseConfig:
     choice is the base variant, and the chunk is not first): "base" loads it; "fused" loads the chunk's best
     variant computed after other chunks instead (FusionRAG's neighbour-fused cache, used wherever the chunk
     appears: `cachefuse precompute --fuse-neighbours`). docs/variants.md, Neighbour variants."""
+    exact_places: bool = True
+    """A declared chunk placed after exactly the tokens its stored entry was computed after (the first
+    document after the system prompt, under its base variant) is exact: no row of it is a candidate, the
+    ratio is spent on the others (docs/variants.md, Exact places). False: every non-system chunk is
+    blended as the papers do; for measuring what exact places save (benchmarks/frontier.py)."""
     redis_url: str | None = None
     """A shared tier for several vLLM instances: "redis://[:password@]host:port/db" or "rediss://..." (TLS).
     K/V and variant metadata then live in Redis (memory and disk tiers, when enabled, cache it locally)."""

@@ -158,6 +158,9 @@ def check_variants(cfg: Any) -> None:
         fail("default_variant", cfg.default_variant,
              '"base" (a chunk out of its stored place loads its base variant) or "fused" (its neighbour-fused '
              'variant, from `cachefuse precompute --fuse-neighbours`)')
+    if not isinstance(cfg.exact_places, bool):
+        fail("exact_places", cfg.exact_places, "true (a chunk at its entry's exact place is not blended) or false "
+             "(every non-system chunk is blended, as the papers do)")
     if not is_int(cfg.max_variants) or cfg.max_variants < 1:
         fail("max_variants", cfg.max_variants, "an integer >= 1 (N x M variants over all chunks)")
     if cfg.redis_url is not None and (not isinstance(cfg.redis_url, str)

@@ -53,6 +53,8 @@ INVALID = [
     ("variant_admission_max_chunks", 1.5),
     ("variant_admission_max_chunks", True),
     ("max_variants", 0),
+    ("exact_places", "no"),
+    ("exact_places", 0),
     ("redis_url", "http://localhost:6379"),
     ("redis_url", "redis://localhost:6379/0x"),  # redis-py used database 0, silently
     ("redis_url", "redis://localhost:6379/abc"),

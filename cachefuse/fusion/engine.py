@@ -196,7 +196,8 @@ class FusionEngine:
         return plan_variants(index, list(meta_keys), [s.is_system for s in segments], [s.length for s in segments],
                              self.config.cachecraft_alpha, Admission.from_config(self.config),
                              self.config.max_variant_prefix_chunks,
-                             place_hashes(token_ids, [s.start for s in segments]), self.config.default_variant)
+                             place_hashes(token_ids, [s.start for s in segments]) if self.config.exact_places
+                             else None, self.config.default_variant)
 
     # ------------------------------------------------------------------ fused prefill
 

@@ -148,3 +148,24 @@ def test_hole_after_loaded_rows_recomputed_everywhere_is_exact(adapter):
         assert stats.chunks_hit == 2 and stats.exact_prefix_chunks == 0  # the system chunk and A
         (saved,) = stats.saved_variants
         assert (saved.exact_after == place_hash(ids[:chunks[2][0]])) is exact, selector
+
+
+def test_exact_places_off_blends_the_chunk_at_its_exact_place_like_any_other(adapter):
+    """`exact_places: false` (measuring what exact places save, benchmarks/frontier.py): the same prompt as
+    above plans A as approximate, so A's rows are candidates with B's and the ratio is spent over both, as
+    the papers blend. Negative control: the default engine on the same store and prompt marks A exact."""
+    case = make_case(adapter.shape.vocab_size, seed=41)
+    engine = make_engine(adapter, CacheFuseConfig(recompute_ratio=RATIO))
+    precompute_case(engine, case, with_hole=False)
+    len_a, len_b = len(case.pieces[0]), len(case.pieces[1])
+    ids, chunks = prompt(case, [0, 1])
+
+    _, on = engine.prefill(ids, chunks, save_holes=False)
+    assert on.exact_prefix_chunks == 1 and on.exact_prefix_tokens == len_a
+    engine.config = engine.config.replace(exact_places=False)
+    assert not any(c.exact for c in engine.plan_variants(ids, chunks) if c is not None)
+    result, off = engine.prefill(ids, chunks, save_holes=False)
+    assert off.exact_prefix_chunks == 0 and off.exact_prefix_tokens == 0 and off.chunks_hit == 3
+    assert result.num_candidates == len_a + len_b
+    assert result.num_selected == num_rows_for_ratio(RATIO, len_a + len_b)
+    assert rows_in(result, *chunks[1]) > 0

@@ -211,7 +211,8 @@ class Planner:
         variants = plan_variants(self.index, keys, [s == 0 for s, _ in fusion.chunks],
                                  [e - s for s, e in fusion.chunks], self.config.cachecraft_alpha,
                                  admission, self.config.max_variant_prefix_chunks,
-                                 place_hashes(prompt, [s for s, _ in fusion.chunks]), self.config.default_variant)
+                                 place_hashes(prompt, [s for s, _ in fusion.chunks]) if self.config.exact_places
+                                 else None, self.config.default_variant)
         if fusion.store_variant:  # the chunk is a hole whatever is stored: saved as its prefix's variant
             variants[-1] = None
         indexed = [choice is not None for choice in variants]
