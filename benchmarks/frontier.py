@@ -1,32 +1,48 @@
 """The quality / speed frontier: every configuration's normalized F1 against its TTFT speed-up through vLLM.
 
-    make model && python benchmarks/frontier.py            # SmolLM2-135M-Instruct, the committed run
+    make model && python benchmarks/frontier.py            # SmolLM2-135M-Instruct: quality and speed
     python benchmarks/frontier.py --quick                  # a smoke run (2 selectors, 2 ratios, 4 items)
+    python benchmarks/frontier.py --quality-only ...       # quality alone (any machine), speed None
+    python benchmarks/frontier.py --speed-only ...         # speed alone (a quiet machine)
+    python benchmarks/frontier.py --quality-from q.json --speed-from s.json ...   # join them, measure nothing
 
 A configuration is one value on each axis of `axes()`; an axis is a named set of CacheFuseConfig
 overrides, so a new axis is one entry there (with, where it needs one, an offline step that fills the
-store before its quality is measured). Axes today: selector (cacheblend, epic, cachecraft, fusionrag,
-qcfuse) x recompute ratio (5-90%) x ratio_mode (fixed, controller). Two hooks are marked below for
-axes other branches are building (neighbour fusion, exact prefix).
+store before its quality is measured). Axes: selector (cacheblend, epic, cachecraft, fusionrag, qcfuse)
+x recompute ratio (5-90%) x ratio_mode (fixed, controller) x fusion (base; fused: `default_variant:
+fused` over neighbour-fused entries that cachefuse.offline.neighbours stores for every document of the
+items, N = `--neighbours`, the model's own embeddings) x exact (on; off: `exact_places: false`, every
+non-system chunk blended as the papers do). Fusion and exact are side axes: their other values are
+measured one at a time and only with `--side-settings` (default cacheblend and qcfuse at 15%), so each
+costs a few reference runs rather than a copy of the grid.
 
-Quality (reference engine, cachefuse.eval.harness.run_eval, one process, `--threads` torch threads):
-on `--items` test items of the QA set (cachefuse.eval.qa_set, one- and two-hop alternating), token F1
-of 8 greedy tokens, normalized as FusionRAG's Eq. 11, (S - S_full_reuse) / (S_full_prefill -
-S_full_reuse), with a bootstrap 95% interval over items, pooled and per kind (single = one hop,
-multi = two hops), and the mean first-token KL(full prefill || fused).
+Quality (reference engine, cachefuse.eval.harness.run_eval, one process, as many torch threads as
+`--cpus`; benchmarks/frontier_quality.py): on `--items` test items of the QA set (cachefuse.eval.qa_set,
+one- and two-hop alternating), token F1 of 8 greedy tokens, normalized as FusionRAG's Eq. 11,
+(S - S_full_reuse) / (S_full_prefill - S_full_reuse) against the defaults' group's baselines, with a
+bootstrap 95% interval over items, pooled and per kind (single = one hop, multi = two hops), and the mean
+first-token KL(full prefill || fused). One reference engine per quality group (the values of the
+reference-measured axes other than selector and ratio: "base/on", "fused/on", "base/off"); the per-item
+results are kept in the JSON (`quality.groups`). Paired comparisons (`paired`): qcfuse and fusionrag
+against cacheblend at each ratio in each group, per item, F1 and KL by paired bootstrap and normalized F1
+by a joint bootstrap, per kind; `targets.query_aware_at_15` reads the defaults' group at 15%.
 
 Speed (vLLM, benchmarks/frontier_ttft.py): on the first `--timed-items` of the same prompts, each
 configuration's TTFT against plain vLLM's, paired request by request in the same pinned engine.
-Speed depends only on the axes that change what the blend computes (all three today); a quality-only
-axis is timed once.
+Speed depends only on the axes that change what the blend computes (selector, ratio, ratio_mode,
+exact); a quality-only axis (fusion: a fused entry loads like a base one) is timed once, at its first value.
 
 ratio_mode "controller" lets the loading controller raise each request's ratio above the configured
 one, or run it as plain vLLM (no-go). Its quality is read from what the controller did with the timed
 requests: when every one ran at the configured ratio, the fixed configuration's quality; when every one
 fell back, full prefill's (normalized 1); otherwise none is claimed (`quality_source` says which).
 
-Writes `--out` (JSON) and the plot next to it (.png): normalized F1 vs speed-up, the Pareto frontier,
-the configuration CacheFuseConfig's defaults pick, and the target region (>= 0.90 at >= 2.5x).
+Long quality runs: each measured group is checkpointed to `<out>.partial.json` (resume with
+`--quality-from` it); `--groups-only` (with `--groups`) measures a share of the groups and settings in one
+process, to be joined by `--quality-from share1.json share2.json ...` (a group's settings merge across files).
+
+Writes `--out` (JSON) and, with speed, the plot next to it (.png): normalized F1 vs speed-up, the Pareto
+frontier, the configuration CacheFuseConfig's defaults pick, and the target region (>= 0.90 at >= 2.5x).
 """
 
 from __future__ import annotations
@@ -46,6 +62,17 @@ from typing import Any
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS.parent))
 sys.path.insert(0, str(BENCHMARKS))
+
+from frontier_quality import (  # noqa: E402
+    comparison_table,
+    earlier_quality,
+    measure_quality,
+    neighbour_offline,
+    paired_comparisons,
+    quality_groups,
+    query_aware_target,
+    summarize_quality,
+)
 
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 
@@ -70,21 +97,30 @@ class Axis:
     what vLLM did with the timed requests (the controller's ratio or no-go)."""
     moves_speed: bool = True
     """False: the value changes quality only (e.g. which variant is loaded), so speed is timed once."""
-    offline: Callable[[Any, list, str], None] | None = field(default=None, compare=False)
-    """Before a value's quality is measured: (reference engine, eval items, value label) -> fills the store."""
+    offline: Callable[[Any, Any, list, str], dict | None] | None = field(default=None, compare=False)
+    """Before a value's quality is measured: (reference engine, tokenizer, eval items, value label) -> fills
+    the store for every item and says what it did (None: nothing, each item stores its own base variants)."""
+    side: bool = False
+    """A side axis: its values other than the first (the default's) are combined only with the settings
+    (selector@ratio) in `side_settings`, and with the other side axes at their first values (one moved at a
+    time), so that each costs a few reference runs, not a copy of the grid."""
 
 
-def axes(selectors, ratios, modes) -> tuple[Axis, ...]:
+FUSION = {"base": {"default_variant": "base"}, "fused": {"default_variant": "fused"}}
+EXACT = {"on": {"exact_places": True}, "off": {"exact_places": False}}
+
+
+def axes(selectors, ratios, modes, fusion=tuple(FUSION), exact=tuple(EXACT), neighbours=10) -> tuple[Axis, ...]:
+    """The frontier's axes; `fusion` and `exact` are side axes (Axis.side), each value list starting with
+    the default's. Neighbour fusion is quality-only: a fused entry is loaded like a base one (same bytes,
+    same rows), so its speed is the base configuration's and the vLLM worker needs no offline step."""
     return (
         Axis("selector", {s: {"selector": s} for s in selectors}, quality="reference"),
         Axis("ratio", {f"{r:g}": {"recompute_ratio": r} for r in ratios}, quality="reference"),
         Axis("ratio_mode", {m: {"ratio_mode": m} for m in modes}, quality="decisions"),
-        # HOOK(neighbour fusion, issue 30): FusionRAG's neighbour-fused cache used wherever a chunk appears.
-        # Axis("neighbour_fusion", {"off": {}, "on": {<its config field>: True}}, quality="reference",
-        #      moves_speed=False, offline=<store each document's neighbour variant, cachefuse.offline>),
-        # The vLLM worker then needs the same offline step on its store (frontier_ttft.run_worker).
-        # HOOK(exact prefix, issue 30): entries computed after exactly the tokens before them are not recomputed.
-        # Axis("exact_prefix", {"off": {}, "on": {<its config field>: True}}, quality="reference"),
+        Axis("fusion", {v: FUSION[v] for v in fusion}, quality="reference", moves_speed=False,
+             offline=neighbour_offline(neighbours), side=True),
+        Axis("exact", {v: EXACT[v] for v in exact}, quality="reference", side=True),
     )
 
 
@@ -102,12 +138,17 @@ class Configuration:
         return dict(self.labels)[axis]
 
 
-def configurations(all_axes: tuple[Axis, ...]) -> list[Configuration]:
-    """Every combination of one value per axis; overrides are checked as a CacheFuseConfig (a bad value
-    fails here, at start-up, naming the field)."""
+def configurations(all_axes: tuple[Axis, ...], side_settings: set[str] | None = None) -> list[Configuration]:
+    """Every combination of one value per axis, side axes (Axis.side) moved one at a time and only with the
+    settings ("cacheblend@0.15") in `side_settings` (None: with every setting); overrides are checked as a
+    CacheFuseConfig (a bad value fails here, at start-up, naming the field)."""
     out = []
     for combo in itertools.product(*(axis.values.items() for axis in all_axes)):
         overrides = {k: v for _, fields in combo for k, v in fields.items()}
+        moved = [a for a, (label, _) in zip(all_axes, combo, strict=True) if a.side and label != next(iter(a.values))]
+        setting = f"{overrides.get('selector')}@{overrides.get('recompute_ratio', 0):g}"
+        if len(moved) > 1 or (moved and side_settings is not None and setting not in side_settings):
+            continue
         CacheFuseConfig.from_dict(overrides)
         out.append(Configuration(tuple((axis.name, label) for axis, (label, _) in zip(all_axes, combo, strict=True)),
                                  overrides))
@@ -146,59 +187,6 @@ def engine_overrides(config: Configuration) -> dict[str, Any]:
     if config.overrides.get("selector") == "cachecraft":
         out["force_cfo"] = config.overrides["recompute_ratio"]
     return out
-
-
-# --------------------------------------------------------------------------- quality (reference engine)
-
-
-def quality_groups(all_axes, configs) -> dict[str, list[Configuration]]:
-    """Configurations by what the reference engine must be built with (reference-measured axes other than
-    selector and ratio, which run_eval sweeps itself)."""
-    engine_axes = [a.name for a in all_axes if a.quality == "reference" and a.name not in ("selector", "ratio")]
-    groups: dict[str, list[Configuration]] = {}
-    for config in configs:
-        groups.setdefault("/".join(config.label(a) for a in engine_axes) or "base", []).append(config)
-    return groups
-
-
-def measure_quality(args, all_axes, configs, eval_items) -> dict[str, dict[str, Any]]:
-    """Per quality group and setting (setting_name: "cacheblend@0.15", "full_prefill", ...), the per-item
-    scores and KLs of run_eval."""
-    from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval
-
-    out = {}
-    for group, members in quality_groups(all_axes, configs).items():
-        engine_axes = [a for a in all_axes if a.quality == "reference" and a.name not in ("selector", "ratio")]
-        engine_fields = {k: v for a in engine_axes for k, v in a.values[members[0].label(a.name)].items()}
-        engine, _ = reference_engine(args.model, CacheFuseConfig.from_dict(engine_fields))
-        for axis in engine_axes:
-            if axis.offline is not None:
-                axis.offline(engine, eval_items, members[0].label(axis.name))
-        spec = EvalSpec(selectors=tuple(dict.fromkeys(c.overrides["selector"] for c in members)),
-                        ratios=tuple(dict.fromkeys(c.overrides["recompute_ratio"] for c in members)),
-                        metric="f1", max_new_tokens=MAX_NEW_TOKENS)
-        runs = run_eval(engine, args.tokenizer, eval_items, spec, desc=f"quality [{group}]")
-        out[group] = {name: {"scores": [r.score for r in item_runs], "kl": [r.kl for r in item_runs],
-                             "recompute_fraction": [r.recompute_fraction for r in item_runs]}
-                      for name, item_runs in runs.runs.items()}
-    return out
-
-
-def summarize_quality(setting: dict, baselines: dict, kinds: list[str], seed: int) -> dict[str, Any]:
-    """F1, normalized F1 with its interval, per kind and pooled; first-token KL; recompute fraction."""
-    import statistics
-
-    from cachefuse.eval.stats import mean_se, normalized_bootstrap
-
-    by_kind = {}
-    for kind in ("all", *sorted(set(kinds))):
-        idx = [i for i, k in enumerate(kinds) if kind in ("all", k)]
-        own, full, reuse = ([values["scores"][i] for i in idx] for values in (setting, *baselines))
-        by_kind[kind] = {"f1": mean_se(own).to_dict(),
-                         "normalized_f1": normalized_bootstrap(own, full, reuse, seed=seed).to_dict()}
-    return {"by_kind": by_kind, "kl_mean": statistics.fmean(setting["kl"]),
-            "kl_median": statistics.median(setting["kl"]),
-            "recompute_fraction": statistics.fmean(setting["recompute_fraction"])}
 
 
 # --------------------------------------------------------------------------- speed (vLLM)
@@ -269,7 +257,10 @@ def decided_setting(config: Configuration, speed: dict | None) -> tuple[str | No
 
 
 def build_points(all_axes, configs, quality, speed, kinds, default, seed) -> list[dict[str, Any]]:
-    """One point per configuration, plus plain vLLM and full reuse, each with quality and speed where known."""
+    """One point per configuration, plus plain vLLM and full reuse, each with quality and speed where known.
+    Every point is normalized against the defaults' group's full prefill and full reuse (FusionRAG's Eq. 11
+    normalizes by the base cache's full reuse), so a group's gain over it shows; KL is against the full
+    prefill of the point's own group (the same prompt computed in full: the same logits)."""
     group_of = {c.name: g for g, members in quality_groups(all_axes, configs).items() for c in members}
     base = quality[group_of[default.name]]
     baselines = (base["full_prefill"], base["full_reuse"])
@@ -278,15 +269,18 @@ def build_points(all_axes, configs, quality, speed, kinds, default, seed) -> lis
               {"name": "full_reuse", "baseline": True, "speed": speed.get("full_reuse"), "quality_source": "measured",
                "quality": summarize_quality(base["full_reuse"], baselines, kinds, seed)}]
     points[1]["speedup"] = points[1]["speed"]["speedup"] if points[1]["speed"] else None
+    for name, group in quality.items():  # full reuse over another group's entries (e.g. neighbour-fused ones)
+        if name != group_of[default.name] and group["full_reuse"]["scores"] != base["full_reuse"]["scores"]:
+            points.append({**points[1], "name": f"full_reuse [{name}]", "group": name,
+                           "quality": summarize_quality(group["full_reuse"], baselines, kinds, seed)})
     for config in configs:
         timed = speed.get(speed_key(config, all_axes))
         setting, source = decided_setting(config, timed)
         group = quality[group_of[config.name]]
         points.append({"name": config.name, "baseline": False, "axes": dict(config.labels), "overrides": config.overrides,
                        "default": config == default, "speed": timed, "speedup": timed["speedup"] if timed else None,
-                       "quality_setting": setting, "quality_source": source,
-                       "quality": None if setting is None else summarize_quality(
-                           group[setting], (group["full_prefill"], group["full_reuse"]), kinds, seed)})
+                       "group": group_of[config.name], "quality_setting": setting, "quality_source": source,
+                       "quality": None if setting is None else summarize_quality(group[setting], baselines, kinds, seed)})
     for point in points:
         point["normalized_f1"] = (point["quality"] or {}).get("by_kind", {}).get("all", {}).get(
             "normalized_f1", {}).get("value")
@@ -344,7 +338,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "descheduled threads); the reference engine runs as many torch threads")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per vLLM engine subprocess")
     parser.add_argument("--out", type=Path, default=BENCHMARKS.parent / "docs" / "benchmarks" / "frontier.json")
-    parser.add_argument("--speed-from", type=Path, help="reuse the TTFTs of an earlier run's JSON (same grid)")
+    parser.add_argument("--fusion", default=",".join(FUSION),
+                        help="neighbour-fusion axis values (base: base entries; fused: default_variant fused over "
+                             "neighbour-fused entries, stored offline for the items' documents)")
+    parser.add_argument("--exact", default=",".join(EXACT), help="exact-places axis values (on, off)")
+    parser.add_argument("--neighbours", type=int, default=10, help="N of the fusion axis's offline step (FusionRAG's 10)")
+    parser.add_argument("--side-settings", default="cacheblend@0.15,qcfuse@0.15",
+                        help="the settings the side axes' (fusion, exact) other values are measured with, "
+                             "comma-separated selector@ratio, or 'all'")
+    parser.add_argument("--speed-from", type=Path,
+                        help="reuse the TTFTs of an earlier run's JSON (a full run's or a --speed-only run's)")
+    parser.add_argument("--quality-from", type=Path, nargs="+",
+                        help="reuse the per-item quality of earlier runs' JSONs (same items; full, --quality-only or "
+                             "their .partial.json checkpoints); only groups missing from them are measured")
+    parser.add_argument("--groups-only", action="store_true",
+                        help="measure the grid's quality groups and write only their per-item results (no points, "
+                             "so the defaults need not be in the grid): one share of a long run split across "
+                             "processes, joined with --quality-from")
+    parser.add_argument("--groups", help="with --groups-only: only these quality groups (comma-separated, e.g. "
+                                         "base/off,fused/on)")
+    parser.add_argument("--quality-only", action="store_true",
+                        help="score quality on the reference engine and write the JSON with no speed (no vLLM); "
+                             "time later with --speed-only and join with --quality-from and --speed-from")
     parser.add_argument("--speed-only", action="store_true",
                         help="time every configuration through vLLM and stop (no quality, no plot): what each "
                              "ratio and selector can give at best, for grids too large to score")
@@ -356,11 +371,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in (QUICK if args.quick else defaults).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if not 1 <= args.timed_items <= args.items:
+    if not (args.quality_only or args.groups_only) and not 1 <= args.timed_items <= args.items:
         parser.error(f"--timed-items={args.timed_items}, expected 1..--items ({args.items})")
     args.selectors = tuple(s for s in args.selectors.split(",") if s)
     args.ratios = tuple(float(r) for r in args.ratios.split(",") if r)
     args.ratio_modes = tuple(m for m in args.ratio_modes.split(",") if m)
+    args.fusion = tuple(v for v in args.fusion.split(",") if v)
+    args.exact = tuple(v for v in args.exact.split(",") if v)
+    for name, values, known in (("--fusion", args.fusion, FUSION), ("--exact", args.exact, EXACT)):
+        if not values or values[0] != next(iter(known)) or not set(values) <= set(known):
+            parser.error(f"{name}={','.join(values)!r}, expected {next(iter(known))!r} first (the default's value), "
+                         f"then any of {', '.join(known)}")
+    args.groups = None if args.groups is None else set(args.groups.split(","))
+    if args.groups is not None and not args.groups_only:
+        parser.error("--groups needs --groups-only (a frontier needs every group of its grid)")
+    args.side_settings = None if args.side_settings == "all" else {s for s in args.side_settings.split(",") if s}
+    args.quality_only = args.quality_only or args.groups_only
+    if args.quality_only and (args.speed_only or args.speed_from):
+        parser.error("--quality-only measures no speed: drop --speed-only / --speed-from")
+    args.max_new_tokens = MAX_NEW_TOKENS
     return args
 
 
@@ -382,16 +411,19 @@ def main(argv=None) -> int:
 
     from cachefuse.eval.qa_set import eval_items, make_items
 
-    all_axes = axes(args.selectors, args.ratios, args.ratio_modes)
-    configs = configurations(all_axes)
-    default = None if args.speed_only else default_configuration(configs)  # speed alone marks no defaults
+    all_axes = axes(args.selectors, args.ratios, args.ratio_modes, args.fusion, args.exact, args.neighbours)
+    configs = configurations(all_axes, args.side_settings)
+    default = None if args.groups_only or args.speed_only else default_configuration(configs)  # shares and speed alone mark none
     cpus = parse_cpus(args.cpus)
     torch.set_num_threads(len(cpus))
     started = time.perf_counter()
     args.tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     items = eval_items(make_items("test", args.items, seed=args.seed), args.tokenizer)
-    if args.speed_from is not None:
-        speed = json.loads(args.speed_from.read_text())["speed"]["configurations"]
+    if args.quality_only:
+        speed = {}
+    elif args.speed_from is not None:
+        earlier = json.loads(args.speed_from.read_text())
+        speed = earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"]
     else:
         speed = measure_speed(args, all_axes, configs, items[:args.timed_items], full_reuse_host(configs))
     speed_s = time.perf_counter() - started
@@ -405,17 +437,42 @@ def main(argv=None) -> int:
             print(f"{name:32s} {row['speedup']:5.2f}x [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]  "
                   f"fused {row['decisions']['fused']}/{row['decisions']['requests']}")
         return 0
-    quality = measure_quality(args, all_axes, configs, items)
-    points = build_points(all_axes, configs, quality, speed, [i.kind for i in items], default, args.seed)
+    done, offline = earlier_quality(args.quality_from or [], items)
+    quality_started = time.perf_counter()
+    partial = args.out.with_suffix(".partial.json")
+
+    def checkpoint(groups: dict, reports: dict) -> None:  # a long run keeps what it measured so far
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"benchmark": "frontier (partial quality)", "items": len(items),
+                                       "quality": {"items": len(items), "groups": {**done, **groups},
+                                                   "offline": {**offline, **reports}}}) + "\n")
+
+    quality, reports = measure_quality(args, all_axes, configs, items, done, checkpoint)
+    offline.update(reports)
+    if args.groups_only:
+        checkpoint(quality, offline)
+        partial.replace(args.out)
+        return 0
+    kinds = [i.kind for i in items]
+    points = build_points(all_axes, configs, quality, speed, kinds, default, args.seed)
+    default_group = next(g for g, members in quality_groups(all_axes, configs).items() if default in members)
+    base = quality[default_group]
+    comparisons = paired_comparisons(quality, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
     result = {
         "benchmark": "frontier", "model_name": Path(args.model).name, "seed": args.seed,
         "quick": args.quick, "axes": {a.name: list(a.values) for a in all_axes},
         "targets_at": {"normalized_f1": TARGET_NORMALIZED_F1, "speedup": TARGET_SPEEDUP},
-        "targets": targets(points),
+        "targets": {**targets(points), "query_aware_at_15": query_aware_target(comparisons, default_group)},
+        "paired": comparisons,
         "quality": {"engine": "reference", "items": len(items), "split": "test",
                     "kinds": {k: sum(i.kind == k for i in items) for k in ("single", "multi")},
-                    "metric": "token F1", "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": torch.get_num_threads()},
-        "speed": {"engine": "vLLM in-process, CacheFuseConnector, one subprocess per engine group",
+                    "metric": "token F1", "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": torch.get_num_threads(),
+                    "side_settings": sorted(args.side_settings) if args.side_settings is not None else "all",
+                    "reused_from": [str(p) for p in args.quality_from or []] or None,
+                    "seconds_measuring": round(time.perf_counter() - quality_started, 1),
+                    "groups": quality, "offline": offline},
+        "speed": None if args.quality_only else {
+                  "engine": "vLLM in-process, CacheFuseConnector, one subprocess per engine group",
                   "timed_items": args.timed_items, "max_tokens": 1, "pairing": "plain then fused, back to back",
                   "cpus": cpus, "env": recorded_env(worker_env(cpus)), "reused_from": str(args.speed_from or "") or None,
                   "configurations": speed},
@@ -424,8 +481,11 @@ def main(argv=None) -> int:
         "points": points}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    partial.unlink(missing_ok=True)
+    if not args.quality_only:
+        plot(result, args.out.with_suffix(".png"))
     print(table(result))
+    print(comparison_table(comparisons))
     print(json.dumps(result["targets"], indent=2))
     return 0
 

@@ -276,10 +276,12 @@ def full_prefill(engine: FusionEngine, prompt: RagPrompt) -> FuseResult:
 
 
 def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpec,
-             on_setting: Callable[[], None] = lambda: None) -> dict[str, ItemRun]:
-    """Every setting on one item (the item's base variants are stored first)."""
+             on_setting: Callable[[], None] = lambda: None, keep_store: bool = False) -> dict[str, ItemRun]:
+    """Every setting on one item (the item's base variants are stored first, in an empty store unless
+    `keep_store`: then in the engine's store as it is, e.g. filled by an offline step for every item)."""
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
-    fresh_store(engine)
+    if not keep_store:
+        fresh_store(engine)
     repeat_ids = kvzip_repeat_ids(tokenizer) if spec.anchor_ranking == "kvzip" else ()
     store_base_variants(engine, prompt, spec.anchor_ranking, repeat_ids)
     reference = None
@@ -300,8 +302,9 @@ def run_item(engine: FusionEngine, tokenizer: Any, item: EvalItem, spec: EvalSpe
 
 
 def run_eval(engine: FusionEngine, tokenizer: Any, items: Sequence[EvalItem], spec: EvalSpec, *,
-             progress: bool = True, desc: str = "cachefuse eval") -> EvalRuns:
-    """Runs every setting on every item; a tqdm bar (stderr) counts prefills."""
+             progress: bool = True, desc: str = "cachefuse eval", keep_store: bool = False) -> EvalRuns:
+    """Runs every setting on every item; a tqdm bar (stderr) counts prefills. `keep_store`: the items share
+    the engine's store (see run_item) instead of each starting from an empty one."""
     from tqdm.auto import tqdm
 
     if not items:
@@ -312,7 +315,7 @@ def run_eval(engine: FusionEngine, tokenizer: Any, items: Sequence[EvalItem], sp
                      for n, r in spec.settings()})
     with tqdm(total=len(items) * len(spec.settings()), unit="prefill", desc=desc, disable=not progress) as bar:
         for item in items:
-            for name, run in run_item(engine, tokenizer, item, spec, lambda: bar.update(1)).items():
+            for name, run in run_item(engine, tokenizer, item, spec, lambda: bar.update(1), keep_store).items():
                 runs.runs[name].append(run)
     return runs
 

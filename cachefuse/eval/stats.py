@@ -150,3 +150,46 @@ def normalized_bootstrap(scores: Sequence[float], full_prefill: Sequence[float],
         return NormalizedCI(value, None, None, int(s.size), undefined)
     low, high = np.percentile(ratios, [2.5, 97.5])
     return NormalizedCI(value, float(low), float(high), int(s.size), undefined)
+
+
+@dataclass(frozen=True)
+class NormalizedDiff:
+    """normalized(a) - normalized(b) over paired items, both against the same baselines: (mean a - mean b) /
+    (mean S_full - mean S_reuse), with a percentile 95% interval from resampling the items jointly (the four
+    lists together) and a two-sided p-value as `paired_bootstrap`'s; `undefined` counts the resamples whose
+    baseline gap was <= 0 (left out). `diff` is None when the observed gap is not above twice its standard
+    error (`normalized_score`'s rule); the interval is None when fewer than half the resamples have a gap."""
+
+    diff: float | None
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None
+    n: int
+    undefined: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def paired_normalized_bootstrap(a: Sequence[float], b: Sequence[float], full_prefill: Sequence[float],
+                                full_reuse: Sequence[float], num_resamples: int = 2000,
+                                seed: int = 0) -> NormalizedDiff:
+    """The paired difference of two settings' normalized scores (FusionRAG's Eq. 11) and its interval."""
+    if not len(a) == len(b) == len(full_prefill) == len(full_reuse) or not a:
+        raise ValueError(f"paired_normalized_bootstrap needs four equal, non-empty lists (got {len(a)}, {len(b)}, "
+                         f"{len(full_prefill)} and {len(full_reuse)})")
+    x, y, f, r = (np.asarray(v, dtype=np.float64) for v in (a, b, full_prefill, full_reuse))
+    scale = normalized_score(1.0 + float(r.mean()), full_prefill, full_reuse)  # 1 / gap, or None
+    diff = None if scale is None else float(x.mean() - y.mean()) * scale
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, size=(num_resamples, x.size))
+    gap = f[idx].mean(axis=1) - r[idx].mean(axis=1)
+    defined = gap > 0.0
+    diffs = (x[idx].mean(axis=1)[defined] - y[idx].mean(axis=1)[defined]) / gap[defined]
+    undefined = int(num_resamples - defined.sum())
+    if diffs.size < num_resamples / 2:
+        return NormalizedDiff(diff, None, None, None, int(x.size), undefined)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    far = np.sum(diffs <= 0.0) if (diff or 0.0) > 0 else np.sum(diffs >= 0.0)
+    p_value = min(1.0, 2.0 * (far + 1) / (diffs.size + 1))
+    return NormalizedDiff(diff, float(low), float(high), float(p_value), int(x.size), undefined)

@@ -4,6 +4,7 @@ model (reference engine for quality, vLLM engines in subprocesses for TTFT)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import frontier
@@ -13,62 +14,104 @@ from frontier import Axis, Configuration
 from cachefuse.errors import ConfigError
 
 
-def grid(selectors=("cacheblend", "cachecraft"), ratios=(0.15, 0.5), modes=("fixed", "controller")):
-    all_axes = frontier.axes(selectors, ratios, modes)
-    return all_axes, frontier.configurations(all_axes)
+def grid(selectors=("cacheblend", "cachecraft"), ratios=(0.15, 0.5), modes=("fixed", "controller"), side=None,
+         fusion=("base", "fused"), exact=("on", "off")):
+    all_axes = frontier.axes(selectors, ratios, modes, fusion, exact)
+    return all_axes, frontier.configurations(all_axes, side)
 
 
 def test_every_combination_of_axis_values_is_one_configuration():
-    _, configs = grid()
+    _, configs = grid(fusion=("base",), exact=("on",))
     assert len(configs) == 2 * 2 * 2
     assert len({c.name for c in configs}) == 8
-    blend = next(c for c in configs if c.name == "cacheblend/0.5/controller")
-    assert blend.overrides == {"selector": "cacheblend", "recompute_ratio": 0.5, "ratio_mode": "controller"}
+    blend = next(c for c in configs if c.name == "cacheblend/0.5/controller/base/on")
+    assert blend.overrides == {"selector": "cacheblend", "recompute_ratio": 0.5, "ratio_mode": "controller",
+                               "default_variant": "base", "exact_places": True}
 
 
-def test_a_bad_axis_value_fails_at_start_up_naming_the_field():
+def test_side_axes_move_one_at_a_time_and_only_with_the_side_settings():
+    """fusion=fused and exact=off each join the 8 default-valued configurations, never together; given side
+    settings, only with those (both ratio modes). Negative control: not side axes, the full product."""
+    _, every = grid()
+    assert len(every) == 8 * 3
+    assert not [c for c in every if c.label("fusion") == "fused" and c.label("exact") == "off"]
+    _, some = grid(side={"cacheblend@0.15"})
+    moved = sorted(c.name for c in some if (c.label("fusion"), c.label("exact")) != ("base", "on"))
+    assert moved == ["cacheblend/0.15/controller/base/off", "cacheblend/0.15/controller/fused/on",
+                     "cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/fused/on"]
+    full = tuple(dataclasses.replace(a, side=False) for a in frontier.axes(("cacheblend",), (0.15,), ("fixed",)))
+    assert len(frontier.configurations(full, {"epic@0.5"})) == 4
+
+
+def test_a_bad_axis_value_fails_at_start_up_naming_the_field(capsys):
     with pytest.raises(ConfigError, match="recompute_ratio"):
         grid(ratios=(0.15, 1.5))
+    for flag, value in (("--exact", "on,sometimes"), ("--exact", "off,on"), ("--fusion", "fused")):
+        with pytest.raises(SystemExit):  # the side axes' first value is the default's
+            frontier.parse_args([flag, value])
+        assert f"{flag}='{value}'" in capsys.readouterr().err
+    assert frontier.parse_args(["--exact", "on,off", "--fusion", "base"]).exact == ("on", "off")  # control
 
 
 def test_the_defaults_configuration_is_the_one_cachefuse_config_picks():
     _, configs = grid()
-    assert frontier.default_configuration(configs).name == "cacheblend/0.15/controller"
+    assert frontier.default_configuration(configs).name == "cacheblend/0.15/controller/base/on"
     _, without = grid(ratios=(0.05, 0.5))  # negative control: the default ratio is not in the grid
     with pytest.raises(SystemExit, match="recompute_ratio=0.15"):
         frontier.default_configuration(without)
+    _, off_only = grid(exact=("off",))  # nor is the default exact_places
+    with pytest.raises(SystemExit, match="exact_places=True"):
+        frontier.default_configuration(off_only)
 
 
 def test_full_reuse_is_timed_in_a_fixed_ratio_engine():
     """The default ratio_mode is the controller, which could turn full reuse down (timed as plain vLLM): the
     baseline goes with the defaults' fixed twin, or the first fixed configuration, or, with none, the first."""
     _, configs = grid()
-    assert frontier.full_reuse_host(configs).name == "cacheblend/0.15/fixed"
+    assert frontier.full_reuse_host(configs).name == "cacheblend/0.15/fixed/base/on"
     _, other_ratios = grid(ratios=(0.05, 0.5))
-    assert frontier.full_reuse_host(other_ratios).name == "cacheblend/0.05/fixed"
+    assert frontier.full_reuse_host(other_ratios).name == "cacheblend/0.05/fixed/base/on"
     _, controlled = grid(modes=("controller",))
-    assert frontier.full_reuse_host(controlled).name == "cacheblend/0.15/controller"
+    assert frontier.full_reuse_host(controlled).name == "cacheblend/0.15/controller/base/on"
 
 
 def test_one_engine_serves_every_per_request_value_and_cachecraft_gets_one_per_ratio():
-    all_axes, configs = grid()
+    all_axes, configs = grid(fusion=("base",), exact=("on",))
     groups = frontier.speed_groups(configs, all_axes)
     by_key = {key: sorted(c.name for c in members) for key, members in groups.items()}
-    assert by_key["ratio_mode=fixed"] == ["cacheblend/0.15/fixed", "cacheblend/0.5/fixed"]
-    assert by_key["force_cfo=0.5,ratio_mode=controller"] == ["cachecraft/0.5/controller"]
+    assert by_key["default_variant=base,exact_places=True,ratio_mode=fixed"] == [
+        "cacheblend/0.15/fixed/base/on", "cacheblend/0.5/fixed/base/on"]
+    assert by_key["default_variant=base,exact_places=True,force_cfo=0.5,ratio_mode=controller"] == [
+        "cachecraft/0.5/controller/base/on"]
     assert len(groups) == 2 + 4  # cacheblend: fixed, controller; cachecraft: 2 ratios x 2 modes
 
 
+def test_fusion_is_timed_once_and_exact_places_off_in_an_engine_of_its_own():
+    """A fused configuration takes its base twin's timing (same loads, same rows); exact=off changes which rows
+    are candidates, so it is timed in its own engine. Each is measured for quality in its own group."""
+    all_axes, configs = grid(selectors=("cacheblend",), ratios=(0.15,), modes=("fixed",))
+    assert [c.name for c in configs] == ["cacheblend/0.15/fixed/base/on", "cacheblend/0.15/fixed/base/off",
+                                         "cacheblend/0.15/fixed/fused/on"]
+    timed = {key: [c.name for c in members] for key, members in frontier.speed_groups(configs, all_axes).items()}
+    assert timed == {"default_variant=base,exact_places=True,ratio_mode=fixed": ["cacheblend/0.15/fixed/base/on"],
+                     "default_variant=base,exact_places=False,ratio_mode=fixed": ["cacheblend/0.15/fixed/base/off"]}
+    assert [frontier.speed_key(c, all_axes) for c in configs] == [
+        "cacheblend/0.15/fixed/base/on", "cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/base/on"]
+    assert sorted(frontier.quality_groups(all_axes, configs)) == ["base/off", "base/on", "fused/on"]
+    fusion = next(a for a in all_axes if a.name == "fusion")
+    assert not fusion.moves_speed and fusion.offline is not None
+
+
 def test_a_quality_only_axis_is_timed_once_but_measured_per_value():
-    """How the neighbour-fusion hook plugs in: an axis whose values change only what is loaded."""
+    """How a quality-only axis plugs in: an axis whose values change only what is loaded."""
     variant = Axis("variant", {"v": {}, "k": {"cacheblend_deviation": "k"}}, quality="reference", moves_speed=False)
-    all_axes = (*frontier.axes(("cacheblend",), (0.15,), ("fixed",)), variant)
+    all_axes = (*frontier.axes(("cacheblend",), (0.15,), ("fixed",), ("base",), ("on",)), variant)
     configs = frontier.configurations(all_axes)
     assert len(configs) == 2
     timed = [c.name for members in frontier.speed_groups(configs, all_axes).values() for c in members]
-    assert timed == ["cacheblend/0.15/fixed/v"]
-    assert {frontier.speed_key(c, all_axes) for c in configs} == {"cacheblend/0.15/fixed/v"}
-    assert sorted(frontier.quality_groups(all_axes, configs)) == ["k", "v"]
+    assert timed == ["cacheblend/0.15/fixed/base/on/v"]
+    assert {frontier.speed_key(c, all_axes) for c in configs} == {"cacheblend/0.15/fixed/base/on/v"}
+    assert sorted(frontier.quality_groups(all_axes, configs)) == ["base/on/k", "base/on/v"]
     # negative control: the same axis moving speed is timed per value
     moving = Axis("variant", variant.values, quality="reference", moves_speed=True)
     both = (*all_axes[:-1], moving)
@@ -104,37 +147,129 @@ def test_the_frontier_keeps_exactly_the_points_no_other_beats_on_both_axes():
     assert [p["name"] for p in points if p["on_frontier"]] == ["plain", "fast", "middle"]
 
 
+def _scores(values: list[float], kl: float = 0.1) -> dict:
+    return {"scores": values, "kl": [kl] * len(values), "recompute_fraction": [0.15] * len(values)}
+
+
+FULL, REUSE = [1.0, 0.8, 1.0, 0.6, 0.9, 0.7], [0.2, 0.0, 0.4, 0.2, 0.1, 0.3]
+KINDS = ["single", "multi"] * 3
+
+
+def test_query_aware_selectors_are_compared_with_cacheblend_item_by_item():
+    """qcfuse at 0.75 of each item's gap and cacheblend at 0.25: +0.5 normalized in every resample, "above";
+    fusionrag below cacheblend on every item: "below". Negative controls: epic (not query-aware) and
+    qcfuse@0.3 (no cacheblend at 0.3) are not compared."""
+    def at(fraction):
+        return [r + fraction * (f - r) for f, r in zip(FULL, REUSE, strict=True)]
+
+    group = {"full_prefill": _scores(FULL, 0.0), "full_reuse": _scores(REUSE), "cacheblend@0.15": _scores(at(0.25)),
+             "qcfuse@0.15": _scores(at(0.75), kl=0.05), "fusionrag@0.15": _scores(at(0.1)),
+             "epic@0.15": _scores(at(0.9)), "qcfuse@0.3": _scores(at(0.9))}
+    out = frontier.paired_comparisons({"base/on": group}, (group["full_prefill"], group["full_reuse"]), KINDS, 0)
+    by_selector = {(c["selector"], c["ratio"]): c for c in out}
+    assert sorted(by_selector) == [("fusionrag", 0.15), ("qcfuse", 0.15)]
+    qcfuse = by_selector[("qcfuse", 0.15)]
+    assert qcfuse["verdict"] == "above" and qcfuse["at_or_above"] and qcfuse["against"] == "cacheblend"
+    norm = qcfuse["by_kind"]["all"]["normalized_f1"]
+    assert (norm["diff"], norm["ci_low"], norm["ci_high"]) == pytest.approx((0.5, 0.5, 0.5))
+    assert set(qcfuse["by_kind"]) == {"all", "single", "multi"} and qcfuse["by_kind"]["single"]["f1"]["n"] == 3
+    assert qcfuse["by_kind"]["all"]["kl"]["diff"] == pytest.approx(-0.05)
+    fusionrag = by_selector[("fusionrag", 0.15)]
+    assert fusionrag["verdict"] == "below" and not fusionrag["at_or_above"]
+    target = frontier.query_aware_target(out, "base/on")
+    assert target["met"] and target["significantly_above"] and target["best"]["selector"] == "qcfuse"
+    assert not frontier.query_aware_target(out, "fused/on")["met"]  # read in the defaults' group only
+
+
+def test_every_group_is_normalized_against_the_defaults_group_baselines():
+    """The fused group's full reuse is better than the base one's: it becomes its own baseline point, and the
+    fused configuration's normalized F1 is measured against the base group's full reuse (FusionRAG's Eq. 11),
+    so its gain shows. Negative control: the exact-off group's identical full reuse adds no point."""
+    all_axes, configs = grid(selectors=("cacheblend",), ratios=(0.15,), modes=("fixed",))
+    same = [0.5 * (f + r) for f, r in zip(FULL, REUSE, strict=True)]  # normalized 0.5
+    base = {"full_prefill": _scores(FULL, 0.0), "full_reuse": _scores(REUSE), "cacheblend@0.15": _scores(same)}
+    quality = {"base/on": base, "base/off": dict(base),
+               "fused/on": {**base, "full_reuse": _scores(same), "cacheblend@0.15": _scores(FULL)}}
+    default = frontier.default_configuration(configs)
+    points = {p["name"]: p for p in frontier.build_points(all_axes, configs, quality, {}, KINDS, default, 0)}
+    assert sorted(n for n, p in points.items() if p["baseline"]) == ["full_reuse", "full_reuse [fused/on]",
+                                                                     "plain vLLM"]
+    assert points["full_reuse [fused/on]"]["normalized_f1"] == pytest.approx(0.5)
+    assert points["cacheblend/0.15/fixed/fused/on"]["normalized_f1"] == pytest.approx(1.0)
+    assert points["cacheblend/0.15/fixed/base/on"]["normalized_f1"] == pytest.approx(0.5)
+    assert points["cacheblend/0.15/fixed/base/on"]["default"] and points["cacheblend/0.15/fixed/base/on"]["speedup"] is None
+
+
 def test_quick_run_on_the_tiny_model_writes_every_point_and_the_plot(tiny_model_dir, tmp_path):
+    """Every axis end to end: the default group, exact places off (timed in its own engine) and neighbour
+    fusion (its offline step on the reference engine's store; timed as its base twin), the paired comparisons."""
     out = tmp_path / "frontier.json"
     assert frontier.main(["--quick", "--model", str(tiny_model_dir("llama")), "--out", str(out),
-                          "--items", "2", "--timed-items", "1"]) == 0
+                          "--items", "2", "--timed-items", "1", "--ratio-modes", "fixed"]) == 0
     result = json.loads(out.read_text())
-    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert out.with_suffix(".png").stat().st_size > 10_000 and not out.with_suffix(".partial.json").exists()
     points = {p["name"]: p for p in result["points"]}
     configs = [p for p in points.values() if not p["baseline"]]
-    assert len(configs) == 2 * 2 * 2  # --quick: 2 selectors x 2 ratios x 2 ratio modes
-    assert [p["name"] for p in configs if p["default"]] == ["cacheblend/0.15/controller"]
+    assert sorted(p["name"] for p in configs) == [  # --quick: 2 selectors x 2 ratios; side axes at 15% only
+        "cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/base/on", "cacheblend/0.15/fixed/fused/on",
+        "cacheblend/0.5/fixed/base/on", "qcfuse/0.15/fixed/base/off", "qcfuse/0.15/fixed/base/on",
+        "qcfuse/0.15/fixed/fused/on", "qcfuse/0.5/fixed/base/on"]
+    assert [p["name"] for p in configs if p["default"]] == ["cacheblend/0.15/fixed/base/on"]
     assert points["plain vLLM"]["speedup"] == 1.0 and points["plain vLLM"]["quality"]["kl_mean"] == 0.0
     assert points["full_reuse"]["speed"]["pairs"] == 1
     for p in configs:
         speed = p["speed"]
         assert speed["pairs"] == 1 and speed["speedup"] > 0
         assert len(speed["plain_s"]) == len(speed["fused_s"]) == 1
-        if p["axes"]["ratio_mode"] == "fixed":  # every fixed request fused at its own ratio, every chunk loaded
-            assert speed["decisions"]["fused"] == 1 and speed["decisions"]["chunks_missed"] == 0
-            assert speed["decisions"]["ratios"] == [float(p["axes"]["ratio"])]
-            assert p["quality_setting"] == f"{p['axes']['selector']}@{p['axes']['ratio']}"
-        assert set(p["quality"]["by_kind"]) == {"all", "single", "multi"} if p["quality"] else True
+        assert speed["decisions"]["fused"] == 1 and speed["decisions"]["chunks_missed"] == 0
+        assert speed["decisions"]["ratios"] == [float(p["axes"]["ratio"])]
+        assert p["quality_setting"] == f"{p['axes']['selector']}@{p['axes']['ratio']}"
+        assert set(p["quality"]["by_kind"]) == {"all", "single", "multi"}
+        assert ("exact_places=False" in speed["engine"]) == (p["axes"]["exact"] == "off")
+    for selector in ("cacheblend", "qcfuse"):  # fused: its base twin's timing, its own quality group
+        fused, base = points[f"{selector}/0.15/fixed/fused/on"], points[f"{selector}/0.15/fixed/base/on"]
+        assert fused["speed"] == base["speed"] and fused["group"] == "fused/on" and base["group"] == "base/on"
+        # exact places off reached vLLM's scheduler: the first document's rows are candidates there too, so the
+        # same ratio selects more rows than with it on (where that document is exact)
+        off = points[f"{selector}/0.15/fixed/base/off"]
+        assert off["speed"]["decisions"]["num_selected_median"] > base["speed"]["decisions"]["num_selected_median"]
+    assert sorted(result["quality"]["groups"]) == ["base/off", "base/on", "fused/on"]
+    assert result["quality"]["offline"]["fused/on"]["fusion"]["stored"] > 0
+    assert sorted((c["group"], c["ratio"]) for c in result["paired"]) == [
+        ("base/off", 0.15), ("base/on", 0.15), ("base/on", 0.5), ("fused/on", 0.15)]
+    assert result["targets"]["query_aware_at_15"]["best"]["selector"] == "qcfuse"
     assert result["quality"]["kinds"] == {"single": 1, "multi": 1}
     assert result["speed"]["env"]["OMP_NUM_THREADS"] == str(len(result["speed"]["cpus"]))
 
 
-def test_speed_only_times_every_configuration_and_scores_none(tiny_model_dir, tmp_path):
-    out = tmp_path / "speed.json"
-    assert frontier.main(["--quick", "--speed-only", "--model", str(tiny_model_dir("llama")), "--out", str(out),
-                          "--items", "1", "--timed-items", "1", "--ratio-modes", "fixed"]) == 0
-    result = json.loads(out.read_text())
-    assert sorted(result["configurations"]) == ["cacheblend/0.15/fixed", "cacheblend/0.5/fixed", "full_reuse",
-                                                "qcfuse/0.15/fixed", "qcfuse/0.5/fixed"]
-    assert all(row["decisions"]["fused"] == 1 for row in result["configurations"].values())
-    assert "points" not in result and not out.with_suffix(".png").exists()
+def test_quality_only_and_speed_only_runs_join_into_one_frontier(tiny_model_dir, tmp_path):
+    """--quality-only scores without vLLM (speed None, no plot); --speed-only times without scoring; --quality-from
+    and --speed-from join them measuring nothing: a score edited in the quality file shows in the joined point
+    (negative control for a silent re-measure), and every timing is the speed file's."""
+    model = str(tiny_model_dir("llama"))
+    common = ["--quick", "--model", model, "--items", "1", "--timed-items", "1", "--ratio-modes", "fixed"]
+    quality_json, speed_json, joined_json = tmp_path / "q.json", tmp_path / "s.json", tmp_path / "j.json"
+    assert frontier.main([*common, "--quality-only", "--out", str(quality_json)]) == 0
+    quality = json.loads(quality_json.read_text())
+    assert quality["speed"] is None and not quality_json.with_suffix(".png").exists()
+    assert [p["name"] for p in quality["points"] if p["speedup"] is not None] == ["plain vLLM"]
+    assert all(p["quality"] is not None for p in quality["points"])
+
+    assert frontier.main([*common, "--speed-only", "--out", str(speed_json)]) == 0
+    speed = json.loads(speed_json.read_text())
+    assert sorted(speed["configurations"]) == ["cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/base/on",
+                                               "cacheblend/0.5/fixed/base/on", "full_reuse",
+                                               "qcfuse/0.15/fixed/base/off", "qcfuse/0.15/fixed/base/on",
+                                               "qcfuse/0.5/fixed/base/on"]
+    assert all(row["decisions"]["fused"] == 1 for row in speed["configurations"].values())
+    assert "points" not in speed and not speed_json.with_suffix(".png").exists()
+
+    quality["quality"]["groups"]["fused/on"]["cacheblend@0.15"]["scores"] = [0.123]
+    quality_json.write_text(json.dumps(quality))
+    assert frontier.main([*common, "--quality-from", str(quality_json), "--speed-from", str(speed_json),
+                          "--out", str(joined_json)]) == 0
+    joined = {p["name"]: p for p in json.loads(joined_json.read_text())["points"]}
+    assert joined["cacheblend/0.15/fixed/fused/on"]["quality"]["by_kind"]["all"]["f1"]["mean"] == 0.123
+    for name, row in speed["configurations"].items():
+        assert joined[name]["speed"] == row
+    assert joined["cacheblend/0.15/fixed/fused/on"]["speed"] == speed["configurations"]["cacheblend/0.15/fixed/base/on"]

@@ -13,6 +13,7 @@ from cachefuse.eval.stats import (
     normalized_score,
     paired_bootstrap,
     paired_diff,
+    paired_normalized_bootstrap,
 )
 
 
@@ -110,3 +111,28 @@ def test_normalized_bootstrap_without_a_gap_between_the_baselines_gives_no_score
     assert result.undefined == 2000
     with pytest.raises(ValueError, match="three equal"):
         normalized_bootstrap([0.1], [0.2, 0.3], [0.0, 0.1])
+
+
+def test_paired_normalized_difference_of_exact_gap_fractions_is_that_difference_in_every_resample():
+    """a sits at 0.75 of each item's gap and b at 0.25: every resample's difference is 0.5, so the interval
+    is [0.5, 0.5]; swapped, -0.5 (the sign is a - b). Negative control: a noisy pair brackets its observed
+    difference instead of collapsing onto it."""
+    full = [0.9, 0.5, 1.0, 0.7, 0.8, 0.6]
+    reuse = [0.3, 0.1, 0.2, 0.5, 0.4, 0.0]
+    a = [r + 0.75 * (f - r) for f, r in zip(full, reuse, strict=True)]
+    b = [r + 0.25 * (f - r) for f, r in zip(full, reuse, strict=True)]
+    result = paired_normalized_bootstrap(a, b, full, reuse, seed=2)
+    assert (result.diff, result.ci_low, result.ci_high) == pytest.approx((0.5, 0.5, 0.5))
+    assert result.undefined == 0 and result.n == 6 and result.p_value < 0.01
+    assert paired_normalized_bootstrap(b, a, full, reuse, seed=2).diff == pytest.approx(-0.5)
+    noisy = paired_normalized_bootstrap([0.9, 0.1, 0.8, 0.2, 0.7, 0.3], b, full, reuse, seed=2)
+    assert noisy.ci_low < noisy.diff < noisy.ci_high and noisy.p_value > 0.05
+
+
+def test_paired_normalized_difference_without_a_baseline_gap_claims_nothing():
+    same = [0.4, 0.6, 0.5, 0.5]
+    result = paired_normalized_bootstrap([0.9] * 4, [0.1] * 4, same, same)
+    assert (result.diff, result.ci_low, result.ci_high, result.p_value) == (None, None, None, None)
+    assert result.undefined == 2000
+    with pytest.raises(ValueError, match="four equal"):
+        paired_normalized_bootstrap([0.1], [0.2], [0.3, 0.4], [0.0])

@@ -1,0 +1,212 @@
+"""The frontier's quality half: reference-engine runs per quality group, their summaries, the neighbour-fusion
+offline step, and the paired comparison of query-aware selectors with cacheblend.
+
+Imported by benchmarks/frontier.py (read its docstring for the axes and what a configuration is). Imports
+cachefuse's eval and offline modules inside functions, so `frontier.py --replot` needs no model.
+
+Raw results are kept per item (`groups[group][setting] = {"scores", "kl", "recompute_fraction"}`, items in
+`eval_items` order) and written into the frontier's JSON, so points and comparisons can be rebuilt from a
+file (`frontier.py --quality-from`) and joined with timings measured later (`--speed-from`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+QUERY_AWARE = ("qcfuse", "fusionrag")
+"""Selectors compared, paired, with cacheblend at each ratio (issue 30: "at 15%, a query-aware selector at
+or above cacheblend on the test split")."""
+AGAINST = "cacheblend"
+
+
+def neighbour_offline(num_neighbours: int) -> Callable[..., dict[str, Any] | None]:
+    """The neighbour-fusion axis's offline step: for its non-first values, the reference engine's store gets
+    every document of the eval items as its base variant and, with cachefuse.offline.neighbours.fuse_neighbours
+    (the model's own embeddings, N = `num_neighbours`), its neighbour-fused variant: what
+    `cachefuse precompute --fuse-neighbours N` stores for a knowledge base of these documents. Returns
+    what it did (None for the first value: base variants only, stored per item by the harness)."""
+
+    def offline(engine: Any, tokenizer: Any, eval_items: list, label: str) -> dict[str, Any] | None:
+        from cachefuse.chunks import build_rag_prompt
+        from cachefuse.eval.harness import store_base_variants
+        from cachefuse.offline.neighbours import fuse_neighbours, model_embedder
+
+        if label == "base":
+            return None
+        prompts = [build_rag_prompt(tokenizer, i.system, i.chunks, i.question) for i in eval_items]
+        for prompt in prompts:
+            store_base_variants(engine, prompt)
+        documents = list({tuple(ids): None for p in prompts for ids in p.chunk_token_ids[1:]})
+        system = prompts[0].chunk_token_ids[0]
+        if any(p.chunk_token_ids[0] != system for p in prompts):
+            raise ValueError("neighbour fusion keys variants after one system prompt; the items have several")
+        started = time.process_time()
+        report = fuse_neighbours(engine, system, [list(d) for d in documents], num_neighbours,
+                                 embedder=model_embedder(engine), clock=time.process_time)
+        return {"documents": len(documents), "neighbours": num_neighbours, "stored": len(report.stored),
+                "skipped": len(report.skipped), "failed": len(report.failed), "embedder": "model",
+                "cpu_seconds": round(time.process_time() - started, 1),
+                "cpu_seconds_per_document_median": statistics.median(report.seconds) if report.seconds else None}
+
+    return offline
+
+
+def engine_axes(all_axes) -> list:
+    """Axes the reference engine is built per value of (reference-measured, other than selector and ratio,
+    which run_eval sweeps itself)."""
+    return [a for a in all_axes if a.quality == "reference" and a.name not in ("selector", "ratio")]
+
+
+def quality_groups(all_axes, configs) -> dict[str, list]:
+    """Configurations by what the reference engine must be built with (`engine_axes`' labels, "/"-joined)."""
+    names = [a.name for a in engine_axes(all_axes)]
+    groups: dict[str, list] = {}
+    for config in configs:
+        groups.setdefault("/".join(config.label(a) for a in names) or "base", []).append(config)
+    return groups
+
+
+def group_settings(members) -> tuple[tuple[str, ...], tuple[float, ...], set[str]]:
+    """The selectors and ratios run_eval sweeps for a group, and the setting names the group needs."""
+    from cachefuse.eval.harness import BASELINES, setting_name
+
+    pairs = {(c.overrides["selector"], c.overrides["recompute_ratio"]) for c in members}
+    selectors = tuple(dict.fromkeys(c.overrides["selector"] for c in members))
+    ratios = tuple(dict.fromkeys(c.overrides["recompute_ratio"] for c in members))
+    return selectors, ratios, {*BASELINES, *(setting_name(s, r) for s, r in pairs)}
+
+
+def measure_quality(args, all_axes, configs, eval_items, done: dict[str, dict],
+                    checkpoint: Callable[[dict, dict], None] = lambda groups, offline: None
+                    ) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Per quality group and setting ("cacheblend@0.15", "full_prefill", ...), the per-item scores, KLs and
+    recompute fractions of run_eval; groups already in `done` (an earlier run's, same items) whose every
+    needed setting is there are taken as they are. Returns (groups, offline reports per group);
+    `checkpoint(groups, offline)` after each measured group.
+
+    Settings the grid does not need are measured where run_eval's sweep (selectors x ratios) includes them:
+    a group's sweep is the product of its configurations' selectors and ratios."""
+    from cachefuse.config import CacheFuseConfig
+    from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval
+
+    out, offline_reports = {}, {}
+    axes_of_engine = engine_axes(all_axes)
+    for group, members in quality_groups(all_axes, configs).items():
+        if getattr(args, "groups", None) is not None and group not in args.groups:
+            continue
+        selectors, ratios, needed = group_settings(members)
+        if needed <= set(done.get(group, {})):
+            out[group] = done[group]
+            continue
+        engine_fields = {k: v for a in axes_of_engine for k, v in a.values[members[0].label(a.name)].items()}
+        engine, tokenizer = reference_engine(args.model, CacheFuseConfig.from_dict(engine_fields))
+        reports = {a.name: a.offline(engine, tokenizer, eval_items, members[0].label(a.name))
+                   for a in axes_of_engine if a.offline is not None}
+        reports = {name: report for name, report in reports.items() if report is not None}
+        spec = EvalSpec(selectors=selectors, ratios=ratios, metric="f1", max_new_tokens=args.max_new_tokens)
+        runs = run_eval(engine, args.tokenizer, eval_items, spec, desc=f"quality [{group}]", keep_store=bool(reports))
+        out[group] = {name: {"scores": [r.score for r in item_runs], "kl": [round(r.kl, 6) for r in item_runs],
+                             "recompute_fraction": [round(r.recompute_fraction, 6) for r in item_runs]}
+                      for name, item_runs in runs.runs.items()}
+        if reports:
+            offline_reports[group] = reports
+        checkpoint(out, offline_reports)
+    return out, offline_reports
+
+
+def by_kind(kinds: list[str]) -> dict[str, list[int]]:
+    """Item indices per kind, "all" first."""
+    return {kind: [i for i, k in enumerate(kinds) if kind in ("all", k)] for kind in ("all", *sorted(set(kinds)))}
+
+
+def summarize_quality(setting: dict, baselines: tuple[dict, dict], kinds: list[str], seed: int) -> dict[str, Any]:
+    """F1, normalized F1 with its interval (against `baselines`: full prefill's and full reuse's per-item
+    results), per kind and pooled; first-token KL; recompute fraction."""
+    from cachefuse.eval.stats import mean_se, normalized_bootstrap
+
+    out = {}
+    for kind, idx in by_kind(kinds).items():
+        own, full, reuse = ([values["scores"][i] for i in idx] for values in (setting, *baselines))
+        out[kind] = {"f1": mean_se(own).to_dict(),
+                     "normalized_f1": normalized_bootstrap(own, full, reuse, seed=seed).to_dict()}
+    return {"by_kind": out, "kl_mean": statistics.fmean(setting["kl"]), "kl_median": statistics.median(setting["kl"]),
+            "recompute_fraction": statistics.fmean(setting["recompute_fraction"])}
+
+
+def paired_comparisons(groups: dict[str, dict], baselines: tuple[dict, dict], kinds: list[str],
+                       seed: int) -> list[dict[str, Any]]:
+    """Each query-aware selector against cacheblend at the same ratio in the same quality group, item by item:
+    the paired difference of F1 and of first-token KL (paired bootstrap), and of normalized F1 (joint
+    bootstrap against `baselines`), per kind and pooled. `verdict` reads the pooled F1 difference's interval:
+    "above" (it excludes 0 from above), "below", or "no significant difference"."""
+    from cachefuse.eval.stats import paired_bootstrap, paired_normalized_bootstrap
+
+    out = []
+    for group, settings in groups.items():
+        for name in settings:
+            selector, _, ratio = name.partition("@")
+            against = f"{AGAINST}@{ratio}"
+            if selector not in QUERY_AWARE or against not in settings:
+                continue
+            a, b = settings[name], settings[against]
+            kinds_out = {}
+            for kind, idx in by_kind(kinds).items():
+                pick = [[values[key][i] for i in idx] for values, key in
+                        ((a, "scores"), (b, "scores"), (baselines[0], "scores"), (baselines[1], "scores"))]
+                kinds_out[kind] = {
+                    "f1": paired_bootstrap(pick[0], pick[1], seed=seed).to_dict(),
+                    "normalized_f1": paired_normalized_bootstrap(*pick, seed=seed).to_dict(),
+                    "kl": paired_bootstrap([a["kl"][i] for i in idx], [b["kl"][i] for i in idx], seed=seed).to_dict()}
+            f1 = kinds_out["all"]["f1"]
+            verdict = ("above" if f1["ci_low"] > 0 else "below" if f1["ci_high"] < 0 else "no significant difference")
+            out.append({"group": group, "ratio": float(ratio), "selector": selector, "against": AGAINST,
+                        "difference": f"{selector} - {AGAINST}", "by_kind": kinds_out, "verdict": verdict,
+                        "at_or_above": f1["diff"] >= 0})
+    return out
+
+
+def comparison_table(comparisons: list[dict[str, Any]]) -> str:
+    """The paired comparisons as a markdown table."""
+    lines = ["| group | ratio | difference | F1 [95% CI] | normalized F1 [95% CI] | one-hop F1 | two-hop F1 | "
+             "KL [95% CI] | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(d: dict) -> str:
+        if d.get("diff") is None:
+            return "-"
+        return f"{d['diff']:+.3f}" + ("" if d.get("ci_low") is None else f" [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")
+
+    for c in comparisons:
+        kinds = c["by_kind"]
+        lines.append(f"| {c['group']} | {c['ratio']:g} | {c['difference']} | {cell(kinds['all']['f1'])} | "
+                     f"{cell(kinds['all']['normalized_f1'])} | {cell(kinds.get('single', {}).get('f1', {}))} | "
+                     f"{cell(kinds.get('multi', {}).get('f1', {}))} | {cell(kinds['all']['kl'])} | {c['verdict']} |")
+    return "\n".join(lines)
+
+
+def earlier_quality(paths: list[Path], items: list) -> tuple[dict[str, dict], dict[str, Any]]:
+    """Per-item quality groups (and offline reports) of earlier runs over the same items, later files winning."""
+    groups, offline = {}, {}
+    for path in paths:
+        quality = json.loads(path.read_text())["quality"]
+        if quality["items"] != len(items):
+            raise SystemExit(f"--quality-from {path}: {quality['items']} items, this run has {len(items)}")
+        for name, settings in quality["groups"].items():  # one group's settings may come from several runs
+            groups[name] = {**groups.get(name, {}), **settings}
+        offline.update(quality.get("offline") or {})
+    return groups, offline
+
+
+def query_aware_target(comparisons: list[dict[str, Any]], default_group: str) -> dict[str, Any]:
+    """Issue 30's "at 15%, a query-aware selector at or above cacheblend on the test split (paired, with CI)",
+    read in the defaults' quality group."""
+    at_15 = [c for c in comparisons if c["ratio"] == 0.15 and c["group"] == default_group]
+    best = max(at_15, key=lambda c: c["by_kind"]["all"]["f1"]["diff"], default=None)
+    return {"goal": "at 15%, a query-aware selector's F1 at or above cacheblend's (paired, 95% CI)",
+            "met": bool(best and best["at_or_above"]), "significantly_above": bool(best and best["verdict"] == "above"),
+            "best": best and {"selector": best["selector"], "f1_diff": best["by_kind"]["all"]["f1"],
+                              "normalized_f1_diff": best["by_kind"]["all"]["normalized_f1"], "verdict": best["verdict"]}}
