@@ -346,6 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--side-settings", default="cacheblend@0.15,qcfuse@0.15",
                         help="the settings the side axes' (fusion, exact) other values are measured with, "
                              "comma-separated selector@ratio, or 'all'")
+    parser.add_argument("--settings", help="keep only these selector@ratio settings of the selectors x ratios grid "
+                                           "(comma-separated): a grid that is not a full product")
     parser.add_argument("--speed-from", type=Path,
                         help="reuse the TTFTs of an earlier run's JSON (a full run's or a --speed-only run's)")
     parser.add_argument("--quality-from", type=Path, nargs="+",
@@ -385,6 +387,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.groups = None if args.groups is None else set(args.groups.split(","))
     if args.groups is not None and not args.groups_only:
         parser.error("--groups needs --groups-only (a frontier needs every group of its grid)")
+    args.settings = None if args.settings is None else set(args.settings.split(","))
     args.side_settings = None if args.side_settings == "all" else {s for s in args.side_settings.split(",") if s}
     args.quality_only = args.quality_only or args.groups_only
     if args.quality_only and (args.speed_only or args.speed_from):
@@ -413,6 +416,8 @@ def main(argv=None) -> int:
 
     all_axes = axes(args.selectors, args.ratios, args.ratio_modes, args.fusion, args.exact, args.neighbours)
     configs = configurations(all_axes, args.side_settings)
+    if args.settings is not None:
+        configs = [c for c in configs if f"{c.overrides['selector']}@{c.overrides['recompute_ratio']:g}" in args.settings]
     default = None if args.groups_only or args.speed_only else default_configuration(configs)  # shares and speed alone mark none
     cpus = parse_cpus(args.cpus)
     torch.set_num_threads(len(cpus))

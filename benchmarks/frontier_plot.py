@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 MARKERS = {"fixed": "o", "controller": "s"}
+SIDE_MARKERS = {("fusion", "fused"): "P", ("exact", "off"): "X"}
+"""Side-axis values away from the defaults' (benchmarks/frontier.py, Axis.side) drawn with their own marker."""
+
+
+def _marker(axes: dict[str, str]) -> str:
+    side = [m for (axis, value), m in SIDE_MARKERS.items() if axes.get(axis) == value]
+    return side[0] if side else MARKERS.get(axes.get("ratio_mode"), "^")
 
 
 def _ci(point: dict[str, Any]) -> tuple[float, float]:
@@ -42,7 +49,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if p["baseline"]:
             style = dict(color="black", marker="D")
         else:
-            style = dict(color=colors[p["axes"]["selector"]], marker=MARKERS.get(p["axes"].get("ratio_mode"), "^"),
+            style = dict(color=colors[p["axes"]["selector"]], marker=_marker(p["axes"]),
                          mfc="none" if p["axes"].get("ratio_mode") == "controller" else None)
         low, high = _ci(p)
         ax.errorbar(p["speedup"], p["normalized_f1"], yerr=[[low], [high]], ms=5, capsize=2, lw=0.6, **style)
@@ -59,6 +66,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for selector, color in colors.items():
         ax.plot([], [], color=color, marker="o", ls="none", label=selector)
     ax.plot([], [], color="grey", marker="s", mfc="none", ls="none", label="ratio_mode controller (open)")
+    for (axis, value), marker in SIDE_MARKERS.items():
+        if any(p.get("axes", {}).get(axis) == value for p in points):
+            ax.plot([], [], color="grey", marker=marker, ls="none", label=f"{axis} {value}")
     quality = result["quality"]
     ax.set(xlabel="TTFT speed-up vs plain vLLM (median of paired requests)",
            ylabel="normalized F1, (S - S_reuse) / (S_full - S_reuse), 95% CI",

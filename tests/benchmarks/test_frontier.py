@@ -273,3 +273,27 @@ def test_quality_only_and_speed_only_runs_join_into_one_frontier(tiny_model_dir,
     for name, row in speed["configurations"].items():
         assert joined[name]["speed"] == row
     assert joined["cacheblend/0.15/fixed/fused/on"]["speed"] == speed["configurations"]["cacheblend/0.15/fixed/base/on"]
+
+
+def test_a_quality_run_split_into_shares_joins_without_measuring_again(tiny_model_dir, tmp_path):
+    """--groups-only writes only its groups' per-item results (no points; --groups picks groups); --quality-from
+    joins shares, and --settings keeps a grid that is not a full product. Negative control for a silent
+    re-measure: a score edited in a share shows in the joined point."""
+    common = ["--model", str(tiny_model_dir("llama")), "--items", "2", "--selectors", "cacheblend,qcfuse",
+              "--ratios", "0.15", "--ratio-modes", "fixed", "--exact", "on"]
+    share_a, share_b, joined_json = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "joined.json"
+    assert frontier.main([*common, "--groups-only", "--fusion", "base", "--out", str(share_a)]) == 0
+    assert frontier.main([*common, "--groups-only", "--groups", "fused/on", "--out", str(share_b)]) == 0
+    a, b = (json.loads(p.read_text()) for p in (share_a, share_b))
+    assert "points" not in a and sorted(a["quality"]["groups"]) == ["base/on"]
+    assert sorted(b["quality"]["groups"]) == ["fused/on"] and b["quality"]["offline"]["fused/on"]["fusion"]["stored"]
+    b["quality"]["groups"]["fused/on"]["cacheblend@0.15"]["scores"] = [0.25, 0.75]
+    share_b.write_text(json.dumps(b))
+    assert frontier.main([*common, "--quality-only", "--quality-from", str(share_a), str(share_b),
+                          "--settings", "cacheblend@0.15", "--out", str(joined_json)]) == 0
+    joined = json.loads(joined_json.read_text())
+    assert [p["name"] for p in joined["points"] if not p["baseline"]] == ["cacheblend/0.15/fixed/base/on",
+                                                                          "cacheblend/0.15/fixed/fused/on"]
+    fused = next(p for p in joined["points"] if p["name"] == "cacheblend/0.15/fixed/fused/on")
+    assert fused["quality"]["by_kind"]["all"]["f1"]["mean"] == 0.5
+    assert joined["quality"]["groups"]["base/on"] == a["quality"]["groups"]["base/on"]
