@@ -403,7 +403,7 @@ def main(argv=None) -> int:
 
         worker_main(args.ttft_worker, args.ttft_result, args.cpus)
         return 0
-    from frontier_plot import plot, table
+    from frontier_plot import plot, quality_table, table
 
     if args.replot:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
@@ -489,7 +489,7 @@ def main(argv=None) -> int:
     partial.unlink(missing_ok=True)
     if not args.quality_only:
         plot(result, args.out.with_suffix(".png"))
-    print(table(result))
+    print(table(result) if not args.quality_only else quality_table(result))
     print(comparison_table(comparisons))
     print(json.dumps(result["targets"], indent=2))
     return 0

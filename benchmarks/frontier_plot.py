@@ -112,3 +112,26 @@ def table(result: dict[str, Any]) -> str:
         marks += "" if p["on_frontier"] else " (off the frontier)"
         lines.append(f"| {p['name']}{marks} | {sp} | {' | '.join(cells)} | {kl} | {p['quality_source']} |")
     return "\n".join(lines)
+
+
+def quality_table(result: dict[str, Any]) -> str:
+    """Every point's quality as a markdown table (speed or not): F1, normalized F1 pooled [95% CI] and per
+    kind, first-token KL, the recompute fraction."""
+    lines = ["| configuration | F1 | normalized F1 [95% CI] | one-hop | two-hop | KL mean | recomputed |",
+             "|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        quality = p["quality"]
+        if quality is None:
+            lines.append(f"| {p['name']} | - | - | - | - | - | - |")
+            continue
+        cells = []
+        for kind in ("all", "single", "multi"):
+            norm = (quality["by_kind"].get(kind) or {}).get("normalized_f1") or {}
+            text = "-" if norm.get("value") is None else f"{norm['value']:.2f}"
+            if kind == "all" and norm.get("ci_low") is not None:
+                text += f" [{norm['ci_low']:.2f}, {norm['ci_high']:.2f}]"
+            cells.append(text)
+        marks = " (defaults)" if p.get("default") else ""
+        lines.append(f"| {p['name']}{marks} | {quality['by_kind']['all']['f1']['mean']:.3f} | {' | '.join(cells)} | "
+                     f"{quality['kl_mean']:.3f} | {quality['recompute_fraction']:.2f} |")
+    return "\n".join(lines)
