@@ -71,6 +71,7 @@ from frontier_quality import (  # noqa: E402
     paired_comparisons,
     quality_groups,
     query_aware_target,
+    side_comparisons,
     summarize_quality,
 )
 
@@ -378,17 +379,19 @@ def main(argv=None) -> int:
     default_group = next(g for g, members in quality_groups(all_axes, configs).items() if default in members)
     base = quality[default_group]
     comparisons = paired_comparisons(quality, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
+    sides = side_comparisons(quality, default_group, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
     result = {
         "benchmark": "frontier", "model_name": Path(args.model).name, "seed": args.seed,
         "quick": args.quick, "axes": {a.name: list(a.values) for a in all_axes},
         "targets_at": {"normalized_f1": TARGET_NORMALIZED_F1, "speedup": TARGET_SPEEDUP},
         "targets": {**targets(points), "query_aware_at_15": query_aware_target(comparisons, default_group)},
         "paired": comparisons,
+        "paired_side_axes": sides,
         "quality": {"engine": "reference", "items": len(items), "split": "test",
                     "kinds": {k: sum(i.kind == k for i in items) for k in ("single", "multi")},
                     "metric": "token F1", "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": torch.get_num_threads(),
                     "side_settings": sorted(args.side_settings) if args.side_settings is not None else "all",
-                    "reused_from": [str(p) for p in args.quality_from or []] or None,
+                    "reused_from": [p.name for p in args.quality_from or []] or None,
                     "seconds_measuring": round(time.perf_counter() - quality_started, 1),
                     "groups": quality, "offline": offline},
         "speed": None if args.quality_only else {
@@ -405,7 +408,7 @@ def main(argv=None) -> int:
     if not args.quality_only:
         plot(result, args.out.with_suffix(".png"))
     print(table(result) if not args.quality_only else quality_table(result))
-    print(comparison_table(comparisons))
+    print(comparison_table(comparisons + sides))
     print(json.dumps(result["targets"], indent=2))
     return 0
 

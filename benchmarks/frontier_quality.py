@@ -170,6 +170,38 @@ def paired_comparisons(groups: dict[str, dict], baselines: tuple[dict, dict], ki
     return out
 
 
+def side_comparisons(groups: dict[str, dict], default_group: str, baselines: tuple[dict, dict], kinds: list[str],
+                     seed: int) -> list[dict[str, Any]]:
+    """What a side axis's value changes (benchmarks/frontier.py, Axis.side): each setting of each other group
+    against the same setting in `default_group`, item by item, as `paired_comparisons` reads a pair (the
+    baselines are the same prompts computed in full and reused, so they are not compared)."""
+    from cachefuse.eval.harness import BASELINES
+    from cachefuse.eval.stats import paired_bootstrap, paired_normalized_bootstrap
+
+    out = []
+    for group, settings in groups.items():
+        if group == default_group:
+            continue
+        for name, a in settings.items():
+            b = groups[default_group].get(name)
+            if name in BASELINES or b is None:
+                continue
+            kinds_out = {}
+            for kind, idx in by_kind(kinds).items():
+                pick = [[values["scores"][i] for i in idx] for values in (a, b, *baselines)]
+                kinds_out[kind] = {
+                    "f1": paired_bootstrap(pick[0], pick[1], seed=seed).to_dict(),
+                    "normalized_f1": paired_normalized_bootstrap(*pick, seed=seed).to_dict(),
+                    "kl": paired_bootstrap([a["kl"][i] for i in idx], [b["kl"][i] for i in idx], seed=seed).to_dict()}
+            f1 = kinds_out["all"]["f1"]
+            verdict = ("above" if f1["ci_low"] > 0 else "below" if f1["ci_high"] < 0 else "no significant difference")
+            selector, _, ratio = name.partition("@")
+            out.append({"group": group, "ratio": float(ratio), "selector": selector, "against": default_group,
+                        "difference": f"{name} [{group}] - [{default_group}]", "by_kind": kinds_out,
+                        "verdict": verdict, "at_or_above": f1["diff"] >= 0})
+    return out
+
+
 def comparison_table(comparisons: list[dict[str, Any]]) -> str:
     """The paired comparisons as a markdown table."""
     lines = ["| group | ratio | difference | F1 [95% CI] | normalized F1 [95% CI] | one-hop F1 | two-hop F1 | "

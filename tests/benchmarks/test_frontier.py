@@ -181,6 +181,23 @@ def test_query_aware_selectors_are_compared_with_cacheblend_item_by_item():
     assert not frontier.query_aware_target(out, "fused/on")["met"]  # read in the defaults' group only
 
 
+def test_each_side_group_is_compared_with_the_defaults_group_setting_by_setting():
+    """fused/on's cacheblend at the full prefill's F1 against base/on's at half the gap: +0.5 normalized, "above";
+    base/off's identical to base/on's: no difference. Negative controls: baselines and a setting the default
+    group lacks are not compared, nor is the default group with itself."""
+    half = [0.5 * (f + r) for f, r in zip(FULL, REUSE, strict=True)]
+    base = {"full_prefill": _scores(FULL, 0.0), "full_reuse": _scores(REUSE), "cacheblend@0.15": _scores(half)}
+    groups = {"base/on": base, "base/off": dict(base),
+              "fused/on": {**base, "full_reuse": _scores(half), "cacheblend@0.15": _scores(FULL),
+                           "qcfuse@0.15": _scores(FULL)}}
+    out = frontier.side_comparisons(groups, "base/on", (base["full_prefill"], base["full_reuse"]), KINDS, 0)
+    by_group = {(c["group"], c["selector"]): c for c in out}
+    assert sorted(by_group) == [("base/off", "cacheblend"), ("fused/on", "cacheblend")]
+    fused = by_group[("fused/on", "cacheblend")]
+    assert fused["verdict"] == "above" and fused["by_kind"]["all"]["normalized_f1"]["diff"] == pytest.approx(0.5)
+    assert by_group[("base/off", "cacheblend")]["by_kind"]["all"]["f1"]["diff"] == 0.0
+
+
 def test_every_group_is_normalized_against_the_defaults_group_baselines():
     """The fused group's full reuse is better than the base one's: it becomes its own baseline point, and the
     fused configuration's normalized F1 is measured against the base group's full reuse (FusionRAG's Eq. 11),
