@@ -150,14 +150,28 @@ def configurations(all_axes: tuple[Axis, ...], side_settings: set[str] | None = 
 
 
 def default_configuration(configs: list[Configuration]) -> Configuration:
-    """The configuration whose overrides CacheFuseConfig's defaults already have."""
+    """The configuration whose overrides CacheFuseConfig's defaults already have; in a grid without the
+    default ratio_mode (a fixed-only quality run), its fixed twin: the controller fusing every request at
+    its floor runs exactly that setting, so the mark stands for what the defaults do when they fuse."""
     defaults = CacheFuseConfig()
     for config in configs:
         if all(getattr(defaults, k) == v for k, v in config.overrides.items()):
             return config
+    if not any(c.overrides.get("ratio_mode") == defaults.ratio_mode for c in configs):
+        for config in configs:
+            if config.overrides.get("ratio_mode") == "fixed" and all(
+                    getattr(defaults, k) == v for k, v in config.overrides.items() if k != "ratio_mode"):
+                return config
     fields = sorted({k for c in configs for k in c.overrides})
     raise SystemExit("the defaults' configuration is not in the grid: add "
                      + ", ".join(f"{k}={getattr(defaults, k)!r}" for k in fields) + " to the axes' values")
+
+
+def default_mark(default: Configuration) -> str:
+    """What the defaults' mark is: the defaults' own configuration or its fixed twin."""
+    if default.overrides.get("ratio_mode") == CacheFuseConfig().ratio_mode:
+        return "the defaults' configuration"
+    return "the defaults' fixed twin (no ratio_mode controller in the grid; the controller fusing at its floor runs it)"
 
 
 def full_reuse_host(configs: list[Configuration]) -> Configuration:
@@ -385,6 +399,7 @@ def main(argv=None) -> int:
         "quick": args.quick, "axes": {a.name: list(a.values) for a in all_axes},
         "targets_at": {"normalized_f1": TARGET_NORMALIZED_F1, "speedup": TARGET_SPEEDUP},
         "targets": {**targets(points), "query_aware_at_15": query_aware_target(comparisons, default_group)},
+        "defaults_mark": default_mark(default),
         "paired": comparisons,
         "paired_side_axes": sides,
         "quality": {"engine": "reference", "items": len(items), "split": "test",

@@ -64,6 +64,20 @@ def test_the_defaults_configuration_is_the_one_cachefuse_config_picks():
         frontier.default_configuration(off_only)
 
 
+def test_a_grid_without_the_controller_marks_the_defaults_fixed_twin():
+    """A fixed-only grid (a quality run) marks cacheblend/0.15/fixed, and says so; with the controller in the
+    grid the mark is the controller's point. Negative control: a controller-only grid without the default
+    ratio has no twin to fall back on."""
+    _, fixed_only = grid(modes=("fixed",))
+    twin = frontier.default_configuration(fixed_only)
+    assert twin.name == "cacheblend/0.15/fixed/base/on" and "fixed twin" in frontier.default_mark(twin)
+    _, both = grid()
+    assert frontier.default_mark(frontier.default_configuration(both)) == "the defaults' configuration"
+    _, controller_only = grid(ratios=(0.05,), modes=("controller",))
+    with pytest.raises(SystemExit, match="recompute_ratio=0.15"):
+        frontier.default_configuration(controller_only)
+
+
 def test_full_reuse_is_timed_in_a_fixed_ratio_engine():
     """The default ratio_mode is the controller, which could turn full reuse down (timed as plain vLLM): the
     baseline goes with the defaults' fixed twin, or the first fixed configuration, or, with none, the first."""
