@@ -134,14 +134,16 @@ class Configuration:
 
 def configurations(all_axes: tuple[Axis, ...], side_settings: set[str] | None = None) -> list[Configuration]:
     """Every combination of one value per axis, side axes (Axis.side) moved one at a time and only with the
-    settings ("cacheblend@0.15") in `side_settings` (None: with every setting); overrides are checked as a
+    settings in `side_settings` (None: with every setting): "cacheblend@0.15" for every side axis,
+    "fusion:cacheblend@0.05" for that axis alone; overrides are checked as a
     CacheFuseConfig (a bad value fails here, at start-up, naming the field)."""
     out = []
     for combo in itertools.product(*(axis.values.items() for axis in all_axes)):
         overrides = {k: v for _, fields in combo for k, v in fields.items()}
         moved = [a for a, (label, _) in zip(all_axes, combo, strict=True) if a.side and label != next(iter(a.values))]
         setting = f"{overrides.get('selector')}@{overrides.get('recompute_ratio', 0):g}"
-        if len(moved) > 1 or (moved and side_settings is not None and setting not in side_settings):
+        if len(moved) > 1 or (moved and side_settings is not None
+                              and not {setting, f"{moved[0].name}:{setting}"} & side_settings):
             continue
         CacheFuseConfig.from_dict(overrides)
         out.append(Configuration(tuple((axis.name, label) for axis, (label, _) in zip(all_axes, combo, strict=True)),

@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--neighbours", type=int, default=10, help="N of the fusion axis's offline step (FusionRAG's 10)")
     parser.add_argument("--side-settings", default="cacheblend@0.15,qcfuse@0.15",
                         help="the settings the side axes' (fusion, exact) other values are measured with, "
-                             "comma-separated selector@ratio, or 'all'")
+                             "comma-separated selector@ratio (every side axis) or axis:selector@ratio "
+                             "(fusion:qcfuse@0.05: that axis alone), or 'all'")
     parser.add_argument("--settings", help="keep only these selector@ratio settings of the selectors x ratios grid "
                                            "(comma-separated): a grid that is not a full product")
     parser.add_argument("--speed-from", type=Path,
@@ -88,7 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.groups is not None and not args.groups_only:
         parser.error("--groups needs --groups-only (a frontier needs every group of its grid)")
     args.settings = None if args.settings is None else set(args.settings.split(","))
+    args.side_settings_text = args.side_settings
     args.side_settings = None if args.side_settings == "all" else {s for s in args.side_settings.split(",") if s}
+    for entry in args.side_settings or ():
+        if ":" in entry and entry.split(":", 1)[0] not in ("fusion", "exact"):
+            parser.error(f"--side-settings={args.side_settings_text!r}: in {entry!r} the axis before ':' is fusion or exact")
     args.quality_only = args.quality_only or args.groups_only
     if args.quality_only and (args.speed_only or args.speed_from):
         parser.error("--quality-only measures no speed: drop --speed-only / --speed-from")

@@ -71,48 +71,54 @@ def quality_groups(all_axes, configs) -> dict[str, list]:
     return groups
 
 
-def group_settings(members) -> tuple[tuple[str, ...], tuple[float, ...], set[str]]:
-    """The selectors and ratios run_eval sweeps for a group, and the setting names the group needs."""
+def group_settings(members) -> dict[str, tuple[str, float]]:
+    """The settings a group needs: setting name -> (selector, ratio), the baselines included."""
     from cachefuse.eval.harness import BASELINES, setting_name
 
     pairs = {(c.overrides["selector"], c.overrides["recompute_ratio"]) for c in members}
-    selectors = tuple(dict.fromkeys(c.overrides["selector"] for c in members))
-    ratios = tuple(dict.fromkeys(c.overrides["recompute_ratio"] for c in members))
-    return selectors, ratios, {*BASELINES, *(setting_name(s, r) for s, r in pairs)}
+    return {**{name: (name, 1.0 if name == "full_prefill" else 0.0) for name in BASELINES},
+            **{setting_name(s, r): (s, r) for s, r in sorted(pairs)}}
 
 
 def measure_quality(args, all_axes, configs, eval_items, done: dict[str, dict],
                     checkpoint: Callable[[dict, dict], None] = lambda groups, offline: None
                     ) -> tuple[dict[str, dict], dict[str, Any]]:
     """Per quality group and setting ("cacheblend@0.15", "full_prefill", ...), the per-item scores, KLs and
-    recompute fractions of run_eval; groups already in `done` (an earlier run's, same items) whose every
-    needed setting is there are taken as they are. Returns (groups, offline reports per group);
-    `checkpoint(groups, offline)` after each measured group.
-
-    Settings the grid does not need are measured where run_eval's sweep (selectors x ratios) includes them:
-    a group's sweep is the product of its configurations' selectors and ratios."""
+    recompute fractions of run_eval. A group already in `done` (an earlier run's, same items) keeps what it
+    has and only its missing settings are measured (with the baselines, which every run_eval repeats: they
+    must equal the earlier ones item by item, or the run stops). Returns (groups, offline reports per
+    group); `checkpoint(groups, offline)` after each measured group."""
     from cachefuse.config import CacheFuseConfig
-    from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval
+    from cachefuse.eval.harness import BASELINES, EvalSpec, reference_engine, run_eval
 
     out, offline_reports = {}, {}
     axes_of_engine = engine_axes(all_axes)
     for group, members in quality_groups(all_axes, configs).items():
         if getattr(args, "groups", None) is not None and group not in args.groups:
             continue
-        selectors, ratios, needed = group_settings(members)
-        if needed <= set(done.get(group, {})):
-            out[group] = done[group]
+        earlier = done.get(group, {})
+        missing = {name: pair for name, pair in group_settings(members).items() if name not in earlier}
+        if not missing:
+            out[group] = earlier
             continue
         engine_fields = {k: v for a in axes_of_engine for k, v in a.values[members[0].label(a.name)].items()}
         engine, tokenizer = reference_engine(args.model, CacheFuseConfig.from_dict(engine_fields))
         reports = {a.name: a.offline(engine, tokenizer, eval_items, members[0].label(a.name))
                    for a in axes_of_engine if a.offline is not None}
         reports = {name: report for name, report in reports.items() if report is not None}
-        spec = EvalSpec(selectors=selectors, ratios=ratios, metric="f1", max_new_tokens=args.max_new_tokens)
+        pairs = [pair for name, pair in missing.items() if name not in BASELINES]
+        spec = EvalSpec(selectors=tuple(dict.fromkeys(s for s, _ in pairs)),
+                        ratios=tuple(dict.fromkeys(r for _, r in pairs)), only=frozenset(pairs),
+                        metric="f1", max_new_tokens=args.max_new_tokens)
         runs = run_eval(engine, args.tokenizer, eval_items, spec, desc=f"quality [{group}]", keep_store=bool(reports))
-        out[group] = {name: {"scores": [r.score for r in item_runs], "kl": [round(r.kl, 6) for r in item_runs],
-                             "recompute_fraction": [round(r.recompute_fraction, 6) for r in item_runs]}
-                      for name, item_runs in runs.runs.items()}
+        measured = {name: {"scores": [r.score for r in item_runs], "kl": [round(r.kl, 6) for r in item_runs],
+                           "recompute_fraction": [round(r.recompute_fraction, 6) for r in item_runs]}
+                    for name, item_runs in runs.runs.items()}
+        for name in BASELINES:
+            if name in earlier and earlier[name]["scores"] != measured[name]["scores"]:
+                raise SystemExit(f"quality [{group}]: {name} differs from the earlier run's item by item, so the "
+                                 "settings measured now and then are not comparable (other code or model?)")
+        out[group] = {**earlier, **measured}
         if reports:
             offline_reports[group] = reports
         checkpoint(out, offline_reports)

@@ -83,6 +83,9 @@ class EvalSpec:
     anchor_ranking: str | None = None
     """QCFuse's anchors stored offline with each chunk ("key_norm", "attention" or "kvzip",
     cachefuse.offline.anchors); None: none stored, the selector derives key-norm anchors per request."""
+    only: frozenset[tuple[str, float]] | None = None
+    """The (selector, ratio) pairs of selectors x ratios to run (the baselines always run); None: all, so a
+    grid that is not a full product, or the settings an earlier run lacks, cost no more than they are."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -95,7 +98,8 @@ class EvalSpec:
 
     def settings(self) -> list[tuple[str, float]]:
         return [(name, 1.0) if name == "full_prefill" else (name, 0.0) for name in BASELINES] + [
-            (name, ratio) for name in self.selectors for ratio in self.ratios]
+            (name, ratio) for name in self.selectors for ratio in self.ratios
+            if self.only is None or (name, ratio) in self.only]
 
 
 def setting_name(selector: str, ratio: float) -> str:

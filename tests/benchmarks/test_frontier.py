@@ -39,6 +39,10 @@ def test_side_axes_move_one_at_a_time_and_only_with_the_side_settings():
     moved = sorted(c.name for c in some if (c.label("fusion"), c.label("exact")) != ("base", "on"))
     assert moved == ["cacheblend/0.15/controller/base/off", "cacheblend/0.15/controller/fused/on",
                      "cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/fused/on"]
+    _, per_axis = grid(side={"cacheblend@0.15", "fusion:cacheblend@0.5"})  # fused also at 0.5, exact off not
+    moved = sorted(c.name for c in per_axis if c.label("ratio_mode") == "fixed"
+                   and (c.label("fusion"), c.label("exact")) != ("base", "on"))
+    assert moved == ["cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/fused/on", "cacheblend/0.5/fixed/fused/on"]
     full = tuple(dataclasses.replace(a, side=False) for a in frontier.axes(("cacheblend",), (0.15,), ("fixed",)))
     assert len(frontier.configurations(full, {"epic@0.5"})) == 4
 
@@ -46,7 +50,8 @@ def test_side_axes_move_one_at_a_time_and_only_with_the_side_settings():
 def test_a_bad_axis_value_fails_at_start_up_naming_the_field(capsys):
     with pytest.raises(ConfigError, match="recompute_ratio"):
         grid(ratios=(0.15, 1.5))
-    for flag, value in (("--exact", "on,sometimes"), ("--exact", "off,on"), ("--fusion", "fused")):
+    for flag, value in (("--exact", "on,sometimes"), ("--exact", "off,on"), ("--fusion", "fused"),
+                        ("--side-settings", "ratio:qcfuse@0.15")):
         with pytest.raises(SystemExit):  # the side axes' first value is the default's
             frontier.parse_args([flag, value])
         assert f"{flag}='{value}'" in capsys.readouterr().err
@@ -328,3 +333,29 @@ def test_a_quality_run_split_into_shares_joins_without_measuring_again(tiny_mode
     fused = next(p for p in joined["points"] if p["name"] == "cacheblend/0.15/fixed/fused/on")
     assert fused["quality"]["by_kind"]["all"]["f1"]["mean"] == 0.5
     assert joined["quality"]["groups"]["base/on"] == a["quality"]["groups"]["base/on"]
+
+
+def test_a_group_measures_only_the_settings_an_earlier_run_lacks(tiny_model_dir, tmp_path):
+    """--quality-from a share at 15%, then a grid at 15% and 50%: the earlier settings are kept as they are
+    (an edited score shows: not measured again), only the 50% ones are measured, and the baselines measured
+    again with them match the earlier ones. Negative control: an earlier full_reuse that differs item by item
+    stops the run (settings measured by different code are not compared)."""
+    common = ["--model", str(tiny_model_dir("llama")), "--items", "2", "--selectors", "cacheblend,qcfuse",
+              "--ratio-modes", "fixed", "--exact", "on", "--fusion", "base"]
+    share, joined_json = tmp_path / "share.json", tmp_path / "joined.json"
+    assert frontier.main([*common, "--ratios", "0.15", "--groups-only", "--out", str(share)]) == 0
+    earlier = json.loads(share.read_text())
+    earlier["quality"]["groups"]["base/on"]["qcfuse@0.15"]["scores"] = [0.125, 0.875]
+    share.write_text(json.dumps(earlier))
+    assert frontier.main([*common, "--ratios", "0.15,0.5", "--quality-only", "--quality-from", str(share),
+                          "--out", str(joined_json)]) == 0
+    group = json.loads(joined_json.read_text())["quality"]["groups"]["base/on"]
+    assert sorted(group) == ["cacheblend@0.15", "cacheblend@0.5", "full_prefill", "full_reuse", "qcfuse@0.15",
+                             "qcfuse@0.5"]
+    assert group["qcfuse@0.15"]["scores"] == [0.125, 0.875]
+    assert group["full_reuse"] == earlier["quality"]["groups"]["base/on"]["full_reuse"]
+    earlier["quality"]["groups"]["base/on"]["full_reuse"]["scores"] = [-1.0, -1.0]
+    share.write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit, match="full_reuse differs"):
+        frontier.main([*common, "--ratios", "0.15,0.5", "--quality-only", "--quality-from", str(share),
+                       "--out", str(joined_json)])
