@@ -71,6 +71,7 @@ from frontier_quality import (  # noqa: E402
     paired_comparisons,
     quality_groups,
     query_aware_target,
+    reference_group,
     side_comparisons,
     summarize_quality,
 )
@@ -97,16 +98,16 @@ class Axis:
     """Before a value's quality is measured: (reference engine, tokenizer, eval items, value label) -> fills
     the store for every item and says what it did (None: nothing, each item stores its own base variants)."""
     side: bool = False
-    """A side axis: its values other than the first (the default's) are combined only with the settings
-    (selector@ratio) in `side_settings`, and with the other side axes at their first values (one moved at a
-    time), so that each costs a few reference runs, not a copy of the grid."""
+    """A side axis: its values other than the first (the full grid's: base entries, exact places on) are
+    combined only with the settings (selector@ratio) in `side_settings`, and with the other side axes at their
+    first values (one moved at a time), so that each costs a few reference runs, not a copy of the grid."""
 
 
 
 
 def axes(selectors, ratios, modes, fusion=tuple(FUSION), exact=tuple(EXACT), neighbours=10) -> tuple[Axis, ...]:
     """The frontier's axes; `fusion` and `exact` are side axes (Axis.side), each value list starting with
-    the default's. Neighbour fusion is quality-only: a fused entry is loaded like a base one (same bytes,
+    the full grid's. Neighbour fusion is quality-only: a fused entry is loaded like a base one (same bytes,
     same rows), so its speed is the base configuration's and the vLLM worker needs no offline step."""
     return (
         Axis("selector", {s: {"selector": s} for s in selectors}, quality="reference"),
@@ -219,6 +220,16 @@ def speed_key(config: Configuration, all_axes) -> str:
     return "/".join(next(iter(a.values)) if not a.moves_speed else config.label(a.name) for a in all_axes)
 
 
+def earlier_speed(paths: list[Path]) -> dict[str, dict]:
+    """The timed configurations of earlier runs (a full run's JSON or a --speed-only one), later files winning
+    where both timed a configuration (a share of the grid timed apart joins a run that lacks it)."""
+    speed = {}
+    for path in paths:
+        earlier = json.loads(path.read_text())
+        speed.update(earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"])
+    return speed
+
+
 def measure_speed(args, all_axes, configs, timed_items, reuse_host: Configuration) -> dict[str, dict]:
     """Per timed configuration (and full_reuse, in `reuse_host`'s engine): TTFTs, speed-up, decisions."""
     from frontier_ttft import decisions, paired_speedup, run_group
@@ -268,11 +279,12 @@ def decided_setting(config: Configuration, speed: dict | None) -> tuple[str | No
 
 def build_points(all_axes, configs, quality, speed, kinds, default, seed) -> list[dict[str, Any]]:
     """One point per configuration, plus plain vLLM and full reuse, each with quality and speed where known.
-    Every point is normalized against the defaults' group's full prefill and full reuse (FusionRAG's Eq. 11
-    normalizes by the base cache's full reuse), so a group's gain over it shows; KL is against the full
+    Every point is normalized against the reference group's full prefill and full reuse (`reference_group`:
+    base entries, as FusionRAG's Eq. 11), so another group's gain over it shows; KL is against the full
     prefill of the point's own group (the same prompt computed in full: the same logits)."""
     group_of = {c.name: g for g, members in quality_groups(all_axes, configs).items() for c in members}
-    base = quality[group_of[default.name]]
+    reference = reference_group(all_axes)
+    base = quality[reference]
     baselines = (base["full_prefill"], base["full_reuse"])
     points = [{"name": "plain vLLM", "baseline": True, "speedup": 1.0, "speed": None, "quality_source": "definition",
                "quality": summarize_quality(base["full_prefill"], baselines, kinds, seed)},
@@ -280,7 +292,7 @@ def build_points(all_axes, configs, quality, speed, kinds, default, seed) -> lis
                "quality": summarize_quality(base["full_reuse"], baselines, kinds, seed)}]
     points[1]["speedup"] = points[1]["speed"]["speedup"] if points[1]["speed"] else None
     for name, group in quality.items():  # full reuse over another group's entries (e.g. neighbour-fused ones)
-        if name != group_of[default.name] and group["full_reuse"]["scores"] != base["full_reuse"]["scores"]:
+        if name != reference and group["full_reuse"]["scores"] != base["full_reuse"]["scores"]:
             points.append({**points[1], "name": f"full_reuse [{name}]", "group": name,
                            "quality": summarize_quality(group["full_reuse"], baselines, kinds, seed)})
     for config in configs:
@@ -298,13 +310,26 @@ def build_points(all_axes, configs, quality, speed, kinds, default, seed) -> lis
     return points
 
 
+def same_computation(p: dict[str, Any], q: dict[str, Any]) -> bool:
+    """p and q are one setting timed twice: ratio_mode twins (same group and overrides but ratio_mode) whose
+    quality is the same reference setting, i.e. the controller fused every timed request at the configured
+    ratio. Their speed-ups differ by timing noise alone, so neither may push the other off the frontier."""
+    if p["baseline"] or q["baseline"] or p is q:
+        return False
+    rest = [{k: v for k, v in x["overrides"].items() if k != "ratio_mode"} for x in (p, q)]
+    return (rest[0] == rest[1] and p["group"] == q["group"] and p["quality_setting"] is not None
+            and p["quality_setting"] == q["quality_setting"])
+
+
 def mark_frontier(points: list[dict[str, Any]]) -> None:
-    """`on_frontier`: no other point is at least as fast and at least as good, and better in one."""
+    """`on_frontier`: no other point is at least as fast and at least as good, and better in one (a point's
+    ratio_mode twin running the same computation, `same_computation`, does not count)."""
     known = [p for p in points if p["speedup"] is not None and p["normalized_f1"] is not None]
     for p in points:
         p["on_frontier"] = p in known and not any(
             q["speedup"] >= p["speedup"] and q["normalized_f1"] >= p["normalized_f1"]
-            and (q["speedup"] > p["speedup"] or q["normalized_f1"] > p["normalized_f1"]) for q in known)
+            and (q["speedup"] > p["speedup"] or q["normalized_f1"] > p["normalized_f1"])
+            and not same_computation(p, q) for q in known)
 
 
 def targets(points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -358,9 +383,8 @@ def main(argv=None) -> int:
     items = eval_items(make_items("test", args.items, seed=args.seed), args.tokenizer)
     if args.quality_only:
         speed = {}
-    elif args.speed_from is not None:
-        earlier = json.loads(args.speed_from.read_text())
-        speed = earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"]
+    elif args.speed_from:
+        speed = earlier_speed(args.speed_from)
     else:
         speed = measure_speed(args, all_axes, configs, items[:args.timed_items], full_reuse_host(configs))
     speed_s = time.perf_counter() - started
@@ -392,15 +416,15 @@ def main(argv=None) -> int:
         return 0
     kinds = [i.kind for i in items]
     points = build_points(all_axes, configs, quality, speed, kinds, default, args.seed)
-    default_group = next(g for g, members in quality_groups(all_axes, configs).items() if default in members)
-    base = quality[default_group]
+    reference = reference_group(all_axes)
+    base = quality[reference]
     comparisons = paired_comparisons(quality, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
-    sides = side_comparisons(quality, default_group, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
+    sides = side_comparisons(quality, reference, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
     result = {
         "benchmark": "frontier", "model_name": Path(args.model).name, "seed": args.seed,
         "quick": args.quick, "axes": {a.name: list(a.values) for a in all_axes},
         "targets_at": {"normalized_f1": TARGET_NORMALIZED_F1, "speedup": TARGET_SPEEDUP},
-        "targets": {**targets(points), "query_aware_at_15": query_aware_target(comparisons, default_group)},
+        "targets": {**targets(points), "query_aware_at_15": query_aware_target(comparisons, reference)},
         "defaults_mark": default_mark(default),
         "paired": comparisons,
         "paired_side_axes": sides,
@@ -414,7 +438,7 @@ def main(argv=None) -> int:
         "speed": None if args.quality_only else {
                   "engine": "vLLM in-process, CacheFuseConnector, one subprocess per engine group",
                   "timed_items": args.timed_items, "max_tokens": 1, "pairing": "plain then fused, back to back",
-                  "cpus": cpus, "env": recorded_env(worker_env(cpus)), "reused_from": str(args.speed_from or "") or None,
+                  "cpus": cpus, "env": recorded_env(worker_env(cpus)), "reused_from": [str(p) for p in args.speed_from or []] or None,
                   "configurations": speed},
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
         "seconds": {"speed": round(speed_s, 1), "total": round(time.perf_counter() - started, 1)},

@@ -49,8 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(fusion:qcfuse@0.05: that axis alone), or 'all'")
     parser.add_argument("--settings", help="keep only these selector@ratio settings of the selectors x ratios grid "
                                            "(comma-separated): a grid that is not a full product")
-    parser.add_argument("--speed-from", type=Path,
-                        help="reuse the TTFTs of an earlier run's JSON (a full run's or a --speed-only run's)")
+    parser.add_argument("--speed-from", type=Path, nargs="+",
+                        help="reuse the TTFTs of earlier runs' JSONs (full runs' or --speed-only runs'; where two "
+                             "timed a configuration, the later file's)")
     parser.add_argument("--quality-from", type=Path, nargs="+",
                         help="reuse the per-item quality of earlier runs' JSONs (same items; full, --quality-only or "
                              "their .partial.json checkpoints); only groups missing from them are measured")
@@ -83,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.exact = tuple(v for v in args.exact.split(",") if v)
     for name, values, known in (("--fusion", args.fusion, FUSION), ("--exact", args.exact, EXACT)):
         if not values or values[0] != next(iter(known)) or not set(values) <= set(known):
-            parser.error(f"{name}={','.join(values)!r}, expected {next(iter(known))!r} first (the default's value), "
+            parser.error(f"{name}={','.join(values)!r}, expected {next(iter(known))!r} first (the full grid's value), "
                          f"then any of {', '.join(known)}")
     args.groups = None if args.groups is None else set(args.groups.split(","))
     if args.groups is not None and not args.groups_only:

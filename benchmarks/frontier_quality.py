@@ -62,6 +62,14 @@ def engine_axes(all_axes) -> list:
     return [a for a in all_axes if a.quality == "reference" and a.name not in ("selector", "ratio")]
 
 
+def reference_group(all_axes) -> str:
+    """The quality group of the full grid: every side axis at its first value (base entries, exact places
+    on). Its full prefill and full reuse normalize every point (FusionRAG's Eq. 11 normalizes by the base
+    cache's full reuse), and the side groups and the query-aware target are read against it, wherever the
+    defaults' mark sits."""
+    return "/".join(next(iter(a.values)) for a in engine_axes(all_axes)) or "base"
+
+
 def quality_groups(all_axes, configs) -> dict[str, list]:
     """Configurations by what the reference engine must be built with (`engine_axes`' labels, "/"-joined)."""
     names = [a.name for a in engine_axes(all_axes)]
@@ -176,20 +184,20 @@ def paired_comparisons(groups: dict[str, dict], baselines: tuple[dict, dict], ki
     return out
 
 
-def side_comparisons(groups: dict[str, dict], default_group: str, baselines: tuple[dict, dict], kinds: list[str],
+def side_comparisons(groups: dict[str, dict], reference: str, baselines: tuple[dict, dict], kinds: list[str],
                      seed: int) -> list[dict[str, Any]]:
     """What a side axis's value changes (benchmarks/frontier.py, Axis.side): each setting of each other group
-    against the same setting in `default_group`, item by item, as `paired_comparisons` reads a pair (the
+    against the same setting in the `reference` group, item by item, as `paired_comparisons` reads a pair (the
     baselines are the same prompts computed in full and reused, so they are not compared)."""
     from cachefuse.eval.harness import BASELINES
     from cachefuse.eval.stats import paired_bootstrap, paired_normalized_bootstrap
 
     out = []
     for group, settings in groups.items():
-        if group == default_group:
+        if group == reference:
             continue
         for name, a in settings.items():
-            b = groups[default_group].get(name)
+            b = groups[reference].get(name)
             if name in BASELINES or b is None:
                 continue
             kinds_out = {}
@@ -202,8 +210,8 @@ def side_comparisons(groups: dict[str, dict], default_group: str, baselines: tup
             f1 = kinds_out["all"]["f1"]
             verdict = ("above" if f1["ci_low"] > 0 else "below" if f1["ci_high"] < 0 else "no significant difference")
             selector, _, ratio = name.partition("@")
-            out.append({"group": group, "ratio": float(ratio), "selector": selector, "against": default_group,
-                        "difference": f"{name} [{group}] - [{default_group}]", "by_kind": kinds_out,
+            out.append({"group": group, "ratio": float(ratio), "selector": selector, "against": reference,
+                        "difference": f"{name} [{group}] - [{reference}]", "by_kind": kinds_out,
                         "verdict": verdict, "at_or_above": f1["diff"] >= 0})
     return out
 
@@ -239,10 +247,10 @@ def earlier_quality(paths: list[Path], items: list) -> tuple[dict[str, dict], di
     return groups, offline
 
 
-def query_aware_target(comparisons: list[dict[str, Any]], default_group: str) -> dict[str, Any]:
+def query_aware_target(comparisons: list[dict[str, Any]], reference: str) -> dict[str, Any]:
     """Issue 30's "at 15%, a query-aware selector at or above cacheblend on the test split (paired, with CI)",
     read in the defaults' quality group."""
-    at_15 = [c for c in comparisons if c["ratio"] == 0.15 and c["group"] == default_group]
+    at_15 = [c for c in comparisons if c["ratio"] == 0.15 and c["group"] == reference]
     best = max(at_15, key=lambda c: c["by_kind"]["all"]["f1"]["diff"], default=None)
     return {"goal": "at 15%, a query-aware selector's F1 at or above cacheblend's (paired, 95% CI)",
             "met": bool(best and best["at_or_above"]), "significantly_above": bool(best and best["verdict"] == "above"),

@@ -158,12 +158,36 @@ def test_the_controller_s_quality_is_what_it_did_with_the_timed_requests(made, e
 
 def test_the_frontier_keeps_exactly_the_points_no_other_beats_on_both_axes():
     def point(name, speedup, quality):
-        return {"name": name, "speedup": speedup, "normalized_f1": quality}
+        return {"name": name, "speedup": speedup, "normalized_f1": quality, "baseline": True}
 
     points = [point("plain", 1.0, 1.0), point("fast", 4.0, 0.2), point("middle", 2.0, 0.8),
               point("dominated", 1.8, 0.7), point("tie_slower", 2.0, 0.75), point("unknown", 9.0, None)]
     frontier.mark_frontier(points)
     assert [p["name"] for p in points if p["on_frontier"]] == ["plain", "fast", "middle"]
+
+
+def test_ratio_mode_twins_running_the_same_setting_do_not_dominate_each_other():
+    """cacheblend@0.15 fixed at 2.60x and its controller twin, which fused every request at 15% (the same
+    reference setting), at 2.58x: timing noise, so both are on the frontier. Negative controls: a controller
+    twin whose requests ran plain (full prefill's quality) is compared as any point, and a point of another
+    group (fused entries) with the same overrides still dominates."""
+    def config(name, mode, speedup, quality, setting, group="base/on"):
+        return {"name": name, "baseline": False, "speedup": speedup, "normalized_f1": quality, "group": group,
+                "overrides": {"selector": "cacheblend", "recompute_ratio": 0.15, "ratio_mode": mode},
+                "quality_setting": setting}
+
+    points = [config("fixed", "fixed", 2.60, 0.5, "cacheblend@0.15"),
+              config("controller", "controller", 2.58, 0.5, "cacheblend@0.15")]
+    frontier.mark_frontier(points)
+    assert [p["on_frontier"] for p in points] == [True, True]
+    plain_run = [config("fixed", "fixed", 2.60, 0.5, "cacheblend@0.15"),
+                 config("controller", "controller", 2.58, 0.5, "full_prefill")]
+    frontier.mark_frontier(plain_run)
+    assert [p["on_frontier"] for p in plain_run] == [True, False]
+    other_group = [config("fused", "fixed", 2.60, 0.9, "cacheblend@0.15", group="fused/on"),
+                   config("controller", "controller", 2.58, 0.5, "cacheblend@0.15")]
+    frontier.mark_frontier(other_group)
+    assert [p["on_frontier"] for p in other_group] == [True, False]
 
 
 def _scores(values: list[float], kl: float = 0.1) -> dict:
@@ -359,3 +383,14 @@ def test_a_group_measures_only_the_settings_an_earlier_run_lacks(tiny_model_dir,
     with pytest.raises(SystemExit, match="full_reuse differs"):
         frontier.main([*common, "--ratios", "0.15,0.5", "--quality-only", "--quality-from", str(share),
                        "--out", str(joined_json)])
+
+
+def test_speed_shares_join_with_the_later_file_winning(tmp_path):
+    """A grid timed in two runs: a --speed-only file and a full run's JSON join; a configuration both timed
+    takes the later file's figures. Negative control: in the other order the other figure wins."""
+    quiet, extra = tmp_path / "quiet.json", tmp_path / "extra.json"
+    quiet.write_text(json.dumps({"configurations": {"full_reuse": {"speedup": 3.7}, "a": {"speedup": 2.5}}}))
+    extra.write_text(json.dumps({"speed": {"configurations": {"full_reuse": {"speedup": 3.1}, "b": {"speedup": 1.2}}}}))
+    joined = frontier.earlier_speed([extra, quiet])
+    assert {k: v["speedup"] for k, v in joined.items()} == {"full_reuse": 3.7, "a": 2.5, "b": 1.2}
+    assert frontier.earlier_speed([quiet, extra])["full_reuse"]["speedup"] == 3.1
