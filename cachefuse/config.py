@@ -152,11 +152,13 @@ class CacheFuseConfig:
     it was measured to buy quality only by recomputing more, which `recompute_ratio` buys as well."""
     variant_admission_max_chunks: int = 1
     """At most this many chunks per request are admitted (the highest CFO first); 0 turns admission off."""
-    default_variant: str = "base"
+    default_variant: str = "fused"
     """What a chunk loads where no stored variant fits its prefix better than its base variant (Cache-Craft's
-    choice is the base variant, and the chunk is not first): "base" loads it; "fused" loads the chunk's best
-    variant computed after other chunks instead (FusionRAG's neighbour-fused cache, used wherever the chunk
-    appears: `cachefuse precompute --fuse-neighbours`). docs/variants.md, Neighbour variants."""
+    choice is the base variant, and the chunk is not first): "fused" loads the chunk's best neighbour-fused
+    variant instead (FusionRAG's fused cache, stored by `cachefuse precompute --fuse-neighbours`, used
+    wherever the chunk appears), its base variant when it has none, so a store without neighbour variants
+    plans as under "base"; "base" always loads the base variant. Variants saved from served requests' holes
+    are never loaded this way. docs/variants.md, Neighbour variants."""
     exact_places: bool = True
     """A declared chunk placed after exactly the tokens its stored entry was computed after (the first
     document after the system prompt, under its base variant) is exact: no row of it is a candidate, the

@@ -59,7 +59,9 @@ class FusionRequest:
     store_variant: bool = False
     """Compute the last declared chunk in full, whatever is stored, so it is saved as the variant for the
     non-system chunks before it (FusionRAG's neighbour fusion through vLLM); no other chunk is admitted.
-    It stores no more than a new chunk's hole would: one chunk per request, within the store's caps."""
+    It stores no more than a new chunk's hole would: one chunk per request, within the store's caps. Only an
+    engine that allows offline jobs (`allow_sync_save`) saves it marked neighbour-fused (the variant
+    `default_variant: fused` loads wherever the chunk is not first)."""
 
     @property
     def chunks(self) -> tuple[tuple[int, int], ...]:

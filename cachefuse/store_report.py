@@ -4,7 +4,8 @@ Imports the standard library and cachefuse.{config, metadata, store.disk}; Redis
 A store URL is a directory (the disk tier, with `meta.sqlite` next to it) or `redis://` / `rediss://`.
 
 Reported per variant: chunk key, variant id, prefix, CCI, f_r, access count, size, tier, whether it
-has attention statistics, the ratio its prefix was fused under, and `stale` (a metadata row whose
+has attention statistics, the ratio its prefix was fused under, whether the offline neighbour step stored
+it (`neighbour_fused`, JSON only), and `stale` (a metadata row whose
 K/V entry is gone). Orphans are K/V entries without a metadata row: under a plain chunk key they are
 served as base variants without statistics (docs/variants.md); under a variant key they are leftovers
 that nothing will load (a crash between the K/V write and the metadata row).
@@ -54,7 +55,7 @@ def _row(record: VariantRecord, stored: set[str]) -> dict[str, Any]:
             "prefix": list(record.prefix), "cci": record.cci, "f_r": record.f_r,
             "access_count": record.access_count, "size_bytes": record.size_bytes, "tier": record.tier,
             "has_stats": record.has_stats, "recompute_ratio": record.recompute_ratio,
-            "num_tokens": record.num_tokens, "stale": record.store_key not in stored}
+            "neighbour_fused": record.neighbour_fused, "num_tokens": record.num_tokens, "stale": record.store_key not in stored}
 
 
 def report_from(url: str, metastore: MetaStore, list_kv_keys: Callable[[], set[str]]) -> StoreReport:

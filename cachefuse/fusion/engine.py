@@ -206,7 +206,8 @@ class FusionEngine:
                 **plan_fields: Any) -> tuple[FuseResult, FusionStats]:
         """Fuses one prompt whose declared chunks are `chunks` ([start, end) offsets): `fuse` of the
         FusePlan of these, the config's selector and ratio where not given, and any other FusePlan field
-        (`save_holes`, `variants`, `preload_depth`, `save_inline`, `record_uses`, `attention_backend`)."""
+        (`save_holes`, `variants`, `preload_depth`, `save_inline`, `neighbour_variant`, `record_uses`,
+        `attention_backend`)."""
         return self.fuse(FusePlan(
             token_ids=token_ids, segments=segment_prompt(len(token_ids), chunks),
             selector=selector or self.config.selector,
@@ -250,8 +251,8 @@ class FusionEngine:
         if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
             self._record_uses(chosen, loaded, wait, budget)
         exact_loaded = {i for i in loaded if segments[i].is_system or reuse[i].exact}
-        saved = (self._save_holes(result, token_ids, segments, keys, meta_keys, exact_loaded, plan.ratio,
-                                  plan.save_inline, None if plan.save_inline else wait)
+        saved = (self._save_holes(plan, result, segments, keys, meta_keys, exact_loaded,
+                                  None if plan.save_inline else wait)
                  if plan.save_holes else SaveReport())
         stats = pass_stats(selector.name, plan.ratio, segments, chunk_indices, result, PassLoads(
             loaded=loaded, load_keys=load_keys, choices=list(choices), figures=figures, miss_reasons=miss_reasons,
@@ -399,19 +400,20 @@ class FusionEngine:
         `budget`, its prefill's load budget."""
         return EntryReader(self.store, self.adapter.shape.num_layers, self.clock, budget)
 
-    def _save_holes(self, result: FuseResult, token_ids: Sequence[int], segments: list[Segment],
-                    keys: dict[int, str], meta_keys: dict[int, str], exact_loaded: set[int], ratio: float,
-                    inline: bool, wait: WaitBudget | None) -> SaveReport:
-        """Stores every hole as the variant for its prefix (cachefuse.fusion.saving), exact at its place when
-        every row before it was (`exact_loaded`: the loaded segments whose K/V are exact): written now, or
-        queued for the background saver (`save_in_background`), the request's path then only copying them
-        out. Written now, the metadata calls wait within `wait` (None: `sync_save`, offline, waits as long
-        as SQLite)."""
+    def _save_holes(self, plan: FusePlan, result: FuseResult, segments: list[Segment], keys: dict[int, str],
+                    meta_keys: dict[int, str], exact_loaded: set[int], wait: WaitBudget | None) -> SaveReport:
+        """Stores every hole of `plan`'s pass as the variant for its prefix (cachefuse.fusion.saving), exact at
+        its place when every row before it was (`exact_loaded`: the loaded segments whose K/V are exact), the
+        last chunk's neighbour-fused when the plan is the offline neighbour step's: written now, or queued for
+        the background saver (`save_in_background`), the request's path then only copying them out. Written
+        now, the metadata calls wait within `wait` (None: `sync_save`, offline, waits as long as SQLite)."""
         # exact_rows_end reads every selective layer's rows: only for a pass that has holes to place
-        places = HolePlaces(token_ids, exact_rows_end(result, segments, exact_loaded)) if result.hole_segments else None
-        saves = hole_saves(result, segments, keys, meta_keys, ratio, self.adapter.rope_spec,
-                           self.config.max_variant_prefix_chunks, places)
-        if self.saver is not None and not inline:
+        places = (HolePlaces(plan.token_ids, exact_rows_end(result, segments, exact_loaded))
+                  if result.hole_segments else None)
+        neighbour_segment = max(i for i, s in enumerate(segments) if s.is_chunk) if plan.neighbour_variant else None
+        saves = hole_saves(result, segments, keys, meta_keys, plan.ratio, self.adapter.rope_spec,
+                           self.config.max_variant_prefix_chunks, places, neighbour_segment=neighbour_segment)
+        if self.saver is not None and not plan.save_inline:
             return self.saver.submit(saves)
         writer = self._hole_writer() if self.saver is None else self.saver.writer
         report = SaveReport()

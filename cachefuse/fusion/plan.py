@@ -139,6 +139,10 @@ class FusePlan:
     save_holes: bool = True
     save_inline: bool = False
     """Write the holes before returning even when the engine saves in the background."""
+    neighbour_variant: bool = False
+    """The offline neighbour step's pass (cachefuse.offline): the last declared chunk's hole is saved as a
+    neighbour-fused variant (VariantRecord.neighbour_fused), the other holes as usual. Never set for a
+    served request."""
     record_uses: bool = True
     """False leaves the reused variants' f_r alone (a blend replayed after a preemption counted them)."""
     attention_backend: AttentionBackend | None = None

@@ -111,14 +111,15 @@ def exact_rows_end(result: FuseResult, segments: Sequence[Segment], exact_loaded
 
 def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str], meta_keys: dict[int, str],
                ratio: float, rope_spec: RopeSpec, max_prefix_chunks: int,
-               places: HolePlaces | None = None) -> list[HoleSave]:
+               places: HolePlaces | None = None, *, neighbour_segment: int | None = None) -> list[HoleSave]:
     """Every hole of `result` as the variant for its prefix (metadata.index rule 1: the declared non-system
     chunks before it, in prompt order, the nearest `max_prefix_chunks`); a hole with no such prefix is
     the chunk's base variant, stored under the plain chunk key. A hole after other chunks whose prefix
     `max_prefix_chunks` cuts to nothing (0) is not saved: under the plain key it would pass for the base
     variant, computed after the system prompt alone. A hole whose every earlier row is exact
     (`places.exact_end`) records its place (`exact_after`); the others, and every hole without `places`,
-    record none and are never reused as exact."""
+    record none and are never reused as exact. The hole of segment `neighbour_segment` (the offline
+    neighbour step's chunk; None on every served pass) is marked `neighbour_fused` when it has a prefix."""
     saves = []
     exact_starts = [] if places is None else [segments[i].start for i in result.hole_segments
                                                if segments[i].start <= places.exact_end]
@@ -136,6 +137,8 @@ def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str]
         record = variant_record(result, index, prefix_ids, segments, meta_keys, ratio)
         if segments[index].start in exact_after:
             record = dataclasses.replace(record, exact_after=exact_after[segments[index].start])
+        if index == neighbour_segment and prefix:
+            record = dataclasses.replace(record, neighbour_fused=True)
         saves.append(HoleSave(store_key, record, entry, _copy_done_event(entry)))
     return saves
 

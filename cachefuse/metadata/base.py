@@ -45,6 +45,11 @@ Choices every backend follows (tests/metadata/test_contract.py runs one suite ov
    its K/V were computed in, only when they are a full prefill's there: precompute after the system
    prompt, or a hole whose every earlier row of its pass was exact (fusion.saving). A put always comes
    with a write of the K/V it describes, so an upsert takes the new record's value, never the old one's.
+9. Origin. `neighbour_fused` marks a variant the offline neighbour step stored (cachefuse.offline: the chunk
+   computed after its most similar chunks); a served request's hole never carries it. Rule 8 of
+   cachefuse.metadata.index loads only such variants out of their place. Like `exact_after` it describes
+   the K/V written with the put, so an upsert takes the new record's value. A store written before the
+   field reads every row as not neighbour-fused.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ def _check_types(record: VariantRecord) -> None:
         ("has_stats", isinstance(record.has_stats, bool)),
         ("exact_after", record.exact_after is None or (isinstance(record.exact_after, str)
                                                       and 0 < len(record.exact_after) <= MAX_KEY_CHARS)),
+        ("neighbour_fused", isinstance(record.neighbour_fused, bool)),
     ) if not ok]
     if bad:
         raise TypeError(f"VariantRecord fields of the wrong type: {', '.join(bad)}")
@@ -182,6 +188,10 @@ class VariantRecord:
     """`chunks.place_hash` of exactly the tokens before the chunk in the prompt its K/V were computed in,
     set only when those K/V are what a full prefill of that prompt computes (choice 8); None: approximate,
     or not known."""
+    neighbour_fused: bool = False
+    """Stored by the offline neighbour step (FusionRAG's fused cache: the chunk computed after its most
+    similar chunks), never by a served request's hole (choice 9); rule 8 of cachefuse.metadata.index loads
+    only these where a chunk's base variant would be loaded after other chunks."""
     variant_id: str = field(init=False)
     cci: float = field(init=False)
 

@@ -30,10 +30,13 @@ Rules (docs/variants.md):
    it wins over every other variant of the chunk.
 8. Default variant (`default_variant`, config). Where rule 2 picks the base variant (prefix ()) for a chunk
    whose new prefix is not empty (so the base variant is not stored for this prefix), "base" keeps it and
-   "fused" loads the chunk's best variant computed after other chunks instead, by rule 2's order among
-   those (FusionRAG's neighbour-fused cache, used wherever the chunk appears); none: the base variant.
-   Its CFO is its own Cache-Craft score. An exact place (rule 7), a variant rule 2 prefers to the base
-   one, and the base variant of a chunk with nothing before it (exact there) are chosen as under "base".
+   "fused" (the default) loads the chunk's best neighbour-fused variant instead (`neighbour_fused`: stored
+   by the offline neighbour step), by rule 2's order among those (FusionRAG's fused cache, used wherever
+   the chunk appears); none: the base variant. A variant saved from a served request's hole never
+   qualifies here (it was computed after whatever chunks that request held); it still competes under
+   rule 2. Its CFO is its own Cache-Craft score. An exact place (rule 7), a variant rule 2 prefers to the
+   base one, and the base variant of a chunk with nothing before it (exact there) are chosen as under
+   "base"; in a store without neighbour-fused variants "fused" plans exactly as "base".
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ class VariantIndex:
             self._removed, self._expiring = None, set()
 
     def choose(self, chunk_key: str, new_prefix: Sequence[str], alpha: float, num_tokens: int,
-               place: str | None = None, default_variant: str = "base") -> VariantChoice | None:
+               place: str | None = None, default_variant: str = "fused") -> VariantChoice | None:
         """Rules 2-3, 7 and 8: the variant to reuse after `new_prefix`, or None when the chunk has none; the
         one computed exactly at `place` (chunks.place_hash of the tokens before it), when there is one."""
         records = self._by_chunk.get(chunk_key)
@@ -272,7 +275,7 @@ class VariantIndex:
         variants = [r.to_variant() for r in records]
         index, cfo = scores.choose_variant(variants, new_prefix, alpha)
         if default_variant == "fused" and new_prefix and not records[index].prefix:
-            fused = [i for i, r in enumerate(records) if r.prefix]
+            fused = [i for i, r in enumerate(records) if r.neighbour_fused and r.prefix]
             if fused:
                 best, cfo = scores.choose_variant([variants[i] for i in fused], new_prefix, alpha)
                 index = fused[best]
@@ -292,7 +295,7 @@ class VariantIndex:
 def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Sequence[bool],
                   lengths: Sequence[int], alpha: float, admission: Admission | None = None,
                   max_prefix_chunks: int | None = None, places: Sequence[str] | None = None,
-                  default_variant: str = "base") -> list[VariantChoice | None]:
+                  default_variant: str = "fused") -> list[VariantChoice | None]:
     """One prompt's choices, per declared chunk in prompt order (None: computed in full, rules 1-5, 7-8).
 
     `places`: per declared chunk, chunks.place_hashes of the prompt at its start (None: no chunk is

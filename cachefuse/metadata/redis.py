@@ -73,6 +73,7 @@ def _fields(record: VariantRecord) -> dict[str, str]:
         "recompute_ratio": "" if record.recompute_ratio is None else repr(float(record.recompute_ratio)),
         "has_stats": "1" if record.has_stats else "0",
         "exact_after": record.exact_after or "",  # always written: an upsert's K/V replace the old ones
+        "neighbour_fused": "1" if record.neighbour_fused else "0",  # likewise
     }
 
 
@@ -94,7 +95,8 @@ def _record(h: dict[str, str] | list[str]) -> VariantRecord:
             last_access=float(h["last_access"]),
             recompute_ratio=None if h["recompute_ratio"] == "" else float(h["recompute_ratio"]),
             has_stats=h["has_stats"] == "1",
-            exact_after=h.get("exact_after") or None)  # absent: written before exact places
+            exact_after=h.get("exact_after") or None,  # absent: written before exact places
+            neighbour_fused=h.get("neighbour_fused") == "1")  # absent: written before origins
     except (KeyError, ValueError, TypeError, ArithmeticError, RecursionError) as exc:
         # json.JSONDecodeError is a ValueError; a deeply nested value a RecursionError, int(inf) an
         # OverflowError: one bad hash is a miss, never an error that hides every other record

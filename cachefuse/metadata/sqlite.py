@@ -54,7 +54,7 @@ _SPENT_S = 1e-6
 
 _COLUMNS = ("variant_id", "chunk_key", "prefix", "inter", "intra", "num_tokens", "prefix_num_tokens",
             "ranked_tokens", "cci", "access_count", "f_r", "size_bytes", "tier", "last_access",
-            "recompute_ratio", "has_stats", "exact_after")
+            "recompute_ratio", "has_stats", "exact_after", "neighbour_fused")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS variants (
@@ -76,7 +76,8 @@ CREATE TABLE IF NOT EXISTS variants (
     recompute_ratio REAL,               -- ratio the prefix was fused under; NULL: computed alone (precompute)
     has_stats INTEGER NOT NULL,         -- 0: no attention statistics (inter/intra are zeros, CCI 0.5)
     rev INTEGER NOT NULL DEFAULT 0,     -- the store's write count when the row was last written
-    exact_after TEXT                    -- chunks.place_hash of the exact place; NULL: approximate (choice 8)
+    exact_after TEXT,                   -- chunks.place_hash of the exact place; NULL: approximate (base choice 8)
+    neighbour_fused INTEGER NOT NULL DEFAULT 0  -- 1: stored by the offline neighbour step (base choice 9)
 );
 CREATE INDEX IF NOT EXISTS variants_chunk ON variants (chunk_key);
 CREATE TABLE IF NOT EXISTS generation (value INTEGER NOT NULL);
@@ -90,7 +91,7 @@ def _row_values(record: VariantRecord) -> tuple:
             record.intra, record.num_tokens, json.dumps(record.prefix_num_tokens),
             json.dumps(list(record.ranked_tokens)), record.cci, record.access_count, record.f_r,
             record.size_bytes, record.tier, record.last_access, record.recompute_ratio, int(record.has_stats),
-            record.exact_after)
+            record.exact_after, int(record.neighbour_fused))
 
 
 def _from_row(row: sqlite3.Row) -> VariantRecord:
@@ -102,7 +103,9 @@ def _from_row(row: sqlite3.Row) -> VariantRecord:
         ranked_tokens=tuple(json.loads(row["ranked_tokens"])), access_count=row["access_count"],
         f_r=row["f_r"], size_bytes=row["size_bytes"], tier=row["tier"], last_access=row["last_access"],
         recompute_ratio=row["recompute_ratio"], has_stats=bool(row["has_stats"]),
-        exact_after=row["exact_after"] if "exact_after" in row.keys() else None)  # a read-only older store
+        # a read-only older store lacks the later columns (a writable one gains them on open)
+        exact_after=row["exact_after"] if "exact_after" in row.keys() else None,
+        neighbour_fused=bool(row["neighbour_fused"]) if "neighbour_fused" in row.keys() else False)
     if record.variant_id != row["variant_id"]:
         raise ValueError(f"the row holds the fields of variant {record.variant_id!r}")
     return record
@@ -202,11 +205,16 @@ class SqliteMetaStore:
                 cur.execute("INSERT INTO generation (value) VALUES (0)")
             if cur.execute("SELECT COUNT(*) FROM revision").fetchone()[0] == 0:
                 cur.execute("INSERT INTO revision (value) VALUES (0)")
-            if "rev" not in {row[1] for row in cur.execute("PRAGMA table_info(variants)")}:  # written before revs
+            columns = {row[1] for row in cur.execute("PRAGMA table_info(variants)")}
+            if "rev" not in columns:  # written before revs
                 cur.execute("ALTER TABLE variants ADD COLUMN rev INTEGER NOT NULL DEFAULT 0")
-            if "exact_after" not in {row[1] for row in cur.execute("PRAGMA table_info(variants)")}:
+            if "exact_after" not in columns:
                 # written before exact places: its rows claim none (approximate), which is always safe
                 cur.execute("ALTER TABLE variants ADD COLUMN exact_after TEXT")
+            if "neighbour_fused" not in columns:
+                # written before origins: its rows read as not neighbour-fused, so rule 8 loads their base
+                # variants until the neighbour step marks its variants again (it does so on a re-run)
+                cur.execute("ALTER TABLE variants ADD COLUMN neighbour_fused INTEGER NOT NULL DEFAULT 0")
 
     def _check_schema(self, path: str) -> None:
         try:

@@ -20,8 +20,13 @@ earlier batch may be loaded by a later one, within a batch none of the batch's o
 plans a batch before its saves land), so the store a run leaves depends on `batch_size`, and a run
 is repeatable for a given one.
 
+Origin: the engine `precompute_chunks` requires (`allow_sync_save`) saves a `store_variant` request's chunk
+marked `neighbour_fused`, what `default_variant: fused` loads wherever the chunk is not first; a server
+(without `allow_sync_save`) never marks one.
+
 Resumable: base variants go through `precompute_chunks` (skipping stored ones), and a chunk whose
-neighbour variant's K/V file is already listed under the store is skipped.
+neighbour variant's K/V file is already listed under the store is skipped; one whose row is not marked
+(stored before records carried their origin) is marked, not recomputed.
 
 Imports the standard library, numpy (via neighbours) and cachefuse's torch-free modules at module
 level; cachefuse.vllm only inside functions (never vllm itself: the engine is handed in).
@@ -29,6 +34,7 @@ level; cachefuse.vllm only inside functions (never vllm itself: the engine is ha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,8 +44,8 @@ from typing import Any
 
 from cachefuse.chunks import PARAMS_KEY, build_rag_prompt, chunk_key, tokenize_piece
 from cachefuse.config import CacheFuseConfig
-from cachefuse.errors import ConfigError
-from cachefuse.metadata.base import variant_store_key
+from cachefuse.errors import ConfigError, StoreError
+from cachefuse.metadata.base import VariantRecord, variant_store_key
 from cachefuse.offline.neighbours import Embedder, top_neighbours
 from cachefuse.offline.precompute import (
     PrecomputeReport,
@@ -67,6 +73,8 @@ class NeighbourPrecomputeReport:
     """Chunks whose neighbour variant this run stored."""
     skipped: list[int] = field(default_factory=list)
     """Chunks with no neighbour, or whose neighbour variant was stored before the run."""
+    marked: list[int] = field(default_factory=list)
+    """Skipped chunks whose stored neighbour variant was not marked `neighbour_fused` and now is."""
     failed: dict[int, str] = field(default_factory=dict)
     """Chunk -> why its variant is not stored (a fallback reason, "too_long", "not_saved")."""
     seconds_per_chunk: float | None = None
@@ -148,10 +156,12 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
     kv_dir = rank0_kv_dir(vllm_config, engine_config)
     # Stored means both halves: a save writes its K/V, then its metadata row, so a run killed in between
     # leaves a file nothing loads (a leftover), which must not count as done when the run resumes.
-    stored_keys = list_keys(kv_dir) & _variant_rows(engine_config)
+    rows = _variant_rows(engine_config)
+    stored_keys = list_keys(kv_dir) & rows.keys()
     max_model_len = vllm_config.model_config.max_model_len
     tail_id = tail_token_id(tokenizer)
     todo: list[tuple[int, str, list[int], list[list[int]]]] = []
+    unmarked: dict[int, VariantRecord] = {}
     for index, neighbours in enumerate(report.neighbours):
         if not neighbours or keys[index] is None or any(keys[j] is None for j in neighbours):
             report.skipped.append(index)
@@ -159,6 +169,8 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
         target = variant_store_key(keys[index], tuple(keys[j] for j in neighbours))
         if target in stored_keys:
             report.skipped.append(index)
+            if not rows[target].neighbour_fused:
+                unmarked[index] = rows[target]
             continue
         prompt = build_rag_prompt(tokenizer, system, [texts[j] for j in [*neighbours, index]], "")
         token_ids = [*prompt.token_ids, tail_id]
@@ -166,6 +178,7 @@ def precompute_neighbours(llm: Any, tokenizer: Any, system: str, chunks: Sequenc
             report.failed[index] = "too_long"
             continue
         todo.append((index, target, token_ids, [[s, e] for s, e in prompt.chunks]))
+    report.marked = _mark_neighbour_fused(engine_config, unmarked)
     seconds = _generate_variants(llm, todo, kv_dir, report, batch_size=batch_size, progress=progress, clock=clock)
     if report.stored:
         report.seconds_per_chunk = seconds / len(todo)
@@ -202,15 +215,37 @@ def _generate_variants(llm: Any, todo: list[tuple[int, str, list[int], list[list
     return seconds
 
 
-def _variant_rows(config: CacheFuseConfig) -> set[str]:
-    """Store keys of the variants the engine's metadata store has rows for."""
+def _variant_rows(config: CacheFuseConfig) -> dict[str, VariantRecord]:
+    """The engine's metadata rows by their variants' store keys."""
     from cachefuse.metadata.backends import open_config_metastore
 
     metastore = open_config_metastore(config)
     try:
-        return {record.store_key for record in metastore.all_records()}
+        return {record.store_key: record for record in metastore.all_records()}
     finally:
         metastore.close()
+
+
+def _mark_neighbour_fused(config: CacheFuseConfig, records: dict[int, VariantRecord]) -> list[int]:
+    """Marks stored neighbour variants (chunk index -> row) as the step's; returns the chunks marked (a row
+    the store refuses is logged and left as it was: its chunk keeps loading its base variant)."""
+    if not records:
+        return []
+    from cachefuse.metadata.backends import open_config_metastore
+
+    marked = []
+    metastore = open_config_metastore(config)
+    try:
+        for index, record in records.items():
+            try:
+                metastore.put(dataclasses.replace(record, neighbour_fused=True))
+            except StoreError as exc:
+                logger.warning("neighbour variants: chunk %d's variant not marked neighbour-fused (%s)", index, exc)
+                continue
+            marked.append(index)
+    finally:
+        metastore.close()
+    return marked
 
 
 def _sampling_params(spans: list[list[int]]) -> Any:

@@ -34,13 +34,19 @@ Choices the paper leaves open:
 - Loading the neighbours: as under `default_variant: base` whatever the engine's setting (the paper's
   Eq. 10 attends to the neighbours' base caches).
 
-Resumable: a chunk whose neighbour variant is already in the metadata store is skipped.
+Origin: the variant is saved marked `neighbour_fused` (cachefuse.metadata.base, choice 9), which is what
+`default_variant: fused` loads wherever the chunk is not first; served holes are never marked.
+
+Resumable: a chunk whose neighbour variant is already in the metadata store is skipped. One stored for
+that prefix but not marked (by cachefuse before records carried their origin, or a served prompt's hole
+that held exactly those neighbours, in that order: the same computation) is marked, not recomputed.
 Imports numpy and tqdm at module level; torch only inside `model_embedder` (the reference engine it
 is handed brings the model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from cachefuse.errors import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,8 @@ class NeighbourReport:
     """Chunks whose neighbour variant this run computed and stored."""
     skipped: list[int] = field(default_factory=list)
     """Chunks whose neighbour variant was already stored (a resumed run), or that have no neighbour."""
+    marked: list[int] = field(default_factory=list)
+    """Skipped chunks whose stored variant for the neighbour prefix was not marked `neighbour_fused` and now is."""
     failed: list[int] = field(default_factory=list)
     """Chunks whose variant the store refused (full of pinned entries, unwritable)."""
     seconds: list[float] = field(default_factory=list)
@@ -169,8 +179,11 @@ def fuse_neighbours(engine: Any, system_ids: Sequence[int], chunks: Sequence[Seq
     for index in tqdm(range(len(chunks)), desc="neighbour fusion", unit="chunk", disable=not progress):
         neighbours = report.neighbours[index]
         prefix = tuple(engine.meta_key(chunks[j]) for j in neighbours)
-        if not neighbours or _has_variant(engine, engine.meta_key(chunks[index]), prefix):
+        stored = _stored_variant(engine, engine.meta_key(chunks[index]), prefix) if neighbours else None
+        if not neighbours or stored is not None:
             report.skipped.append(index)
+            if stored is not None and not stored.neighbour_fused and _mark_neighbour_fused(engine, stored):
+                report.marked.append(index)
             continue
         start = clock()
         if _store_neighbour_variant(engine, system_ids, chunks, index, neighbours, fusion_config, prefix):
@@ -195,12 +208,24 @@ def _store_neighbour_variant(engine: Any, system_ids: Sequence[int], chunks: lis
         variants = list(engine.plan_variants(token_ids, offsets))
         variants[-1] = None  # the chunk itself: computed in full after its neighbours, saved as their variant
         _, stats = engine.prefill(token_ids, offsets, selector="full_reuse", ratio=0.0, variants=variants,
-                                  save_holes=True, save_inline=True)
+                                  save_holes=True, save_inline=True, neighbour_variant=True)
     finally:
         engine.config = previous
     meta_key = engine.meta_key(chunks[index])
     return any(r.chunk_key == meta_key and r.prefix == prefix for r in stats.saved_variants)
 
 
-def _has_variant(engine: Any, meta_key: str, prefix: tuple[str, ...]) -> bool:
-    return any(record.prefix == prefix for record in engine.metastore.variants(meta_key))
+def _stored_variant(engine: Any, meta_key: str, prefix: tuple[str, ...]) -> Any:
+    """The chunk's stored variant for `prefix` (a VariantRecord), or None."""
+    return next((record for record in engine.metastore.variants(meta_key) if record.prefix == prefix), None)
+
+
+def _mark_neighbour_fused(engine: Any, record: Any) -> bool:
+    """Marks a stored variant for the neighbour prefix as the step's (an upsert of its row: its K/V, uses
+    and statistics stay); False when the store refuses (logged: the chunk keeps loading its base variant)."""
+    try:
+        engine.metastore.put(dataclasses.replace(record, neighbour_fused=True))
+    except StoreError as exc:
+        logger.warning("neighbour fusion: variant %s not marked neighbour-fused (%s)", record.variant_id, exc)
+        return False
+    return True

@@ -59,6 +59,9 @@ class BlendPlan:
     list: computed in full). None: the worker plans from its own metadata store."""
     sync_save: bool = False
     """Write the holes before the response (the request asked, `cachefuse.sync_save`)."""
+    neighbour_variant: bool = False
+    """Save the last declared chunk's hole as a neighbour-fused variant (FusePlan.neighbour_variant): a
+    `store_variant` request on an engine that allows offline jobs (`allow_sync_save`)."""
     replay: bool = False
     """The request's first blend ran before vLLM preempted it: this one rebuilds the same K/V and neither
     saves its holes again nor counts its reuses again (f_r)."""

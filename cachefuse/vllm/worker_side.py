@@ -227,6 +227,7 @@ class WorkerSide:
             token_ids=plan.token_ids, segments=plan.segments, meta_keys=plan.chunk_keys, selector=selector,
             ratio=plan.recompute_ratio, variants=plan.variants, preload_depth=plan.preload_depth,
             save_holes=self.config.save_holes and not plan.replay, save_inline=plan.sync_save,
+            neighbour_variant=plan.neighbour_variant,
             record_uses=not plan.replay, attention_backend=backend))
 
     def _finish(self, running: _Running, stats: Any, steps: int, batch_size: int) -> None:

@@ -50,6 +50,7 @@ def test_inspect_json_reports_variants_stale_and_orphans(store_dir, capsys):
     fused = rows[(key_b, (key_a,))]
     assert fused["has_stats"] and 0.5 <= fused["cci"] < 1 and fused["recompute_ratio"] == 0.15
     assert fused["tier"] == "disk" and fused["size_bytes"] > 0 and not fused["stale"]
+    assert fused["neighbour_fused"] is False  # a served prompt's hole, not the neighbour step's
     assert rows[(key_a, ())]["cci"] == 0.5 and rows[(key_a, ())]["access_count"] == 1
     assert rows[(key_c, ())]["stale"] and report["summary"]["stale"] == 1
     assert report["orphans"] == [{"store_key": "f" * 64, "kind": "base_without_metadata"}]

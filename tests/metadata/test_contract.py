@@ -99,6 +99,27 @@ def test_exact_place_round_trips_and_an_upsert_takes_the_new_one(open_store):
     assert store.variants("C4")[0].exact_after == "b" * 32
 
 
+def test_neighbour_origin_round_trips_and_an_upsert_takes_the_new_one(open_store):
+    """neighbour_fused (choice 9) is stored and read back by every list read and after a reopen; a put of the
+    same variant writes new K/V, so its origin replaces the old one either way."""
+    store = open_store()
+    store.put(c3_after_c1_c2(neighbour_fused=True))
+    store.put(alone("C4"))
+    variant_id = c3_after_c1_c2().variant_id
+    assert store.get(variant_id).neighbour_fused
+    assert {r.chunk_key: r.neighbour_fused for r in store.all_records()} == {"C3": True, "C4": False}
+    assert [r.neighbour_fused for r in store.variants("C3")] == [True]
+    assert [r.neighbour_fused for r in store.get_many([variant_id])] == [True]
+    assert open_store().get(variant_id).neighbour_fused  # the same data, another connection
+    store.record_use(variant_id, 0.5)
+    assert store.get(variant_id).neighbour_fused  # a use leaves the origin alone
+    store.put(c3_after_c1_c2())  # the same variant saved again by a served request: not the step's any more
+    assert not store.get(variant_id).neighbour_fused
+    store.put(VariantRecord.without_stats("C3", ("C1", "C2"), 4, neighbour_fused=True))  # statistics kept
+    again = store.get(variant_id)
+    assert again.neighbour_fused and again.has_stats
+
+
 def test_round_trip_upsert_variants_remove(open_store):
     store = open_store()
     assert isinstance(store, MetaStore)

@@ -1,8 +1,13 @@
 """The default variant (cachefuse/metadata/index.py, rule 8; config `default_variant`): what a chunk loads where
 no stored variant fits its prefix better than its base variant.
 
-- "fused": a chunk after unrelated chunks loads its neighbour-fused variant (FusionRAG's fused cache, used
-  wherever the chunk appears), at that variant's own CFO; "base" (the negative control) loads the base one;
+- "fused" (the default): a chunk after unrelated chunks loads its neighbour-fused variant (stored by the
+  offline neighbour step: FusionRAG's fused cache, used wherever the chunk appears), at that variant's own
+  CFO; "base" (the negative control) loads the base one;
+- a variant saved from a served request's hole (not marked neighbour-fused) never qualifies: beside a
+  neighbour variant the neighbour one is loaded, alone the base variant (control: the same record marked is
+  loaded, as the old rule loaded any variant computed after other chunks);
+- in a store without neighbour variants "fused" plans exactly as "base";
 - under both, Cache-Craft's choice stands for a variant stored for exactly this prefix, a variant whose
   prefix overlaps the new one enough to beat the base variant, the first chunk after the system prompt
   (its base variant is exact there) and the system chunk;
@@ -26,10 +31,17 @@ from cachefuse.metadata.index import Admission, VariantIndex, plan_variants
 NEIGHBOURS = ("N1", "N2")
 
 
-def neighbour_variant(chunk: str, prefix=NEIGHBOURS) -> VariantRecord:
-    """`chunk` computed after `prefix`, with statistics (most of its attention within itself)."""
-    return VariantRecord(chunk_key=chunk, prefix=prefix, inter=dict.fromkeys(prefix, 2.0), intra=6.0, num_tokens=4,
-                         prefix_num_tokens=dict.fromkeys(prefix, 4), recompute_ratio=0.0)
+def neighbour_variant(chunk: str, prefix=NEIGHBOURS, inter: float = 2.0, neighbour_fused: bool = True) -> VariantRecord:
+    """`chunk` computed after `prefix`, with statistics (most of its attention within itself), marked as the
+    offline neighbour step's unless `neighbour_fused` is False (then: a served request's hole)."""
+    return VariantRecord(chunk_key=chunk, prefix=prefix, inter=dict.fromkeys(prefix, inter), intra=6.0,
+                         num_tokens=4, prefix_num_tokens=dict.fromkeys(prefix, 4), recompute_ratio=0.0,
+                         neighbour_fused=neighbour_fused)
+
+
+def served_hole(chunk: str, prefix, inter: float = 2.0) -> VariantRecord:
+    """`chunk` saved from a served request's hole after `prefix` (never marked neighbour-fused)."""
+    return neighbour_variant(chunk, prefix, inter, neighbour_fused=False)
 
 
 def index_of(*records: VariantRecord) -> VariantIndex:
@@ -71,12 +83,54 @@ def test_a_variant_that_fits_the_prefix_better_wins_under_both_settings():
     for default_variant in ("base", "fused"):
         assert loaded(index, ["S", "U", "C"], default_variant)[2] == ("U",)  # stored for exactly this prefix
         assert loaded(index, ["S", "N1", "N2", "C"], default_variant)[3] == NEIGHBOURS  # the neighbours precede it
-    # Several variants after other chunks, none matching: Cache-Craft's order among them (the lower CFO)
-    low_cci = VariantRecord(chunk_key="C", prefix=("V",), inter={"V": 0.1}, intra=6.0, num_tokens=4,
-                            prefix_num_tokens={"V": 4})
+    # Several neighbour variants, none matching: Cache-Craft's order among them (the lower CFO)
+    low_cci = neighbour_variant("C", ("V",), inter=0.1)
     index = index_of(neighbour_variant("C"), low_cci)
     assert low_cci.cci < neighbour_variant("C").cci
     assert loaded(index, ["S", "U", "C"], "fused")[2] == ("V",)
+
+
+def test_a_served_hole_variant_never_stands_in_for_the_base_variant():
+    """Beside the neighbour variant a served hole's variant (even one Cache-Craft's order ranks first among
+    the fused ones: a lower CCI) is passed over; alone it leaves the base variant. Control: the same record
+    marked neighbour-fused is loaded, as the old rule (any variant after other chunks) loaded it."""
+    hole = served_hole("C", ("V",), inter=0.1)
+    assert hole.cci < neighbour_variant("C").cci  # Cache-Craft's order prefers the hole among the two
+    assert loaded(index_of(neighbour_variant("C"), hole), ["S", "U", "C"], "fused")[2] == NEIGHBOURS
+    assert loaded(index_of(hole), ["S", "U", "C"], "fused")[2] == ()
+    marked = neighbour_variant("C", ("V",), inter=0.1)
+    assert marked.variant_id == hole.variant_id  # the same variant; only its origin differs
+    assert loaded(index_of(neighbour_variant("C"), marked), ["S", "U", "C"], "fused")[2] == ("V",)
+    assert loaded(index_of(marked), ["S", "U", "C"], "fused")[2] == ("V",)
+    # rule 2 still weighs the hole's variant where it fits: stored for exactly this prefix, it wins under both
+    for default_variant in ("base", "fused"):
+        assert loaded(index_of(neighbour_variant("C"), hole), ["S", "V", "C"], default_variant)[2] == ("V",)
+
+
+def test_without_neighbour_variants_fused_plans_exactly_as_base():
+    """A store of base variants and served holes' variants: every prompt over its chunks, in every order,
+    gets the same plan under both settings (choices compared whole: store key, variant, CFO, ranking)."""
+    import itertools
+
+    holes = [served_hole("C", ("U",)), served_hole("C", ("V", "U"), inter=0.5), served_hole("U", ("N1",), 0.2),
+             served_hole("V", ("C", "N2"), inter=3.0), served_hole("N2", ("N1",))]
+    index = index_of(*holes)
+    plans = 0
+    for size in (1, 2, 3, 4):
+        for order in itertools.permutations(["U", "V", "C", "N1", "N2"], size):
+            keys = ["S", *order]
+            system = [True] + [False] * size
+            for admission in (None, Admission(0.5, 1)):
+                base = plan_variants(index, keys, system, [4] * len(keys), 1.0, admission, 16, default_variant="base")
+                fused = plan_variants(index, keys, system, [4] * len(keys), 1.0, admission, 16,
+                                      default_variant="fused")
+                assert fused == base, keys
+                plans += 1
+    assert plans == 2 * (5 + 20 + 60 + 120)
+    # negative control: one of these variants marked neighbour-fused changes some plan
+    marked = index_of(*holes[:-1], neighbour_variant("N2", ("N1",)))
+    assert loaded(marked, ["S", "U", "N2"], "fused")[2] == ("N1",)
+    assert loaded(marked, ["S", "U", "N2"], "base")[2] == ()
 
 
 def test_a_chunk_without_a_fused_variant_loads_its_base_one():
@@ -95,7 +149,7 @@ def test_admission_sees_the_fused_variants_score():
 
 
 def test_the_config_accepts_base_and_fused_only():
-    assert CacheFuseConfig().default_variant == "base"
+    assert CacheFuseConfig().default_variant == "fused"  # the default since records carry their origin
     assert CacheFuseConfig.from_dict({"default_variant": "fused"}).default_variant == "fused"
     with pytest.raises(ConfigError, match=r"default_variant='neighbours' is invalid: expected \"base\".*\"fused\""):
         CacheFuseConfig(default_variant="neighbours")

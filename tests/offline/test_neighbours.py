@@ -6,12 +6,19 @@
   negative control);
 - loading that variant in its own prompt equals computing the chunk there (it is what a full_reuse
   pass computes for the chunk as a hole), and differs from loading the base variant;
-- under `default_variant: fused` a chunk after unrelated chunks loads its neighbour variant (under "base",
-  the negative control, its base variant);
-- a second run stores nothing (resumable), and bad arguments fail naming what is wrong.
+- the neighbour variants are marked `neighbour_fused` (the base variants, and a hole a served prompt saves
+  after the same engine's chunks, are not);
+- under `default_variant: fused` (the default) a chunk after unrelated chunks loads its neighbour variant
+  (under "base", the negative control, its base variant); unmarked, as a store written before records
+  carried their origin holds it, the base variant;
+- a second run stores nothing (resumable) and marks a neighbour variant stored unmarked, and bad arguments
+  fail naming what is wrong.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -51,6 +58,17 @@ def test_top_neighbours_are_the_most_similar_others_most_similar_first():
         top_neighbours([1.0, 2.0], 1)
 
 
+@contextlib.contextmanager
+def default_variant(engine, value: str):
+    """The engine planning under `default_variant: value` inside the block."""
+    previous = engine.config
+    engine.config = previous.replace(default_variant=value)
+    try:
+        yield
+    finally:
+        engine.config = previous
+
+
 def prompt_of(system, pieces, question):
     ids, offsets = list(system), [(0, len(system))]
     for piece in pieces:
@@ -78,6 +96,32 @@ def test_every_chunk_gets_a_variant_after_its_neighbours_with_statistics(fused):
         assert () in prefixes  # the base variant stays
         variant = prefixes[tuple(engine.meta_key(chunks[j]) for j in neighbours)]
         assert variant.has_stats and variant.ranked_tokens and sum(variant.inter.values()) > 0
+        assert variant.neighbour_fused and not prefixes[()].neighbour_fused
+
+
+def test_a_served_prompts_hole_is_not_marked(fused, adapter):
+    """The same engine saving a hole for a served prompt (chunk 2 after chunk 0, computed in full) stores an
+    unmarked variant: only the neighbour step marks. Control: the step's own save of the same pass shape
+    (FusePlan.neighbour_variant) marks it."""
+    engine, system, chunks, _ = fused
+    question = random_ids(adapter.shape.vocab_size, (7,), seed=9)[0]
+    ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)
+    choices = list(engine.plan_variants(ids, offsets))
+    prefix = (engine.meta_key(chunks[0]),)
+
+    def saved(**plan_fields):
+        _, stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, variants=choices[:-1] + [None],
+                                  save_inline=True, **plan_fields)
+        return [r for r in stats.saved_variants if r.prefix == prefix]
+
+    (served,) = saved()
+    assert not served.neighbour_fused and not engine.metastore.get(served.variant_id).neighbour_fused
+    engine.metastore.remove(served.variant_id)
+    engine.store.remove(served.store_key)
+    (marked,) = saved(neighbour_variant=True)  # control
+    assert marked.neighbour_fused and engine.metastore.get(marked.variant_id).neighbour_fused
+    engine.metastore.remove(marked.variant_id)
+    engine.store.remove(marked.store_key)
 
 
 def test_a_prompt_holding_the_neighbours_loads_the_variant_at_cfo_zero(fused):
@@ -89,28 +133,27 @@ def test_a_prompt_holding_the_neighbours_loads_the_variant_at_cfo_zero(fused):
     variant = {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}[choice.variant_id]
     assert variant.prefix == tuple(engine.meta_key(chunks[j]) for j in neighbours) and choice.cfo == 0.0
     ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)  # negative control: no neighbour before it
-    choice = engine.plan_variants(ids, offsets)[-1]
+    with default_variant(engine, "base"):  # Cache-Craft's choice alone ("fused" loads it there too: below)
+        choice = engine.plan_variants(ids, offsets)[-1]
     assert {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}[choice.variant_id].prefix == ()
 
 
 def test_under_default_variant_fused_a_chunk_after_unrelated_chunks_loads_its_neighbour_variant(fused):
     """FusionRAG's use: the neighbour-fused cache wherever the chunk appears. Chunk 2's neighbours are 3 and 4;
-    after chunk 0 alone the fused engine loads its neighbour variant, the base engine (negative control) its
-    base variant, and the two prefills differ; the first chunk keeps its exact base variant either way."""
+    after chunk 0 alone the default engine ("fused") loads its neighbour variant, a "base" engine (negative
+    control) its base variant, and the two prefills differ; the first chunk keeps its exact base variant
+    either way."""
     engine, system, chunks, report = fused
+    assert engine.config.default_variant == "fused"  # the default
     question = random_ids(engine.adapter.shape.vocab_size, (7,), seed=6)[0]
     ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)
     by_id = {v.variant_id: v for v in engine.metastore.variants(engine.meta_key(chunks[2]))}
     neighbours = tuple(engine.meta_key(chunks[j]) for j in report.neighbours[2])
-    base_config = engine.config
-    try:
-        engine.config = base_config.replace(default_variant="fused")
-        fused_choices = engine.plan_variants(ids, offsets)
-        fused_out, fused_stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
-    finally:
-        engine.config = base_config
-    base_choices = engine.plan_variants(ids, offsets)
-    base_out, _ = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    fused_choices = engine.plan_variants(ids, offsets)
+    fused_out, fused_stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    with default_variant(engine, "base"):
+        base_choices = engine.plan_variants(ids, offsets)
+        base_out, _ = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
     assert by_id[fused_choices[2].variant_id].prefix == neighbours
     assert fused_stats.chunks_hit == len(offsets) and fused_stats.chunk_cfo[2] == pytest.approx(
         by_id[fused_choices[2].variant_id].cci)
@@ -121,13 +164,17 @@ def test_under_default_variant_fused_a_chunk_after_unrelated_chunks_loads_its_ne
 
 
 def test_the_variant_is_what_a_full_reuse_pass_computes_for_the_chunk_there(fused, adapter):
+    """With the neighbours loaded as the step loaded them (as under "base": Eq. 10's base caches; under the
+    default "fused" a later neighbour loads its own neighbour variant instead, which the chunk's variant did
+    not see)."""
     engine, system, chunks, report = fused
     question = random_ids(adapter.shape.vocab_size, (7,), seed=5)[0]
     neighbours = report.neighbours[0]
     ids, offsets = prompt_of(system, [chunks[j] for j in neighbours] + [chunks[0]], question)
-    loaded, stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+    with default_variant(engine, "base"):
+        loaded, stats = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False)
+        choices = list(engine.plan_variants(ids, offsets))
     assert stats.chunks_hit == len(offsets) and stats.chunk_cfo[-1] == 0.0
-    choices = list(engine.plan_variants(ids, offsets))
     computed, _ = engine.prefill(ids, offsets, selector="full_reuse", ratio=0.0, save_holes=False,
                                  variants=choices[:-1] + [None])
     assert torch.allclose(loaded.logits, computed.logits, atol=1e-5)
@@ -142,8 +189,30 @@ def test_a_second_run_is_resumed_and_stores_nothing(fused):
     engine, system, chunks, _ = fused
     before = {i: len(engine.metastore.variants(engine.meta_key(c))) for i, c in enumerate(chunks)}
     again = fuse_neighbours(engine, system, chunks, 2, embedder=designed_embedder(VECTORS), progress=False)
-    assert again.stored == [] and again.skipped == [0, 1, 2, 3, 4]
+    assert again.stored == [] and again.skipped == [0, 1, 2, 3, 4] and again.marked == []
     assert {i: len(engine.metastore.variants(engine.meta_key(c))) for i, c in enumerate(chunks)} == before
+
+
+def test_an_unmarked_neighbour_variant_loads_the_base_one_until_a_run_marks_it(fused):
+    """A store written before records carried their origin holds chunk 2's neighbour variant unmarked: under
+    "fused" the chunk after unrelated chunks loads its base variant (the old rule loaded any variant after
+    other chunks: the negative control is the marked one above). A re-run marks it without recomputing it
+    (its K/V untouched), and the chunk loads it again."""
+    engine, system, chunks, report = fused
+    key = engine.meta_key(chunks[2])
+    neighbours = tuple(engine.meta_key(chunks[j]) for j in report.neighbours[2])
+    (variant,) = [v for v in engine.metastore.variants(key) if v.prefix == neighbours]
+    engine.metastore.put(dataclasses.replace(variant, neighbour_fused=False))  # as the previous code stored it
+    question = random_ids(engine.adapter.shape.vocab_size, (7,), seed=6)[0]
+    ids, offsets = prompt_of(system, [chunks[0], chunks[2]], question)
+    assert engine.plan_variants(ids, offsets)[2].store_key == key  # the base variant
+    entry = engine.store.get(variant.store_key)
+    again = fuse_neighbours(engine, system, chunks, 2, embedder=designed_embedder(VECTORS), progress=False)
+    assert again.stored == [] and again.marked == [2]
+    assert engine.metastore.get(variant.variant_id).neighbour_fused
+    assert engine.plan_variants(ids, offsets)[2].variant_id == variant.variant_id
+    assert all(torch.equal(a, b) for a, b in zip(engine.store.get(variant.store_key).k_nope, entry.k_nope,
+                                                 strict=True))
 
 
 def test_the_model_embedder_and_bad_arguments(adapter):

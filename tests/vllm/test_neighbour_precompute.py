@@ -1,19 +1,23 @@
 """Neighbour variants through vLLM (cachefuse.offline.neighbour_precompute, `precompute --fuse-neighbours`).
 
 - the run stores the base variants and each chunk computed after its neighbour, as the variant whose
-  prefix is that neighbour, with attention statistics; the K/V equal what the reference engine's
-  `fuse_neighbours` stores for the same neighbours (negative control: the base variant differs);
-- a second run sends nothing;
+  prefix is that neighbour, with attention statistics, marked `neighbour_fused`; the K/V equal what the
+  reference engine's `fuse_neighbours` stores for the same neighbours (negative control: the base variant
+  differs);
+- a second run sends nothing, and marks a neighbour variant whose row is unmarked (a store written before
+  records carried their origin) without sending it again;
 - a served prompt that holds the neighbour before the chunk loads the variant at CFO 0; with the
   chunks the other way round it does not;
-- an engine serving `default_variant: fused` loads the neighbour variant after unrelated chunks (the base
-  engine, the negative control, the base variant);
-- the CLI runs it end to end with the lexical embedder; `--fuse-neighbours` alone means 10, and more than
-  `max_variant_prefix_chunks` fails before any engine starts.
+- an engine serving the default `default_variant: fused` loads the neighbour variant after unrelated chunks
+  (an engine serving "base", the negative control, the base variant); a server (no `allow_sync_save`)
+  saves a `store_variant` request's chunk unmarked;
+- the CLI runs it end to end with the lexical embedder, its variants marked; `--fuse-neighbours` alone
+  means 10, and more than `max_variant_prefix_chunks` fails before any engine starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -66,6 +70,8 @@ def test_neighbour_variants_are_stored_equal_the_reference_and_are_served(engine
         for index, (neighbour,) in enumerate(report.neighbours):
             variant = next(r for r in meta.variants(keys[index]) if r.prefix)
             assert variant.prefix == (keys[neighbour],) and variant.has_stats and variant.ranked_tokens
+            assert variant.neighbour_fused and not next(r for r in meta.variants(keys[index]) if not r.prefix
+                                                        ).neighbour_fused
 
     # The same variant from the reference engine: the chunk computed after [system][neighbour's base]
     reference, _ = reference_engine(model_dir, CacheFuseConfig())
@@ -79,12 +85,17 @@ def test_neighbour_variants_are_stored_equal_the_reference_and_are_served(engine
         torch.testing.assert_close(served.v[layer], expected.v[layer], **TOL[torch.float32])
     assert (served.v[-1] - base.v[-1]).abs().max() > 1e-3  # negative control: the base variant differs
 
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:  # as the previous code stored it
+        unmarked = next(r for r in meta.variants(keys[1]) if r.prefix)
+        meta.put(dataclasses.replace(unmarked, neighbour_fused=False))
     calls = []
     monkeypatch.setattr(llm, "generate", lambda *args, **kwargs: calls.append(args) or [])
     again = precompute_neighbours(llm, tokenizer, SYSTEM, CHUNKS, 1, store_dir=store, embedder=pairs_embedder,
                                   progress=False)
     monkeypatch.undo()
-    assert calls == [] and again.stored == [] and sorted(again.skipped) == [0, 1, 2, 3]
+    assert calls == [] and again.stored == [] and sorted(again.skipped) == [0, 1, 2, 3] and again.marked == [1]
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        assert meta.get(unmarked.variant_id).neighbour_fused
 
     question = "Question: how far is the river?"
     after, before = (build_rag_prompt(tokenizer, SYSTEM, order, question)
@@ -119,9 +130,11 @@ def test_a_variant_whose_row_never_landed_is_stored_again_on_resume(engine, toke
 
 def test_an_engine_serving_default_variant_fused_loads_the_neighbour_variant_after_unrelated_chunks(
         engine, model_dir, tokenizer):
-    """Chunk 2's neighbour is 3; after chunk 0 alone an engine with `default_variant: fused` (its scheduler's
-    index plans it) loads chunk 2's neighbour variant, at that variant's own CFO (alpha x its CCI, above the
-    base variant's 0.5); the base engine over the same store (negative control) loads the base variant."""
+    """Chunk 2's neighbour is 3; after chunk 0 alone an engine with the default `default_variant: fused` (its
+    scheduler's index plans it) loads chunk 2's neighbour variant, at that variant's own CFO (alpha x its CCI,
+    above the base variant's 0.5); an engine serving "base" over the same store (negative control) loads the
+    base variant. That engine, a server (no allow_sync_save), saves a store_variant request's chunk unmarked:
+    only the offline job's engine marks."""
     from cachefuse.offline.neighbour_precompute import precompute_neighbours
 
     llm, store = engine
@@ -133,13 +146,21 @@ def test_an_engine_serving_default_variant_fused_loads_the_neighbour_variant_aft
     assert variant.prefix == (keys[3],) and variant.cci > 0.5
     prompt = build_rag_prompt(tokenizer, SYSTEM, [CHUNKS[0], CHUNKS[2]], "Question: how far is the tower?")
     params = [{"cachefuse": {**prompt.kv_transfer_params()["cachefuse"], "selector": "cachecraft"}}]
-    (base,) = generate(llm, [prompt.token_ids], params)
-    fused_llm = start_engine(model_dir, store, collect_attention_stats=True, memory_capacity_bytes=0,
-                             default_variant="fused")
+    assert CacheFuseConfig().default_variant == "fused"  # what `llm` serves with
+    (fused,) = generate(llm, [prompt.token_ids], params)
+    base_llm = start_engine(model_dir, store, collect_attention_stats=True, memory_capacity_bytes=0,
+                            default_variant="base", allow_sync_save=False)
     try:
-        (fused,) = generate(fused_llm, [prompt.token_ids], params)
+        (base,) = generate(base_llm, [prompt.token_ids], params)
+        served = build_rag_prompt(tokenizer, SYSTEM, [CHUNKS[1], CHUNKS[2]], "")  # chunk 2 after 1: a new prefix
+        (stored,) = generate(base_llm, [[*served.token_ids, prompt.token_ids[-1]]],
+                             [{"cachefuse": {**served.kv_transfer_params()["cachefuse"], "store_variant": True}}])
     finally:
-        stop_engine(fused_llm)
+        stop_engine(base_llm)  # flushes the background writer
+    assert stored.kv_transfer_params["cachefuse"]["holes_saved"] == 1, stored.kv_transfer_params
+    with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
+        prefixes = {r.prefix: r.neighbour_fused for r in meta.variants(keys[2])}
+    assert prefixes == {(): False, (keys[3],): True, (keys[1],): False}
     fused, base = fused.kv_transfer_params["cachefuse"], base.kv_transfer_params["cachefuse"]
     assert fused["status"] == "fused" and fused["chunk_cfo"][2] == pytest.approx(variant.cci, rel=1e-6), fused
     assert base["status"] == "fused" and base["chunk_cfo"][2] == 0.5, base  # negative control: the base variant
@@ -158,8 +179,8 @@ def test_cli_fuse_neighbours_with_the_lexical_embedder(model_dir, tmp_path):
     assert "4 stored, 0 skipped, 0 failed of 4 chunks" in done.stdout, done.stdout
     assert "neighbour variants: 4 stored, 0 skipped, 0 failed" in done.stdout, done.stdout
     with SqliteMetaStore(str(store / "meta.sqlite"), max_variants=10**6) as meta:
-        prefixes = [r.prefix for r in meta.all_records() if r.prefix]
-    assert len(prefixes) == 4 and all(len(p) == 2 for p in prefixes)
+        fused = [r for r in meta.all_records() if r.prefix]
+    assert len(fused) == 4 and all(len(r.prefix) == 2 and r.neighbour_fused for r in fused)
 
 
 def test_cli_fuse_neighbours_needs_a_system_prompt(model_dir, tmp_path, capsys):

@@ -335,4 +335,7 @@ class Planner:
             error_block_ids=[b for b in block_ids[cached_blocks:num_hit_blocks] if b != NULL_BLOCK_ID],
             selected_rows=fusion.selected_rows, preload_depth=depth, variants=pending.variants,
             sync_save=fusion.sync_save, replay=pending.replay, load_async=pending.load_async,
+            # only an offline job's engine marks what it stores as the neighbour step's: a server's
+            # store_variant request saves an ordinary variant, never one rule 8 loads everywhere
+            neighbour_variant=fusion.store_variant and self.config.allow_sync_save,
             estimated_rows=pending.estimated_rows, cached_prefix_tokens=pending.cached_prefix)
