@@ -177,18 +177,22 @@ def default_mark(default: Configuration) -> str:
     return "the defaults' fixed twin (no ratio_mode controller in the grid; the controller fusing at its floor runs it)"
 
 
-def full_reuse_host(configs: list[Configuration]) -> Configuration:
-    """The configuration in whose engine full_reuse is timed: the defaults' other settings at ratio_mode
+def full_reuse_host(configs: list[Configuration], all_axes) -> Configuration:
+    """The timed configuration in whose engine full_reuse is timed: the defaults' other settings at ratio_mode
     fixed (in a controller's engine, the default one, full reuse could be turned down and timed as plain
-    vLLM), else the first fixed configuration, else the first."""
+    vLLM), quality-only axes aside (only their first value is timed), else the first fixed configuration,
+    else the first."""
     defaults = CacheFuseConfig()
+    quality_only = {k for a in all_axes if not a.moves_speed for fields in a.values.values() for k in fields}
+    timed = [c for members in speed_groups(configs, all_axes).values() for c in members]
 
     def rank(config: Configuration) -> tuple[bool, bool]:
         fixed = config.overrides.get("ratio_mode", defaults.ratio_mode) == "fixed"
-        like_defaults = all(getattr(defaults, k) == v for k, v in config.overrides.items() if k != "ratio_mode")
+        like_defaults = all(getattr(defaults, k) == v for k, v in config.overrides.items()
+                            if k != "ratio_mode" and k not in quality_only)
         return not fixed, not like_defaults
 
-    return min(configs, key=rank)
+    return min(timed, key=rank)
 
 
 def engine_overrides(config: Configuration) -> dict[str, Any]:
@@ -386,7 +390,7 @@ def main(argv=None) -> int:
     elif args.speed_from:
         speed = earlier_speed(args.speed_from)
     else:
-        speed = measure_speed(args, all_axes, configs, items[:args.timed_items], full_reuse_host(configs))
+        speed = measure_speed(args, all_axes, configs, items[:args.timed_items], full_reuse_host(configs, all_axes))
     speed_s = time.perf_counter() - started
     if args.speed_only:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ def test_a_bad_axis_value_fails_at_start_up_naming_the_field(capsys):
 
 def test_the_defaults_configuration_is_the_one_cachefuse_config_picks():
     _, configs = grid()
-    assert frontier.default_configuration(configs).name == "cacheblend/0.15/controller/base/on"
+    assert frontier.default_configuration(configs).name == "cacheblend/0.15/controller/fused/on"
     _, without = grid(ratios=(0.05, 0.5))  # negative control: the default ratio is not in the grid
     with pytest.raises(SystemExit, match="recompute_ratio=0.15"):
         frontier.default_configuration(without)
@@ -75,7 +75,7 @@ def test_a_grid_without_the_controller_marks_the_defaults_fixed_twin():
     ratio has no twin to fall back on."""
     _, fixed_only = grid(modes=("fixed",))
     twin = frontier.default_configuration(fixed_only)
-    assert twin.name == "cacheblend/0.15/fixed/base/on" and "fixed twin" in frontier.default_mark(twin)
+    assert twin.name == "cacheblend/0.15/fixed/fused/on" and "fixed twin" in frontier.default_mark(twin)
     _, both = grid()
     assert frontier.default_mark(frontier.default_configuration(both)) == "the defaults' configuration"
     _, controller_only = grid(ratios=(0.05,), modes=("controller",))
@@ -87,11 +87,12 @@ def test_full_reuse_is_timed_in_a_fixed_ratio_engine():
     """The default ratio_mode is the controller, which could turn full reuse down (timed as plain vLLM): the
     baseline goes with the defaults' fixed twin, or the first fixed configuration, or, with none, the first."""
     _, configs = grid()
-    assert frontier.full_reuse_host(configs).name == "cacheblend/0.15/fixed/base/on"
-    _, other_ratios = grid(ratios=(0.05, 0.5))
-    assert frontier.full_reuse_host(other_ratios).name == "cacheblend/0.05/fixed/base/on"
-    _, controlled = grid(modes=("controller",))
-    assert frontier.full_reuse_host(controlled).name == "cacheblend/0.15/controller/base/on"
+    all_axes, configs = grid()  # the defaults load fused entries: their timed twin is the base one
+    assert frontier.full_reuse_host(configs, all_axes).name == "cacheblend/0.15/fixed/base/on"
+    all_axes, other_ratios = grid(ratios=(0.05, 0.5))
+    assert frontier.full_reuse_host(other_ratios, all_axes).name == "cacheblend/0.05/fixed/base/on"
+    all_axes, controlled = grid(modes=("controller",))
+    assert frontier.full_reuse_host(controlled, all_axes).name == "cacheblend/0.15/controller/base/on"
 
 
 def test_one_engine_serves_every_per_request_value_and_cachecraft_gets_one_per_ratio():
@@ -241,10 +242,12 @@ def test_each_side_group_is_compared_with_the_defaults_group_setting_by_setting(
     assert by_group[("base/off", "cacheblend")]["by_kind"]["all"]["f1"]["diff"] == 0.0
 
 
-def test_every_group_is_normalized_against_the_defaults_group_baselines():
+def test_every_group_is_normalized_against_the_full_grids_baselines_wherever_the_defaults_sit():
     """The fused group's full reuse is better than the base one's: it becomes its own baseline point, and the
     fused configuration's normalized F1 is measured against the base group's full reuse (FusionRAG's Eq. 11),
-    so its gain shows. Negative control: the exact-off group's identical full reuse adds no point."""
+    so its gain shows, though the defaults (default_variant fused) sit in the fused group: normalized against
+    their own group, full reuse [fused/on] would read 0, not 0.5. Negative control: the exact-off group's
+    identical full reuse adds no point."""
     all_axes, configs = grid(selectors=("cacheblend",), ratios=(0.15,), modes=("fixed",))
     same = [0.5 * (f + r) for f, r in zip(FULL, REUSE, strict=True)]  # normalized 0.5
     base = {"full_prefill": _scores(FULL, 0.0), "full_reuse": _scores(REUSE), "cacheblend@0.15": _scores(same)}
@@ -257,7 +260,8 @@ def test_every_group_is_normalized_against_the_defaults_group_baselines():
     assert points["full_reuse [fused/on]"]["normalized_f1"] == pytest.approx(0.5)
     assert points["cacheblend/0.15/fixed/fused/on"]["normalized_f1"] == pytest.approx(1.0)
     assert points["cacheblend/0.15/fixed/base/on"]["normalized_f1"] == pytest.approx(0.5)
-    assert points["cacheblend/0.15/fixed/base/on"]["default"] and points["cacheblend/0.15/fixed/base/on"]["speedup"] is None
+    assert points["cacheblend/0.15/fixed/fused/on"]["default"] and not points["cacheblend/0.15/fixed/base/on"]["default"]
+    assert points["cacheblend/0.15/fixed/fused/on"]["speedup"] is None
 
 
 def test_quick_run_on_the_tiny_model_writes_every_point_and_the_plot(tiny_model_dir, tmp_path):
@@ -274,7 +278,7 @@ def test_quick_run_on_the_tiny_model_writes_every_point_and_the_plot(tiny_model_
         "cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/base/on", "cacheblend/0.15/fixed/fused/on",
         "cacheblend/0.5/fixed/base/on", "qcfuse/0.15/fixed/base/off", "qcfuse/0.15/fixed/base/on",
         "qcfuse/0.15/fixed/fused/on", "qcfuse/0.5/fixed/base/on"]
-    assert [p["name"] for p in configs if p["default"]] == ["cacheblend/0.15/fixed/base/on"]
+    assert [p["name"] for p in configs if p["default"]] == ["cacheblend/0.15/fixed/fused/on"]
     assert points["plain vLLM"]["speedup"] == 1.0 and points["plain vLLM"]["quality"]["kl_mean"] == 0.0
     assert points["full_reuse"]["speed"]["pairs"] == 1
     for p in configs:
@@ -371,7 +375,7 @@ def test_a_group_measures_only_the_settings_an_earlier_run_lacks(tiny_model_dir,
     earlier = json.loads(share.read_text())
     earlier["quality"]["groups"]["base/on"]["qcfuse@0.15"]["scores"] = [0.125, 0.875]
     share.write_text(json.dumps(earlier))
-    assert frontier.main([*common, "--ratios", "0.15,0.5", "--quality-only", "--quality-from", str(share),
+    assert frontier.main([*common, "--ratios", "0.15,0.5", "--groups-only", "--quality-from", str(share),
                           "--out", str(joined_json)]) == 0
     group = json.loads(joined_json.read_text())["quality"]["groups"]["base/on"]
     assert sorted(group) == ["cacheblend@0.15", "cacheblend@0.5", "full_prefill", "full_reuse", "qcfuse@0.15",
@@ -381,7 +385,7 @@ def test_a_group_measures_only_the_settings_an_earlier_run_lacks(tiny_model_dir,
     earlier["quality"]["groups"]["base/on"]["full_reuse"]["scores"] = [-1.0, -1.0]
     share.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match="full_reuse differs"):
-        frontier.main([*common, "--ratios", "0.15,0.5", "--quality-only", "--quality-from", str(share),
+        frontier.main([*common, "--ratios", "0.15,0.5", "--groups-only", "--quality-from", str(share),
                        "--out", str(joined_json)])
 
 
