@@ -7,13 +7,15 @@ in three parts, what fusion gives and where it loses:
    configuration's normalized F1 against its TTFT speed-up through vLLM, the defaults marked, the target
    and whether it is met.
 2. A survey of `--survey` questions of the generated QA set (cachefuse/eval/qa_set.py, test split, the
-   seeded list's first N): each answered by full prefill, full reuse and the default configuration
-   (`CacheFuseConfig()`'s selector and ratio); how often the default's greedy answer is full prefill's,
+   seeded list's first N): their documents precomputed as `cachefuse precompute --fuse-neighbours 10`
+   stores them (base and neighbour-fused variants, which the default `default_variant: fused` loads), then
+   each answered by full prefill, full reuse and the default configuration (`CacheFuseConfig()`'s
+   selector, ratio and entries); how often the default's greedy answer is full prefill's,
    how often full reuse's is, and the first question where the default's answer differs (where fusion loses).
 3. One question in detail, chosen by a stated rule: the first surveyed question that the default answers
    like full prefill while full reuse does not (the case cache fusion exists for); else the first the
-   default answers like full prefill; else the first. `--item N` shows question N instead. Its documents
-   are precomputed into the disk store, then it is answered with full prefill, full reuse and each
+   default answers like full prefill; else the first. `--item N` shows question N instead (its documents
+   then stored as base variants only). It is answered with full prefill, full reuse and each
    selector at 5/15/30%: the answer text, token F1 against the reference answer, the prefill time and
    its ratio to full prefill, and fidelity to full prefill (last-token KL, top-1 agreement, greedy tokens
    matching before the first divergence); then which tokens the default recomputed, as text, and a
@@ -52,11 +54,14 @@ from cachefuse.eval.harness import DEFAULT_SELECTORS, METRICS, decode_text, sele
 from cachefuse.eval.metrics import best_score  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.fusion.engine import FusionEngine  # noqa: E402
+from cachefuse.offline.neighbours import fuse_neighbours, model_embedder  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.tiered import open_store  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 RATIOS = (0.05, 0.15, 0.30)
+NEIGHBOURS = 10
+"""FusionRAG's N, `cachefuse precompute --fuse-neighbours`' default."""
 SURVEY_SPLIT = "test"
 FRONTIER_JSON = REPO / "docs" / "benchmarks" / "frontier.json"
 
@@ -145,7 +150,7 @@ def print_frontier(path: Path) -> None:
         speed = "-" if point["speedup"] is None else f"{point['speedup']:.2f}x"
         mark = ("yes" if point.get("on_frontier") else "no") + ("  <- the defaults" if point.get("default") else "")
         print(f"   {point['name']:<38}{speed:>9}{value:>26}  {mark}")
-    print(f"   ({len(frontier['points']) - len(shown)} more configurations, each dominated: {path.name})")
+    print(f"   ({len(frontier['points']) - len(shown)} more points, none on the frontier: {path.name})")
     best = targets.get("best_quality_at_target_speed")
     print(f"   target: {targets['goal']}: {'met' if targets['met'] else 'NOT met'}"
           + ("" if targets["met"] or not best else
@@ -183,17 +188,33 @@ def run_setting(engine: FusionEngine, prompt, selector, ratio: float):
     return engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio, save_holes=False)
 
 
+def fuse_survey_documents(engine: FusionEngine, prompts: list) -> None:
+    """What `cachefuse precompute --fuse-neighbours 10` stores for a knowledge base of the surveyed questions'
+    documents: each as its base variant and as computed after its 10 most similar documents, which the
+    default `default_variant: fused` loads wherever a document is not first (docs/variants.md)."""
+    for prompt in prompts:
+        precompute_prompt(engine, prompt)
+    documents = list({tuple(ids): None for p in prompts for ids in p.chunk_token_ids[1:]})
+    start = time.perf_counter()
+    report = fuse_neighbours(engine, prompts[0].chunk_token_ids[0], [list(d) for d in documents],
+                             NEIGHBOURS, embedder=model_embedder(engine), progress=False)
+    print(f"   the surveyed questions' {len(documents)} documents precomputed with their neighbour-fused variants "
+          f"(N = {NEIGHBOURS}, the model's embeddings: {len(report.stored)} stored in "
+          f"{time.perf_counter() - start:.1f} s), as `cachefuse precompute --fuse-neighbours` stores them")
+
+
 def survey(adapter, engine, config, tokenizer, count: int, new_tokens: int) -> int:
     """Part 2: the first `count` questions of the seeded test list, each answered by full prefill, full reuse
     and the default; returns the index part 3 shows, by the rule in the module doc."""
     default = selector_at(engine, config.selector, config.recompute_ratio)
     label = f"{config.selector} {config.recompute_ratio:.0%}"
     qa_items = make_items(SURVEY_SPLIT, count)
+    items = eval_items(qa_items, tokenizer)
+    prompts = [build_rag_prompt(tokenizer, i.system, i.chunks, i.question) for i in items]
+    print(f"2. Survey: the first {count} questions of the seeded {SURVEY_SPLIT} list, {new_tokens} greedy tokens each")
+    fuse_survey_documents(engine, prompts)
     rows = []
-    for qa_item in qa_items:
-        (item,) = eval_items([qa_item], tokenizer)
-        prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
-        precompute_prompt(engine, prompt)
+    for qa_item, item, prompt in zip(qa_items, items, prompts, strict=True):
         answers = {}
         for name, selector, ratio in (("full", "full_prefill", 1.0), ("reuse", "full_reuse", 0.0),
                                       ("default", default, config.recompute_ratio)):
@@ -205,7 +226,6 @@ def survey(adapter, engine, config, tokenizer, count: int, new_tokens: int) -> i
     like_full = [answers["default"][0] == answers["full"][0] for _, answers, _ in rows]
     reuse_like_full = [answers["reuse"][0] == answers["full"][0] for _, answers, _ in rows]
     mean = {name: sum(f1[name] for _, _, f1 in rows) / len(rows) for name in ("full", "default", "reuse")}
-    print(f"2. Survey: the first {count} questions of the seeded {SURVEY_SPLIT} list, {new_tokens} greedy tokens each")
     print(f"   the default ({label}) answers like full prefill on {sum(like_full)} of {count}; "
           f"full reuse on {sum(reuse_like_full)} of {count}")
     print(f"   mean token F1: full prefill {mean['full']:.3f}, default {mean['default']:.3f}, "

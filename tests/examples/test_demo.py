@@ -76,7 +76,7 @@ def test_the_frontier_summary_reads_the_committed_json(capsys):
     frontier = json.loads(demo.FRONTIER_JSON.read_text())
     listed = {line[3:41].strip() for line in output.splitlines() if line.startswith("   ") and line[3:4] != " "}
     for point in frontier["points"]:  # the frontier and the defaults shown; a dominated point only counted
-        shown = point["on_frontier"] or point["default"] or point["name"] in (
+        shown = point["on_frontier"] or point.get("default") or point["name"] in (
             (frontier["targets"].get(key) or {}).get("name")
             for key in ("fastest_at_target_quality", "best_quality_at_target_speed"))
         assert (point["name"] in listed) == bool(shown), point["name"]
