@@ -66,8 +66,9 @@ MODELS = {  # size -> (model config, document lengths, KV cache bytes)
     size: (config, doc_lengths, KV_CACHE_BYTES[size]) for size, (config, doc_lengths) in vllm_server.MODELS.items()}
 DISK_CAP_BYTES = 64 << 20
 RATIO_MODE = "fixed"
-"""The connector's ratio_mode: fixed (not the default, the loading controller), as in the committed runs, whose
-phases compare a fixed 15% blend with plain vLLM; the result says which mode ran."""
+"""The connector's ratio_mode unless --ratio-mode says otherwise: fixed (not the default, the loading
+controller), as in the committed runs, whose phases compare a fixed 15% blend with plain vLLM; the result
+says which mode ran."""
 SURROGATE = {"cachefuse": {"chunk_texts": ["\ud800"]}}
 """vLLM's HTTP front end answers a lone surrogate with a 500 before the connector sees the request (it
 cannot serialize it to the engine process); the engine keeps serving. Counted apart, not as an error."""
@@ -112,7 +113,7 @@ def max_model_len(workload: Workload) -> int:
     return max(512, 1 << (workload.max_prompt_tokens() + MAX_TOKENS - 1).bit_length())
 
 
-def server_args(store: Path | None, max_len: int, prefix_caching: bool) -> list[str]:
+def server_args(store: Path | None, max_len: int, prefix_caching: bool, ratio_mode: str = RATIO_MODE) -> list[str]:
     """The api_server arguments of a phase: cachefuse's connector when it has a store; prefix caching left to
     vLLM's default (on) unless it is off."""
     args = ["--max-model-len", str(max_len), "--max-num-seqs", "64"]
@@ -120,7 +121,7 @@ def server_args(store: Path | None, max_len: int, prefix_caching: bool) -> list[
         args.append("--no-enable-prefix-caching")
     if store is not None:
         extra = {"store_dir": str(store), "disk_capacity_bytes": DISK_CAP_BYTES, "memory_capacity_bytes": 8 << 20,
-                 "ratio_mode": RATIO_MODE}
+                 "ratio_mode": ratio_mode}
         args += ["--kv-transfer-config", kv_transfer_config(extra)]
     return args
 
@@ -260,7 +261,8 @@ def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: d
     store = root / "store" if name == "cachefuse" else None
     process, port = vllm_server.start_server(
         model_dir, root / "server.log", args.kv_cache_bytes,
-        server_args(store, max_model_len(workload), args.prefix_caching == "on"), args.allocator_library)
+        server_args(store, max_model_len(workload), args.prefix_caching == "on", args.ratio_mode),
+        args.allocator_library)
     try:
         phase = Phase(port, workload, name == "cachefuse", reference)
         # the 12 documents stored once, as `cachefuse precompute` would; plain vLLM gets the same requests
@@ -349,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "guide deploys it)")
     parser.add_argument("--prefix-caching", choices=("on", "off"), default="on",
                         help="vLLM's prefix caching in both phases (default on, vLLM's default)")
+    parser.add_argument("--ratio-mode", choices=("fixed", "controller"), default=RATIO_MODE,
+                        help="the connector's ratio_mode (default fixed, as the committed runs; controller: the "
+                             "connector's default)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     return parser
 
@@ -366,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
               "machine": platform.machine(), "model_size": args.model_size, "model": str(model_dir.name),
               "kv_cache_bytes": args.kv_cache_bytes, "allocator": args.allocator,
               "prefix_caching": args.prefix_caching, "max_model_len": max_model_len(workload), "mix": KINDS,
-              "ratio_mode": RATIO_MODE,
+              "ratio_mode": args.ratio_mode,
               "phases": {"plain": plain, "cachefuse": fused},
               "ratios": {"ttft_p50_plain_over_cachefuse": (plain["ttft_p50_s"] or 0) / (fused["ttft_p50_s"] or 1),
                          "requests_per_s_cachefuse_over_plain":

@@ -49,6 +49,9 @@ def test_only_the_cachefuse_phase_loads_the_connector():
     assert "--kv-transfer-config" in fused and "--kv-transfer-config" not in soak.server_args(None, 2048, True)
     assert '"store_dir": "/tmp/store"' in fused[fused.index("--kv-transfer-config") + 1]
     assert '"ratio_mode": "fixed"' in fused[fused.index("--kv-transfer-config") + 1]  # as the committed runs
+    assert soak.build_parser().parse_args([]).ratio_mode == "fixed"
+    controlled = soak.server_args(Path("/tmp/store"), 2048, True, "controller")  # --ratio-mode controller
+    assert '"ratio_mode": "controller"' in controlled[controlled.index("--kv-transfer-config") + 1]
 
 
 def test_the_mix_checks_exactness_both_ways():
