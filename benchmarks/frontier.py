@@ -152,18 +152,23 @@ def configurations(all_axes: tuple[Axis, ...], side_settings: set[str] | None = 
     return out
 
 
+def like_defaults(config: Configuration, ignoring: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Every override of `config` but the fields in `ignoring` is CacheFuseConfig's default value."""
+    defaults = CacheFuseConfig()
+    return all(getattr(defaults, k) == v for k, v in config.overrides.items() if k not in ignoring)
+
+
 def default_configuration(configs: list[Configuration]) -> Configuration:
     """The configuration whose overrides CacheFuseConfig's defaults already have; in a grid without the
     default ratio_mode (a fixed-only quality run), its fixed twin: the controller fusing every request at
     its floor runs exactly that setting, so the mark stands for what the defaults do when they fuse."""
     defaults = CacheFuseConfig()
     for config in configs:
-        if all(getattr(defaults, k) == v for k, v in config.overrides.items()):
+        if like_defaults(config):
             return config
     if not any(c.overrides.get("ratio_mode") == defaults.ratio_mode for c in configs):
         for config in configs:
-            if config.overrides.get("ratio_mode") == "fixed" and all(
-                    getattr(defaults, k) == v for k, v in config.overrides.items() if k != "ratio_mode"):
+            if config.overrides.get("ratio_mode") == "fixed" and like_defaults(config, {"ratio_mode"}):
                 return config
     fields = sorted({k for c in configs for k in c.overrides})
     raise SystemExit("the defaults' configuration is not in the grid: add "
@@ -183,14 +188,12 @@ def full_reuse_host(configs: list[Configuration], all_axes) -> Configuration:
     vLLM), quality-only axes aside (only their first value is timed), else the first fixed configuration,
     else the first."""
     defaults = CacheFuseConfig()
-    quality_only = {k for a in all_axes if not a.moves_speed for fields in a.values.values() for k in fields}
+    ignoring = {"ratio_mode"} | {k for a in all_axes if not a.moves_speed for fields in a.values.values() for k in fields}
     timed = [c for members in speed_groups(configs, all_axes).values() for c in members]
 
     def rank(config: Configuration) -> tuple[bool, bool]:
         fixed = config.overrides.get("ratio_mode", defaults.ratio_mode) == "fixed"
-        like_defaults = all(getattr(defaults, k) == v for k, v in config.overrides.items()
-                            if k != "ratio_mode" and k not in quality_only)
-        return not fixed, not like_defaults
+        return not fixed, not like_defaults(config, ignoring)
 
     return min(timed, key=rank)
 

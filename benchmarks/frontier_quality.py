@@ -152,14 +152,29 @@ def summarize_quality(setting: dict, baselines: tuple[dict, dict], kinds: list[s
             "recompute_fraction": statistics.fmean(setting["recompute_fraction"])}
 
 
-def paired_comparisons(groups: dict[str, dict], baselines: tuple[dict, dict], kinds: list[str],
-                       seed: int) -> list[dict[str, Any]]:
-    """Each query-aware selector against cacheblend at the same ratio in the same quality group, item by item:
-    the paired difference of F1 and of first-token KL (paired bootstrap), and of normalized F1 (joint
-    bootstrap against `baselines`), per kind and pooled. `verdict` reads the pooled F1 difference's interval:
-    "above" (it excludes 0 from above), "below", or "no significant difference"."""
+def compare_pair(a: dict, b: dict, baselines: tuple[dict, dict], kinds: list[str], seed: int) -> dict[str, Any]:
+    """Setting `a` against setting `b` item by item, per kind and pooled: the F1 and first-token KL
+    differences (paired bootstrap) and the normalized F1 difference (joint bootstrap against `baselines`);
+    `verdict` reads the pooled F1 difference's interval: "above" (it excludes 0 from above), "below", or
+    "no significant difference"."""
     from cachefuse.eval.stats import paired_bootstrap, paired_normalized_bootstrap
 
+    kinds_out = {}
+    for kind, idx in by_kind(kinds).items():
+        pick = [[values["scores"][i] for i in idx] for values in (a, b, *baselines)]
+        kinds_out[kind] = {
+            "f1": paired_bootstrap(pick[0], pick[1], seed=seed).to_dict(),
+            "normalized_f1": paired_normalized_bootstrap(*pick, seed=seed).to_dict(),
+            "kl": paired_bootstrap([a["kl"][i] for i in idx], [b["kl"][i] for i in idx], seed=seed).to_dict()}
+    f1 = kinds_out["all"]["f1"]
+    verdict = "above" if f1["ci_low"] > 0 else "below" if f1["ci_high"] < 0 else "no significant difference"
+    return {"by_kind": kinds_out, "verdict": verdict, "at_or_above": f1["diff"] >= 0}
+
+
+def paired_comparisons(groups: dict[str, dict], baselines: tuple[dict, dict], kinds: list[str],
+                       seed: int) -> list[dict[str, Any]]:
+    """Each query-aware selector against cacheblend at the same ratio in the same quality group, item by item
+    (`compare_pair`)."""
     out = []
     for group, settings in groups.items():
         for name in settings:
@@ -167,30 +182,18 @@ def paired_comparisons(groups: dict[str, dict], baselines: tuple[dict, dict], ki
             against = f"{AGAINST}@{ratio}"
             if selector not in QUERY_AWARE or against not in settings:
                 continue
-            a, b = settings[name], settings[against]
-            kinds_out = {}
-            for kind, idx in by_kind(kinds).items():
-                pick = [[values[key][i] for i in idx] for values, key in
-                        ((a, "scores"), (b, "scores"), (baselines[0], "scores"), (baselines[1], "scores"))]
-                kinds_out[kind] = {
-                    "f1": paired_bootstrap(pick[0], pick[1], seed=seed).to_dict(),
-                    "normalized_f1": paired_normalized_bootstrap(*pick, seed=seed).to_dict(),
-                    "kl": paired_bootstrap([a["kl"][i] for i in idx], [b["kl"][i] for i in idx], seed=seed).to_dict()}
-            f1 = kinds_out["all"]["f1"]
-            verdict = ("above" if f1["ci_low"] > 0 else "below" if f1["ci_high"] < 0 else "no significant difference")
             out.append({"group": group, "ratio": float(ratio), "selector": selector, "against": AGAINST,
-                        "difference": f"{selector} - {AGAINST}", "by_kind": kinds_out, "verdict": verdict,
-                        "at_or_above": f1["diff"] >= 0})
+                        "difference": f"{selector} - {AGAINST}",
+                        **compare_pair(settings[name], settings[against], baselines, kinds, seed)})
     return out
 
 
 def side_comparisons(groups: dict[str, dict], reference: str, baselines: tuple[dict, dict], kinds: list[str],
                      seed: int) -> list[dict[str, Any]]:
     """What a side axis's value changes (benchmarks/frontier.py, Axis.side): each setting of each other group
-    against the same setting in the `reference` group, item by item, as `paired_comparisons` reads a pair (the
+    against the same setting in the `reference` group, item by item (`compare_pair`; the
     baselines are the same prompts computed in full and reused, so they are not compared)."""
     from cachefuse.eval.harness import BASELINES
-    from cachefuse.eval.stats import paired_bootstrap, paired_normalized_bootstrap
 
     out = []
     for group, settings in groups.items():
@@ -200,19 +203,10 @@ def side_comparisons(groups: dict[str, dict], reference: str, baselines: tuple[d
             b = groups[reference].get(name)
             if name in BASELINES or b is None:
                 continue
-            kinds_out = {}
-            for kind, idx in by_kind(kinds).items():
-                pick = [[values["scores"][i] for i in idx] for values in (a, b, *baselines)]
-                kinds_out[kind] = {
-                    "f1": paired_bootstrap(pick[0], pick[1], seed=seed).to_dict(),
-                    "normalized_f1": paired_normalized_bootstrap(*pick, seed=seed).to_dict(),
-                    "kl": paired_bootstrap([a["kl"][i] for i in idx], [b["kl"][i] for i in idx], seed=seed).to_dict()}
-            f1 = kinds_out["all"]["f1"]
-            verdict = ("above" if f1["ci_low"] > 0 else "below" if f1["ci_high"] < 0 else "no significant difference")
             selector, _, ratio = name.partition("@")
             out.append({"group": group, "ratio": float(ratio), "selector": selector, "against": reference,
-                        "difference": f"{name} [{group}] - [{reference}]", "by_kind": kinds_out,
-                        "verdict": verdict, "at_or_above": f1["diff"] >= 0})
+                        "difference": f"{name} [{group}] - [{reference}]",
+                        **compare_pair(a, b, baselines, kinds, seed)})
     return out
 
 

@@ -114,6 +114,19 @@ def normalized_score(score: float, full_prefill: Sequence[float], full_reuse: Se
     return (score - float(np.mean(full_reuse))) / gap.mean
 
 
+def _resampled_over_gap(top: np.ndarray, bottom: np.ndarray, full_prefill: np.ndarray, full_reuse: np.ndarray,
+                        num_resamples: int, seed: int) -> tuple[np.ndarray, int]:
+    """(mean top - mean bottom) / (mean S_full - mean S_reuse) over seeded resamples of the items (the four
+    arrays resampled together, so the pairing is kept), for the resamples whose gap is positive; and how
+    many resamples were left out for a gap <= 0."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, top.size, size=(num_resamples, top.size))
+    gap = full_prefill[idx].mean(axis=1) - full_reuse[idx].mean(axis=1)
+    defined = gap > 0.0
+    values = (top[idx].mean(axis=1)[defined] - bottom[idx].mean(axis=1)[defined]) / gap[defined]
+    return values, int(num_resamples - defined.sum())
+
+
 @dataclass(frozen=True)
 class NormalizedCI:
     """A normalized score with a percentile 95% interval from resampling the items (all three settings
@@ -140,12 +153,7 @@ def normalized_bootstrap(scores: Sequence[float], full_prefill: Sequence[float],
                          f"{len(full_prefill)} and {len(full_reuse)})")
     s, f, r = (np.asarray(x, dtype=np.float64) for x in (scores, full_prefill, full_reuse))
     value = normalized_score(float(s.mean()), full_prefill, full_reuse)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, s.size, size=(num_resamples, s.size))
-    gap = f[idx].mean(axis=1) - r[idx].mean(axis=1)
-    defined = gap > 0.0
-    ratios = (s[idx].mean(axis=1)[defined] - r[idx].mean(axis=1)[defined]) / gap[defined]
-    undefined = int(num_resamples - defined.sum())
+    ratios, undefined = _resampled_over_gap(s, r, f, r, num_resamples, seed)
     if ratios.size < num_resamples / 2:
         return NormalizedCI(value, None, None, int(s.size), undefined)
     low, high = np.percentile(ratios, [2.5, 97.5])
@@ -181,12 +189,7 @@ def paired_normalized_bootstrap(a: Sequence[float], b: Sequence[float], full_pre
     x, y, f, r = (np.asarray(v, dtype=np.float64) for v in (a, b, full_prefill, full_reuse))
     scale = normalized_score(1.0 + float(r.mean()), full_prefill, full_reuse)  # 1 / gap, or None
     diff = None if scale is None else float(x.mean() - y.mean()) * scale
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, x.size, size=(num_resamples, x.size))
-    gap = f[idx].mean(axis=1) - r[idx].mean(axis=1)
-    defined = gap > 0.0
-    diffs = (x[idx].mean(axis=1)[defined] - y[idx].mean(axis=1)[defined]) / gap[defined]
-    undefined = int(num_resamples - defined.sum())
+    diffs, undefined = _resampled_over_gap(x, y, f, r, num_resamples, seed)
     if diffs.size < num_resamples / 2:
         return NormalizedDiff(diff, None, None, None, int(x.size), undefined)
     low, high = np.percentile(diffs, [2.5, 97.5])
