@@ -264,6 +264,18 @@ class Segment:
         return self.start + self.length
 
 
+def is_candidate_chunk(is_system: bool, at_exact_place: bool) -> bool:
+    """Whether a loaded chunk's rows are candidates for recompute: a loaded chunk's are, unless its K/V are
+    already a full prefill's there, because it is the system chunk (offset 0, keyed as computed after
+    nothing) or is reused at its exact place (`place_hashes`; `VariantChoice.exact`, `ChunkReuse.exact`).
+
+    The one statement of the rule. The selector's candidate rows, the recompute ratio's denominator, the
+    scheduler's row estimates and the controller's shape, the chunks admission may recompute, and the
+    rows a hole save counts as exact all follow it.
+    """
+    return not (is_system or at_exact_place)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -19,6 +19,7 @@ from cachefuse.chunks import (
     chat_pieces,
     chunk_key,
     chunks_from_texts,
+    is_candidate_chunk,
     model_fingerprint,
     segment_prompt,
     tokenize_piece,
@@ -240,6 +241,21 @@ def test_segment_prompt_edges():
         Segment(0, 2, is_chunk=False, is_system=False),
         Segment(2, 3, is_chunk=True, is_system=False),
     ]
+
+
+@pytest.mark.parametrize(
+    "is_system, at_exact_place, candidate",
+    [
+        (True, False, False),  # the system chunk: computed after nothing, exact by its key
+        (False, True, False),  # a chunk reused at its exact place
+        (True, True, False),
+        # negative control: any other loaded chunk is a candidate (a rule that turned every chunk away
+        # would pass the three rows above)
+        (False, False, True),
+    ],
+)
+def test_is_candidate_chunk(is_system, at_exact_place, candidate):
+    assert is_candidate_chunk(is_system, at_exact_place) is candidate
 
 
 @st.composite

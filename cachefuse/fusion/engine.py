@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from cachefuse.adapters.base import ModelAdapter
-from cachefuse.chunks import KeyContext, Segment, chunk_key, place_hash, place_hashes, segment_prompt
+from cachefuse.chunks import (
+    KeyContext,
+    Segment,
+    chunk_key,
+    is_candidate_chunk,
+    place_hash,
+    place_hashes,
+    segment_prompt,
+)
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.fusion.background_saver import BackgroundSaver, PendingReadsStore, QueueDepth
@@ -250,7 +258,7 @@ class FusionEngine:
         blend_time = self.clock() - start
         if metadata_ok and plan.record_uses:  # else the store has just failed: its timeout is not paid again
             self._record_uses(chosen, loaded, wait, budget)
-        exact_loaded = {i for i in loaded if segments[i].is_system or reuse[i].exact}
+        exact_loaded = {i for i in loaded if not is_candidate_chunk(segments[i].is_system, reuse[i].exact)}
         saved = (self._save_holes(plan, result, segments, keys, meta_keys, exact_loaded,
                                   None if plan.save_inline else wait)
                  if plan.save_holes else SaveReport())

@@ -30,7 +30,7 @@ import torch
 from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass
-from cachefuse.chunks import Segment
+from cachefuse.chunks import Segment, is_candidate_chunk
 from cachefuse.fusion.batch import (
     START_LAYER,
     Attend,
@@ -75,7 +75,7 @@ class _RequestLayout:
                 _check_entry(entry, seg, num_layers)
             is_loaded[seg.start:seg.end] = True
             reuse = request.reuse.get(index)
-            if not seg.is_system and not (reuse is not None and reuse.exact):  # exact rows are never candidates
+            if is_candidate_chunk(seg.is_system, reuse is not None and reuse.exact):
                 is_candidate[seg.start:seg.end] = True
                 candidate_segments.append(seg)
         is_candidate[num_tokens - 1] = False  # the last token is always computed, never "selected"

@@ -1,9 +1,9 @@
 """Which stored variant each declared chunk of a prompt reuses: an in-memory index of variant metadata.
 
-Imports only the standard library and cachefuse.metadata.{base, scores}: the vLLM scheduler plans with it
-inside `schedule()` (no tensors, no I/O; the index is filled at start-up and kept current by the
-worker's reports and by `IndexRefresher`, a background thread), and the reference engine plans with
-it over its own metadata store.
+Imports only the standard library, cachefuse.chunks (torch-free) and cachefuse.metadata.{base, scores}:
+the vLLM scheduler plans with it inside `schedule()` (no tensors, no I/O; the index is filled at start-up
+and kept current by the worker's reports and by `IndexRefresher`, a background thread), and the reference
+engine plans with it over its own metadata store.
 
 Rules (docs/variants.md):
 
@@ -48,6 +48,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from cachefuse.chunks import is_candidate_chunk
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import MetaStore, VariantRecord, variant_store_key
 
@@ -312,7 +313,7 @@ def plan_variants(index: VariantIndex, chunk_keys: Sequence[str], is_system: Seq
     for key, system, prefix, length, place in zip(chunk_keys, is_system, prefixes, lengths, places, strict=True):
         choice = index.choose(key, () if system else prefix, alpha, length, None if system else place,
                               default_variant)
-        if (choice is not None and not system and not choice.exact and admission is not None
+        if (choice is not None and is_candidate_chunk(system, choice.exact) and admission is not None
                 and choice.cfo >= admission.min_cfo and choice.store_key != variant_store_key(key, prefix)):
             candidates.append(len(choices))
         choices.append(choice)

@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from cachefuse.chunks import Segment
+from cachefuse.chunks import Segment, is_candidate_chunk
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import VariantChoice
 
@@ -96,7 +96,8 @@ def estimated_rows(num_tokens: int, segments: Sequence[Segment], variants: Seque
     chunks = [s for s in segments if s.is_chunk]
     planned = list(variants) if variants is not None else [True] * len(chunks)
     loaded = [(s, v) for s, v in zip(chunks, planned, strict=False) if v is not None]
-    candidates = sum(s.length for s, v in loaded if not (s.is_system or getattr(v, "exact", False)))
+    candidates = sum(s.length for s, v in loaded
+                     if is_candidate_chunk(s.is_system, getattr(v, "exact", False)))
     selective = num_tokens - sum(s.length for s, _ in loaded) + ratio * candidates
     return num_full * num_tokens + (num_layers - num_full) * min(selective, num_tokens)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cachefuse.chunks import dtype_name
+from cachefuse.chunks import dtype_name, is_candidate_chunk
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.loading import controller
@@ -112,17 +112,18 @@ class Gate:
             return {"fuse": True, "verdict": "no_figures", "ratio": fusion.recompute_ratio,
                     "reason": "no measured figures yet (tier bandwidth, blend and prefill speed): fixed ratio"}
         num_layers, bytes_per_token = self.kv_geometry()
-        # (tokens, no candidate: the system chunk or one at its exact place, choice) of each loaded chunk
-        loaded = [(e - s, s == 0 or c.exact, c) for (s, e), c in zip(fusion.chunks, variants, strict=True)
-                  if c is not None]
+        # (tokens, its rows candidates, choice) of each loaded chunk; the system chunk is the one at offset 0
+        loaded = [(e - s, is_candidate_chunk(s == 0, c.exact), c)
+                  for (s, e), c in zip(fusion.chunks, variants, strict=True) if c is not None]
         loaded_tokens = sum(n for n, _, _ in loaded)
         tiers = [TierFigures(name, bps) for name, bps in figures["tiers"].items()]
         selector = make_selector(fusion.selector, self.config)
-        rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, exact, c in loaded if not exact], num_layers)
+        rows = selector.estimate_rows([PlannedChunk(n, c.cfo) for n, candidate, c in loaded if candidate],
+                                      num_layers)
         probe = selector.probe_spec(num_layers)
         shape = controller.RequestShape(
             num_tokens=num_tokens, num_layers=num_layers, num_full_layers=selector.num_full_layers(num_layers),
-            num_candidates=sum(n for n, exact, _ in loaded if not exact), num_forced=num_tokens - loaded_tokens,
+            num_candidates=sum(n for n, candidate, _ in loaded if candidate), num_forced=num_tokens - loaded_tokens,
             bytes_to_load=loaded_tokens * bytes_per_token,
             bytes_by_tier=controller.tier_bytes([(n * bytes_per_token, c.tiers) for n, _, c in loaded], tiers),
             num_planned_rows=rows.num_planned_rows, num_ratio_candidates=rows.num_ratio_candidates,
