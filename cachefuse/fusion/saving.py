@@ -121,6 +121,9 @@ def hole_saves(result: FuseResult, segments: list[Segment], keys: dict[int, str]
     record none and are never reused as exact. The hole of segment `neighbour_segment` (the offline
     neighbour step's chunk; None on every served pass) is marked `neighbour_fused` when it has a prefix."""
     saves = []
+    # NOTE: hashed here rather than taken from planning: in vLLM the plan's place hashes are the scheduler
+    # process's (the worker is handed the variants chosen, not the hashes), planning hashes only with
+    # `exact_places` on while a save records its place either way, and one pass costs ~0.1 ms at 8K tokens.
     exact_starts = [] if places is None else [segments[i].start for i in result.hole_segments
                                                if segments[i].start <= places.exact_end]
     exact_after = dict(zip(exact_starts, place_hashes(places.token_ids, exact_starts) if exact_starts else [],
