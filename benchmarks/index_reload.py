@@ -2,7 +2,7 @@
 
 The scheduler keeps an in-process index of the variant metadata and refreshes it on a background thread
 of its own process whenever the store's generation changes (another engine's save or eviction, about
-once a second under load). A full reload reads and parses every row (metadata.index.IndexRefresher with
+once a second under load). A full reload reads and parses every row (metadata.refresher.IndexRefresher with
 full=True); an incremental one reads the variant ids and only the rows the index has not seen. The
 store holds `--variants` variants (1,000 chunks, each variant after 16 other chunks, with statistics
 and a 512-token ranking, as the worker saves them), in SQLite (on /dev/shm when present, so building
@@ -31,8 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cachefuse.metadata.base import VariantRecord  # noqa: E402
-from cachefuse.metadata.index import IndexRefresher, VariantIndex  # noqa: E402
+from cachefuse.metadata.index import VariantIndex  # noqa: E402
 from cachefuse.metadata.redis import RedisMetaStore  # noqa: E402
+from cachefuse.metadata.refresher import IndexRefresher  # noqa: E402
 from cachefuse.metadata.sqlite import SqliteMetaStore  # noqa: E402
 from tests.helpers.redis_server import RedisServer  # noqa: E402
 

@@ -465,7 +465,8 @@ def test_an_incremental_reload_equals_a_full_one_and_reads_only_changed_rows(ope
     statistics, and SQLite reused a removed row's seq."""
     import random
 
-    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+    from cachefuse.metadata.index import VariantIndex
+    from cachefuse.metadata.refresher import IndexRefresher
 
     store = open_store(max_variants=6, **({"clock": lambda: 1.0} if clock == "constant" else {}))
     incremental, full = VariantIndex(), VariantIndex()
@@ -507,7 +508,8 @@ def test_an_incremental_reload_equals_a_full_one_and_reads_only_changed_rows(ope
 
 
 def test_an_unreadable_row_is_not_read_again_until_it_changes(open_store):
-    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+    from cachefuse.metadata.index import VariantIndex
+    from cachefuse.metadata.refresher import IndexRefresher
 
     store = open_store(max_variants=5)
     good, bad = alone("A"), c3_after_c1_c2()

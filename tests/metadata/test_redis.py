@@ -141,7 +141,8 @@ def test_an_unreadable_variant_is_skipped_by_list_reads(redis_url, redis_namespa
 def test_a_redis_restarted_empty_shows_a_new_generation_at_the_same_count(private_redis):
     """Restarted empty, then three saves: the counter is 3 again, and an index that had seen 3 skipped the
     reload, planning loads of gone variants and holes of stored ones. The namespace's epoch differs."""
-    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+    from cachefuse.metadata.index import VariantIndex
+    from cachefuse.metadata.refresher import IndexRefresher
 
     before = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
     for key in "ABC":
@@ -200,7 +201,8 @@ def test_an_epoch_lost_under_running_engines_is_set_again(private_redis):
 
 
 def test_a_key_of_another_type_is_an_unreadable_row_not_a_failed_reload(private_redis):
-    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+    from cachefuse.metadata.index import VariantIndex
+    from cachefuse.metadata.refresher import IndexRefresher
 
     store = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
     good, bad = alone("A"), alone("B")
@@ -223,7 +225,8 @@ def test_a_passing_error_reply_fails_the_read_instead_of_hiding_the_row(private_
     left a variant out of the index, remembered as unreadable until a full reload."""
     import redis as redis_py
 
-    from cachefuse.metadata.index import IndexRefresher, VariantIndex
+    from cachefuse.metadata.index import VariantIndex
+    from cachefuse.metadata.refresher import IndexRefresher
 
     store = RedisMetaStore(private_redis.url, max_variants=10, timeout_s=0.5)
     store.put(alone("A"))

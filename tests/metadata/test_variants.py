@@ -14,7 +14,8 @@ from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import StoreError
 from cachefuse.metadata import scores
 from cachefuse.metadata.base import VariantRecord, make_variant_id, variant_store_key
-from cachefuse.metadata.index import Admission, IndexRefresher, VariantIndex, new_prefixes, plan_variants
+from cachefuse.metadata.index import Admission, VariantIndex, new_prefixes, plan_variants
+from cachefuse.metadata.refresher import IndexRefresher
 from cachefuse.metadata.sqlite import SqliteMetaStore
 from tests.helpers.fusion import make_case, make_engine, precompute_case
 

@@ -12,7 +12,8 @@ import logging
 
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.backends import open_config_metastore
-from cachefuse.metadata.index import IndexRefresher, VariantIndex
+from cachefuse.metadata.index import VariantIndex
+from cachefuse.metadata.refresher import IndexRefresher
 from cachefuse.store.disk import DiskStore, list_keys
 
 logger = logging.getLogger(__name__)
