@@ -227,12 +227,14 @@ def speed_key(config: Configuration, all_axes) -> str:
     return "/".join(next(iter(a.values)) if not a.moves_speed else config.label(a.name) for a in all_axes)
 
 
-def earlier_speed(paths: list[Path]) -> dict[str, dict]:
+def earlier_speed(paths: list[Path], layout: str) -> dict[str, dict]:
     """The timed configurations of earlier runs (a full run's JSON or a --speed-only one), later files winning
     where both timed a configuration (a share of the grid timed apart joins a run that lacks it)."""
     speed = {}
     for path in paths:
         earlier = json.loads(path.read_text())
+        if earlier.get("layout", "short") != layout:  # files from before layouts timed the short one
+            raise SystemExit(f"--speed-from {path}: layout {earlier.get('layout', 'short')}, this run has {layout}")
         speed.update(earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"])
     return speed
 
@@ -387,11 +389,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(len(cpus))
     started = time.perf_counter()
     args.tokenizer = AutoTokenizer.from_pretrained(str(args.model))
-    items = eval_items(make_items("test", args.items, seed=args.seed), args.tokenizer)
+    items = eval_items(make_items("test", args.items, seed=args.seed, layout=args.layout), args.tokenizer)
     if args.quality_only:
         speed = {}
     elif args.speed_from:
-        speed = earlier_speed(args.speed_from)
+        speed = earlier_speed(args.speed_from, args.layout)
     else:
         speed = measure_speed(args, all_axes, configs, items[:args.timed_items], full_reuse_host(configs, all_axes))
     speed_s = time.perf_counter() - started
@@ -399,20 +401,21 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "benchmark": "frontier --speed-only", "model_name": Path(args.model).name, "seed": args.seed,
+            "layout": args.layout,
             "axes": {a.name: list(a.values) for a in all_axes}, "timed_items": args.timed_items, "cpus": cpus,
             "env": recorded_env(worker_env(cpus)), "seconds": round(speed_s, 1), "configurations": speed}, indent=2) + "\n")
         for name, row in speed.items():
             print(f"{name:32s} {row['speedup']:5.2f}x [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]  "
                   f"fused {row['decisions']['fused']}/{row['decisions']['requests']}")
         return 0
-    done, offline = earlier_quality(args.quality_from or [], items)
+    done, offline = earlier_quality(args.quality_from or [], items, args.layout)
     quality_started = time.perf_counter()
     partial = args.out.with_suffix(".partial.json")
 
     def checkpoint(groups: dict, reports: dict) -> None:  # a long run keeps what it measured so far
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"benchmark": "frontier (partial quality)", "items": len(items),
-                                       "quality": {"items": len(items), "groups": {**done, **groups},
+                                       "quality": {"items": len(items), "layout": args.layout, "groups": {**done, **groups},
                                                    "offline": {**offline, **reports}}}) + "\n")
 
     quality, reports = measure_quality(args, all_axes, configs, items, done, checkpoint)
@@ -428,14 +431,14 @@ def main(argv=None) -> int:
     comparisons = paired_comparisons(quality, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
     sides = side_comparisons(quality, reference, (base["full_prefill"], base["full_reuse"]), kinds, args.seed)
     result = {
-        "benchmark": "frontier", "model_name": Path(args.model).name, "seed": args.seed,
+        "benchmark": "frontier", "model_name": Path(args.model).name, "seed": args.seed, "layout": args.layout,
         "quick": args.quick, "axes": {a.name: list(a.values) for a in all_axes},
         "targets_at": {"normalized_f1": TARGET_NORMALIZED_F1, "speedup": TARGET_SPEEDUP},
         "targets": {**targets(points), "query_aware_at_15": query_aware_target(comparisons, reference)},
         "defaults_mark": default_mark(default),
         "paired": comparisons,
         "paired_side_axes": sides,
-        "quality": {"engine": "reference", "items": len(items), "split": "test",
+        "quality": {"engine": "reference", "items": len(items), "split": "test", "layout": args.layout,
                     "kinds": {k: sum(i.kind == k for i in items) for k in ("single", "multi")},
                     "metric": "token F1", "max_new_tokens": MAX_NEW_TOKENS, "torch_threads": torch.get_num_threads(),
                     "side_settings": sorted(args.side_settings) if args.side_settings is not None else "all",

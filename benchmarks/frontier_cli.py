@@ -32,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ratios", help=f"comma-separated (default {','.join(f'{r:g}' for r in RATIOS)})")
     parser.add_argument("--ratio-modes", default=",".join(RATIO_MODES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", choices=("short", "long"), default="short",
+                        help="the QA items' retrieved documents (cachefuse.eval.qa_set.LAYOUTS): 4-6 or 10-12")
     parser.add_argument("--cpus", default=str(min(os.sched_getaffinity(0))),
                         help="CPUs every vLLM engine is bound to (default: one, the first this process may use: "
                              "on a shared machine one thread per engine keeps OpenMP's barriers from waiting on "

@@ -228,13 +228,15 @@ def comparison_table(comparisons: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def earlier_quality(paths: list[Path], items: list) -> tuple[dict[str, dict], dict[str, Any]]:
+def earlier_quality(paths: list[Path], items: list, layout: str) -> tuple[dict[str, dict], dict[str, Any]]:
     """Per-item quality groups (and offline reports) of earlier runs over the same items, later files winning."""
     groups, offline = {}, {}
     for path in paths:
         quality = json.loads(path.read_text())["quality"]
         if quality["items"] != len(items):
             raise SystemExit(f"--quality-from {path}: {quality['items']} items, this run has {len(items)}")
+        if quality.get("layout", "short") != layout:  # files from before layouts measured the short one
+            raise SystemExit(f"--quality-from {path}: layout {quality.get('layout', 'short')}, this run has {layout}")
         for name, settings in quality["groups"].items():  # one group's settings may come from several runs
             groups[name] = {**groups.get(name, {}), **settings}
         offline.update(quality.get("offline") or {})

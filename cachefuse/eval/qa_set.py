@@ -1,9 +1,15 @@
 """The real-text RAG QA set: questions about an invented world (cachefuse/eval/qa_world.py), answered
-from 4 to 6 retrieved documents, in a validation and a test split that share no entity.
+from 4 to 6 retrieved documents (layout `short`, the default; `long`: 10 to 12), in a validation and a
+test split that share no entity.
 
 Imports the standard library and cachefuse.{chunks, eval.qa_world}; `eval_items` imports the harness.
 Every item is drawn from `random.Random(f"cachefuse-qa/{split}/{seed}/{index}")`: the same split,
 seed and index give the same item on every machine and Python.
+
+Layouts (`LAYOUTS`): an item's question, answer and evidence are drawn before its document count, so
+item i of the `long` layout asks what item i of `short` asks, over 10-12 documents (about 710-880 SmolLM2
+tokens, against 320-570) of which the extra ones are distractors of the same world: a longer retrieved
+context at the same question, the regime where reused K/V saves most prefill.
 
 Two kinds, alternating (`EvalItem.kind`, so the report splits by kind):
 
@@ -53,7 +59,9 @@ KINDS = ("single", "multi")
 SYSTEM_PROMPT = ("You answer questions using only the documents the user gives you. "
                  "Reply with the answer alone, in a few words: a name or a short phrase, not a sentence.")
 QUESTION_TEMPLATE = "Question: {question}\nAnswer in a few words."
-MIN_DOCS, MAX_DOCS = 4, 6
+LAYOUTS = {"short": (4, 6), "long": (10, 12)}
+"""Retrieved documents per item, (fewest, most), by layout. A world holds 14 entities (sample_world's
+3 people, 4 towns, 4 rivers and 3 companies), each the subject of one document: `long` stays below that."""
 
 
 @dataclass(frozen=True)
@@ -203,15 +211,17 @@ def _distractors(world: World, rng: random.Random, evidence: list[Document], cou
     return out
 
 
-def make_item(split: str, seed: int, index: int) -> QAItem:
-    """Item `index` of `split` under `seed`: `multi` at odd indices, `single` at even ones."""
+def make_item(split: str, seed: int, index: int, layout: str = "short") -> QAItem:
+    """Item `index` of `split` under `seed`: `multi` at odd indices, `single` at even ones; `layout` sets
+    how many documents it retrieves (LAYOUTS), not what it asks."""
+    min_docs, max_docs = LAYOUTS[layout]
     rng = random.Random(f"cachefuse-qa/{split}/{seed}/{index}")
     world = sample_world(rng, name_pools(split))
     kind = KINDS[index % 2]
     question_type = rng.choice(sorted(k for k, q in QUESTIONS.items() if q.kind == kind))
     spec = QUESTIONS[question_type]
     entity, bridge, answers, evidence = spec.ask(world, rng)
-    num_docs = rng.randint(MIN_DOCS, MAX_DOCS)
+    num_docs = rng.randint(min_docs, max_docs)
     documents = evidence + _distractors(world, rng, evidence, num_docs - len(evidence))
     order = list(range(len(documents)))
     rng.shuffle(order)
@@ -225,11 +235,13 @@ def _capitalized(text: str) -> str:
     return text[0].upper() + text[1:]
 
 
-def make_items(split: str, count: int, seed: int = 0) -> list[QAItem]:
-    """Items 0..count-1 of `split` under `seed` (half single, half multi)."""
+def make_items(split: str, count: int, seed: int = 0, layout: str = "short") -> list[QAItem]:
+    """Items 0..count-1 of `split` under `seed` (half single, half multi) in `layout` (LAYOUTS)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}, expected one of {', '.join(SPLITS)}")
-    return [make_item(split, seed, i) for i in range(count)]
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}, expected one of {', '.join(LAYOUTS)}")
+    return [make_item(split, seed, i, layout) for i in range(count)]
 
 
 def eval_items(items: list[QAItem], tokenizer: Any = None) -> list[EvalItem]:

@@ -303,6 +303,7 @@ def test_quick_run_on_the_tiny_model_writes_every_point_and_the_plot(tiny_model_
         ("base/off", 0.15), ("base/on", 0.15), ("base/on", 0.5), ("fused/on", 0.15)]
     assert result["targets"]["query_aware_at_15"]["best"]["selector"] == "qcfuse"
     assert result["quality"]["kinds"] == {"single": 1, "multi": 1}
+    assert result["layout"] == result["quality"]["layout"] == "short"
     assert result["speed"]["env"]["OMP_NUM_THREADS"] == str(len(result["speed"]["cpus"]))
 
 
@@ -395,6 +396,25 @@ def test_speed_shares_join_with_the_later_file_winning(tmp_path):
     quiet, extra = tmp_path / "quiet.json", tmp_path / "extra.json"
     quiet.write_text(json.dumps({"configurations": {"full_reuse": {"speedup": 3.7}, "a": {"speedup": 2.5}}}))
     extra.write_text(json.dumps({"speed": {"configurations": {"full_reuse": {"speedup": 3.1}, "b": {"speedup": 1.2}}}}))
-    joined = frontier.earlier_speed([extra, quiet])
+    joined = frontier.earlier_speed([extra, quiet], "short")
     assert {k: v["speedup"] for k, v in joined.items()} == {"full_reuse": 3.7, "a": 2.5, "b": 1.2}
-    assert frontier.earlier_speed([quiet, extra])["full_reuse"]["speedup"] == 3.1
+    assert frontier.earlier_speed([quiet, extra], "short")["full_reuse"]["speedup"] == 3.1
+
+
+def test_a_file_of_the_other_layout_is_refused(tmp_path):
+    """Timings and scores join only over the same prompts: a file of the long layout (10-12 documents) never
+    joins a short run, nor a file written before layouts (the short one) a long run. Negative control: the
+    same files join a run of their own layout."""
+    long_speed, old_speed = tmp_path / "long.json", tmp_path / "old.json"
+    long_speed.write_text(json.dumps({"layout": "long", "configurations": {"full_reuse": {"speedup": 5.9}}}))
+    old_speed.write_text(json.dumps({"configurations": {"full_reuse": {"speedup": 3.7}}}))
+    with pytest.raises(SystemExit, match="layout long, this run has short"):
+        frontier.earlier_speed([long_speed], "short")
+    with pytest.raises(SystemExit, match="layout short, this run has long"):
+        frontier.earlier_speed([old_speed], "long")
+    assert frontier.earlier_speed([long_speed], "long")["full_reuse"]["speedup"] == 5.9
+    long_quality = tmp_path / "q.json"
+    long_quality.write_text(json.dumps({"quality": {"items": 2, "layout": "long", "groups": {"base/on": {}}}}))
+    with pytest.raises(SystemExit, match="layout long, this run has short"):
+        frontier.earlier_quality([long_quality], [None, None], "short")
+    assert frontier.earlier_quality([long_quality], [None, None], "long")[0] == {"base/on": {}}

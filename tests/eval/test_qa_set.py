@@ -12,7 +12,7 @@ import pytest
 from cachefuse.chunks import build_rag_prompt, chat_pieces
 from cachefuse.eval.harness import exact_match
 from cachefuse.eval.metrics import normalize_answer, qa_f1_score
-from cachefuse.eval.qa_set import KINDS, MAX_DOCS, MIN_DOCS, QUESTIONS, SYSTEM_PROMPT, eval_items, make_items
+from cachefuse.eval.qa_set import KINDS, LAYOUTS, QUESTIONS, SYSTEM_PROMPT, eval_items, make_items
 from cachefuse.eval.qa_world import SPLITS, name_pools
 
 NUM_ITEMS = 120
@@ -63,12 +63,27 @@ def test_splits_share_no_entity_and_no_name_word(items):
 
 def test_documents_are_four_to_six_distinct_entities_of_natural_length(items):
     for item in items["validation"]:
-        assert MIN_DOCS <= len(item.documents) <= MAX_DOCS
+        assert LAYOUTS["short"][0] <= len(item.documents) <= LAYOUTS["short"][1]
         assert len({d.title for d in item.documents}) == len(item.documents)
         for doc in item.documents:
             words = doc.body.split()
             assert 25 <= len(words) <= 110, doc.text  # about 40-150 tokens with a BPE tokenizer
             assert len(doc.facts) >= 2
+
+
+def test_the_long_layout_asks_the_same_questions_over_more_documents(items):
+    long_items = make_items("test", NUM_ITEMS, seed=0, layout="long")
+    counts = [len(i.documents) for i in long_items]
+    assert LAYOUTS["long"][0] <= min(counts) and max(counts) <= LAYOUTS["long"][1]
+    assert len(set(counts)) > 1  # drawn per item, not a constant
+    for short, long in zip(items["test"], long_items, strict=True):
+        assert (long.question, long.stem, long.answers, long.kind) == (short.question, short.stem, short.answers, short.kind)
+        assert len({d.title for d in long.documents}) == len(long.documents)
+        # the short item's documents, word for word, among the long one's, the evidence included
+        assert set(short.documents) <= set(long.documents)
+        assert [long.documents[i] for i in long.evidence] == [short.documents[i] for i in short.evidence]
+    with pytest.raises(ValueError, match="layout='longer'"):
+        make_items("test", 1, layout="longer")
 
 
 def test_every_answer_is_stated_in_its_evidence_document(items):
