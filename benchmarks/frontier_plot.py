@@ -70,10 +70,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if any(p.get("axes", {}).get(axis) == value for p in points):
             ax.plot([], [], color="grey", marker=marker, ls="none", label=f"{axis} {value}")
     quality = result["quality"]
+    documents = {"long": "10-12", "short": "4-6"}[result.get("layout", "short")]  # files from before layouts: short
     ax.set(xlabel="TTFT speed-up vs plain vLLM (median of paired requests)",
            ylabel="normalized F1, (S - S_reuse) / (S_full - S_reuse), 95% CI",
            title=f"{result['model_name']}: {quality['items']} QA test items "
-                 f"({quality['kinds'].get('single', 0)} one-hop, {quality['kinds'].get('multi', 0)} two-hop); "
+                 f"({quality['kinds'].get('single', 0)} one-hop, {quality['kinds'].get('multi', 0)} two-hop, "
+                 f"{documents} documents each); "
                  f"TTFT on the first {result['speed']['timed_items']}", xscale="log")
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7, loc="lower left")
