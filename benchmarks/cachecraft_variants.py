@@ -57,7 +57,6 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachefuse.chunks import RagPrompt, build_rag_prompt  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import (  # noqa: E402
     EvalItem,
@@ -72,6 +71,7 @@ from cachefuse.eval.harness import (  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import fidelity, summarize  # noqa: E402
 from cachefuse.eval.stats import mean_se, paired_diff  # noqa: E402
+from cachefuse.rag_prompt import RagPrompt, build_rag_prompt  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 MAX_NEW_TOKENS = 8

@@ -82,9 +82,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from cachefuse.chunks import build_rag_prompt
     from cachefuse.eval.qa_set import eval_items, make_items
     from cachefuse.offline.precompute import precompute_chunks
+    from cachefuse.rag_prompt import build_rag_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     items = eval_items(make_items("validation", args.items), tokenizer)

@@ -32,9 +32,9 @@ def neighbour_offline(num_neighbours: int) -> Callable[..., dict[str, Any] | Non
     what it did (None for the first value: base variants only, stored per item by the harness)."""
 
     def offline(engine: Any, tokenizer: Any, eval_items: list, label: str) -> dict[str, Any] | None:
-        from cachefuse.chunks import build_rag_prompt
         from cachefuse.eval.harness import store_base_variants
         from cachefuse.offline.neighbours import fuse_neighbours, model_embedder
+        from cachefuse.rag_prompt import build_rag_prompt
 
         if label == "base":
             return None

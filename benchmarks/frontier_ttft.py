@@ -70,8 +70,8 @@ def run_worker(job: dict[str, Any]) -> dict[str, Any]:
     """One engine group's protocol in this process (see the module docstring); returns the raw figures."""
     import torch
 
-    from cachefuse.chunks import build_rag_prompt
     from cachefuse.offline.precompute import precompute_chunks
+    from cachefuse.rag_prompt import build_rag_prompt
     from cachefuse.vllm.engines import connector_extra_config, connector_llm
 
     with tempfile.TemporaryDirectory(prefix="cachefuse-frontier-") as store_dir:

@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachefuse.chunks import build_rag_prompt  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.fidelity import greedy_continuation, logits_kl  # noqa: E402
 from cachefuse.eval.harness import METRICS, decode_text, selector_at, store_base_variants  # noqa: E402
@@ -47,6 +46,7 @@ from cachefuse.eval.metrics import best_score  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.stats import mean_se, paired_bootstrap  # noqa: E402
 from cachefuse.offline.neighbours import fuse_neighbours, lexical_embedder, model_embedder  # noqa: E402
+from cachefuse.rag_prompt import build_rag_prompt  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 RATIO = 0.15

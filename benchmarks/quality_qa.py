@@ -28,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachefuse.chunks import build_rag_prompt  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import (  # noqa: E402
     DEFAULT_RATIOS,
@@ -40,6 +39,7 @@ from cachefuse.eval.harness import (  # noqa: E402
 )
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import best_selector, plot_report, summarize  # noqa: E402
+from cachefuse.rag_prompt import build_rag_prompt  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 
 TARGET_RATIO = 0.15

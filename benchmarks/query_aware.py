@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachefuse.chunks import build_rag_prompt  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import EvalSpec, reference_engine, run_eval, selector_at, store_base_variants  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.eval.report import plot_report, summarize  # noqa: E402
 from cachefuse.metadata.layer_profiles import LayerProfile  # noqa: E402
+from cachefuse.rag_prompt import build_rag_prompt  # noqa: E402
 from cachefuse.select.qcfuse import RANKINGS  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402
 

@@ -155,7 +155,7 @@ def probe_scores_with_first_token(adapter, reuse, question_start: int, token_ids
 
 
 def run_item(engine, tokenizer, qa_item, item, ratio: float, remedies: bool = False) -> dict:
-    from cachefuse.chunks import build_rag_prompt
+    from cachefuse.rag_prompt import build_rag_prompt
 
     prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
     _, evidence = answer_evidence_rows(qa_item, item, tokenizer)

@@ -39,7 +39,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachefuse.chunks import build_rag_prompt  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval.harness import (  # noqa: E402
     EvalSpec,
@@ -53,6 +52,7 @@ from cachefuse.eval.harness import (  # noqa: E402
 )
 from cachefuse.eval.qa_set import answer_evidence_rows, eval_items, make_items  # noqa: E402
 from cachefuse.eval.stats import mean_se, normalized_score, paired_bootstrap  # noqa: E402
+from cachefuse.rag_prompt import build_rag_prompt  # noqa: E402
 from cachefuse.select.base import num_rows_for_ratio  # noqa: E402
 from cachefuse.select.fixed import FixedSelector  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402

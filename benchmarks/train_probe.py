@@ -116,7 +116,7 @@ def make_batch(step: int, args, vocab: ProbeVocab, token_id: dict[str, int]):
 
 def encode_items(tokenizer, items: list[ProbeItem]):
     """Per item: ids, the (start, end) of every retrieved chunk, and the answer id."""
-    from cachefuse.chunks import build_rag_prompt
+    from cachefuse.rag_prompt import build_rag_prompt
 
     out = []
     for item in items:

@@ -1,7 +1,7 @@
 """Ask a cachefuse-enabled vLLM server (examples/serve.sh) a RAG question over its OpenAI API.
 
 Builds a `[system][chunk 1]...[chunk n][question]` prompt with the model's own tokenizer
-(`cachefuse.chunks.build_rag_prompt`, each piece tokenized on its own, so that the server's chunk
+(`cachefuse.rag_prompt.build_rag_prompt`, each piece tokenized on its own, so that the server's chunk
 keys match the stored ones), then sends it twice:
 
 - `/v1/completions` with `"prompt": token_ids` and `"kv_transfer_params": {"cachefuse": {"chunks": ...}}`;
@@ -26,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cachefuse.chunks import RagPrompt, build_rag_prompt  # noqa: E402
+from cachefuse.rag_prompt import RagPrompt, build_rag_prompt  # noqa: E402
 
 SYSTEM = "You answer questions using only the documents below.\n"
 CHUNKS = (

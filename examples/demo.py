@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 from transformers import AutoTokenizer  # noqa: E402
 
 from cachefuse.adapters.hf import HFAdapter  # noqa: E402
-from cachefuse.chunks import KeyContext, build_rag_prompt, model_fingerprint, segment_prompt  # noqa: E402
+from cachefuse.chunks import KeyContext, model_fingerprint, segment_prompt  # noqa: E402
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 from cachefuse.eval import fidelity  # noqa: E402
 from cachefuse.eval.harness import DEFAULT_SELECTORS, METRICS, decode_text, selector_at  # noqa: E402
@@ -55,6 +55,7 @@ from cachefuse.eval.metrics import best_score  # noqa: E402
 from cachefuse.eval.qa_set import eval_items, make_items  # noqa: E402
 from cachefuse.fusion.engine import FusionEngine  # noqa: E402
 from cachefuse.offline.neighbours import fuse_neighbours, model_embedder  # noqa: E402
+from cachefuse.rag_prompt import build_rag_prompt  # noqa: E402
 from cachefuse.store.base import StoreIdentity  # noqa: E402
 from cachefuse.store.tiered import open_store  # noqa: E402
 from cachefuse.testing import smollm2  # noqa: E402

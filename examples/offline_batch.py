@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cachefuse.chunks import build_rag_prompt  # noqa: E402
+from cachefuse.rag_prompt import build_rag_prompt  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer the question using the documents.\n"
 PLACES = "Kalo Minteh Surap Doravi Pellin Quasto Brivane Tessaly Orun Velmar Zadok Ilrune".split()

@@ -14,8 +14,8 @@ class Blocker:
             raise ImportError(f"blocked: {name}")
         return None
 sys.meta_path.insert(0, Blocker())
-import cachefuse, cachefuse.config, cachefuse.rope, cachefuse.chunks, cachefuse.ops, cachefuse.fusion.fusor
-import cachefuse.fusion.engine, cachefuse.select, cachefuse.store.tiered, cachefuse.adapters.hf
+import cachefuse, cachefuse.config, cachefuse.rope, cachefuse.chunks, cachefuse.rag_prompt, cachefuse.ops
+import cachefuse.fusion.fusor, cachefuse.fusion.engine, cachefuse.select, cachefuse.store.tiered, cachefuse.adapters.hf
 import cachefuse.cli.main, cachefuse.metadata.index, cachefuse.metadata.sqlite, cachefuse.loading.placement
 import cachefuse.offline.precompute, cachefuse.eval.harness, cachefuse.eval.vllm_backend, cachefuse.store_report
 import torch

@@ -23,11 +23,12 @@ from tests.helpers.import_graph import (
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "vllm", "triton")
-SCHEDULER_MODULES = ("cachefuse.request", "cachefuse.chunks", "cachefuse.config", "cachefuse.metadata",
-                     "cachefuse.metadata.base", "cachefuse.metadata.scores", "cachefuse.metadata.sqlite",
-                     "cachefuse.metadata.index", "cachefuse.metadata.refresher", "cachefuse.metadata.redis",
-                     "cachefuse.loading.controller", "cachefuse.loading.figures", "cachefuse.redis_client",
-                     "cachefuse.vllm.scheduler_side.gate", "cachefuse.vllm.scheduler_side.outcomes")
+SCHEDULER_MODULES = ("cachefuse.request", "cachefuse.chunks", "cachefuse.rag_prompt", "cachefuse.config",
+                     "cachefuse.metadata", "cachefuse.metadata.base", "cachefuse.metadata.scores",
+                     "cachefuse.metadata.sqlite", "cachefuse.metadata.index", "cachefuse.metadata.refresher",
+                     "cachefuse.metadata.redis", "cachefuse.loading.controller", "cachefuse.loading.figures",
+                     "cachefuse.redis_client", "cachefuse.vllm.scheduler_side.gate",
+                     "cachefuse.vllm.scheduler_side.outcomes")
 """What the scheduler plans with inside `schedule()`: none of it may load torch (docs/architecture.md, "What may import what")."""
 
 

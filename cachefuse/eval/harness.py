@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from cachefuse.chunks import RagPrompt, build_rag_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.eval.fidelity import greedy_continuation, kv_deviation_per_layer, logits_kl, matching_prefix
 from cachefuse.eval.metrics import best_score, normalize_answer, qa_f1_score, rouge_l_score
 from cachefuse.fusion.engine import FusionEngine
 from cachefuse.fusion.plan import FuseResult
 from cachefuse.offline.anchors import anchor_annotator, kvzip_repeat_ids
+from cachefuse.rag_prompt import RagPrompt, build_rag_prompt
 from cachefuse.select.base import Selector
 from cachefuse.select.registry import make_selector
 

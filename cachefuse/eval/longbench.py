@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import RagPrompt, build_rag_prompt
 from cachefuse.eval.metrics import best_score, qa_f1_score, rouge_l_score
 from cachefuse.jsonl import read_jsonl
+from cachefuse.rag_prompt import RagPrompt, build_rag_prompt
 
 _QA_INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output "
                    "any other words.")

@@ -28,7 +28,7 @@ The other documents describe entities of the same types (other people, towns, co
 rivers), among them the parallel chain of another person, so a guess by type is wrong. Answers are
 names or short noun phrases, scored with LongBench's token F1 and exact match
 (cachefuse.eval.metrics). Prompts follow the model's chat template where it has one
-(cachefuse.chunks.chat_pieces): the system chunk holds the system turn and opens the user's, the
+(cachefuse.rag_prompt.chat_pieces): the system chunk holds the system turn and opens the user's, the
 question closes it, opens the assistant's and starts the answer with a stem that ends where the
 answer begins ("The town where Maren Holloway was born lies on the river").
 """
@@ -253,8 +253,8 @@ def eval_items(items: list[QAItem], tokenizer: Any = None) -> list[EvalItem]:
     restates the question for the first 8 tokens (token F1 0.01 on 20 validation items under full
     prefill; 0.40 on 24 with the stem; a worked example in the system turn did worse, 0.19 on 12).
     """
-    from cachefuse.chunks import chat_pieces
     from cachefuse.eval.harness import EvalItem
+    from cachefuse.rag_prompt import chat_pieces
 
     pieces = chat_pieces(tokenizer, SYSTEM_PROMPT) if tokenizer is not None else None
     system = pieces.system if pieces else SYSTEM_PROMPT + "\n"
@@ -270,7 +270,7 @@ def answer_evidence_rows(item: QAItem, eval_item: Any, tokenizer: Any) -> tuple[
     labels `cachefuse profile-layers` measures recall on. A document whose ids differ when tokenized
     with offsets (a slow tokenizer) contributes no rows.
     """
-    from cachefuse.chunks import build_rag_prompt
+    from cachefuse.rag_prompt import build_rag_prompt
 
     prompt = build_rag_prompt(tokenizer, eval_item.system, list(eval_item.chunks), eval_item.question)
     rows: set[int] = set()

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import RagPrompt, build_rag_prompt
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.eval.fidelity import greedy_continuation, matching_prefix
@@ -50,6 +49,7 @@ from cachefuse.eval.harness import decode_text, store_base_variants
 from cachefuse.eval.metrics import qa_f1_score
 from cachefuse.fusion.engine import FusionEngine
 from cachefuse.jsonl import read_jsonl
+from cachefuse.rag_prompt import RagPrompt, build_rag_prompt
 from cachefuse.select.base import Selector
 from cachefuse.select.registry import make_selector
 
@@ -185,7 +185,7 @@ def check_items(items: Sequence[ValItem], metric: str) -> None:
 
 
 def build_prompts(tokenizer: Any, items: Sequence[ValItem]) -> list[RagPrompt]:
-    """Each item's prompt (cachefuse.chunks.build_rag_prompt); ValueError names the item."""
+    """Each item's prompt (cachefuse.rag_prompt.build_rag_prompt); ValueError names the item."""
     prompts = []
     for i, item in enumerate(items):
         try:

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import PARAMS_KEY, build_rag_prompt
+from cachefuse.chunks import PARAMS_KEY
 from cachefuse.eval.harness import EvalItem, EvalRuns, EvalSpec, ItemRun, decode_text, setting_name
 from cachefuse.eval.metrics import best_score
+from cachefuse.rag_prompt import build_rag_prompt
 
 TOP_LOGPROBS = 20
 

@@ -39,7 +39,7 @@ import torch
 
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import causal_attention, segment_attention_mass, visible_keys
-from cachefuse.chunks import chat_pieces, tokenize_piece
+from cachefuse.rag_prompt import chat_pieces, tokenize_piece
 from cachefuse.select.qcfuse import RANKINGS, choose_anchors, with_anchors
 from cachefuse.store.base import ChunkKV
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import PARAMS_KEY, build_rag_prompt, chunk_key, tokenize_piece
+from cachefuse.chunks import PARAMS_KEY, chunk_key
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError, StoreError
 from cachefuse.metadata.base import VariantRecord, variant_store_key
@@ -56,6 +56,7 @@ from cachefuse.offline.precompute import (
     scheduler_key_context,
     tail_token_id,
 )
+from cachefuse.rag_prompt import build_rag_prompt, tokenize_piece
 from cachefuse.store.disk import list_keys
 
 logger = logging.getLogger(__name__)

@@ -41,16 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachefuse.chunks import (
-    PARAMS_KEY,
-    KeyContext,
-    build_rag_prompt,
-    chunk_key,
-    model_fingerprint,
-    tokenize_piece,
-)
+from cachefuse.chunks import PARAMS_KEY, KeyContext, chunk_key, model_fingerprint
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
+from cachefuse.rag_prompt import build_rag_prompt, tokenize_piece
 from cachefuse.store.disk import list_keys
 
 logger = logging.getLogger(__name__)

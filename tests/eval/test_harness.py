@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from cachefuse.chunks import build_rag_prompt
 from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.eval.harness import (
@@ -23,6 +22,7 @@ from cachefuse.eval.harness import (
     store_base_variants,
 )
 from cachefuse.eval.report import format_table, plot_report, summarize
+from cachefuse.rag_prompt import build_rag_prompt
 
 WORDS = "the river castle garden library museum engine memory network server planet ocean forest island".split()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from cachefuse.chunks import build_rag_prompt
 from cachefuse.eval.probe_task import (
     ProbeVocab,
     build_probe_tokenizer,
@@ -13,6 +12,7 @@ from cachefuse.eval.probe_task import (
     sample_markov_sequence,
     sample_train_sequence,
 )
+from cachefuse.rag_prompt import build_rag_prompt
 
 
 def test_items_are_the_same_for_the_same_seed_and_differ_across_seeds():

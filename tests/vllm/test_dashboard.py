@@ -16,7 +16,7 @@ import json
 import urllib.request
 from pathlib import Path
 
-from cachefuse.chunks import build_rag_prompt
+from cachefuse.rag_prompt import build_rag_prompt
 from tests.helpers.promql import missing_metrics
 from tests.vllm.test_server import (  # noqa: F401  (shared fixtures)
     CHUNKS,

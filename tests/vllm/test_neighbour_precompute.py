@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachefuse.chunks import build_rag_prompt, tokenize_piece
 from cachefuse.config import CacheFuseConfig
 from cachefuse.metadata.base import variant_store_key
 from cachefuse.metadata.sqlite import SqliteMetaStore
+from cachefuse.rag_prompt import build_rag_prompt, tokenize_piece
 from tests.helpers.tolerances import TOL
 from tests.helpers.vllm_engines import generate, start_engine, stop_engine, worker_side
 

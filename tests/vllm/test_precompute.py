@@ -18,10 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cachefuse.chunks import KeyContext, build_rag_prompt, chunk_key, model_fingerprint, tokenize_piece
+from cachefuse.chunks import KeyContext, chunk_key, model_fingerprint
 from cachefuse.cli.main import main
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
+from cachefuse.rag_prompt import build_rag_prompt, tokenize_piece
 from cachefuse.store.disk import list_keys
 from tests.helpers.vllm_engines import generate, start_engine, stop_engine
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from cachefuse.chunks import build_rag_prompt
+from cachefuse.rag_prompt import build_rag_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_SH = REPO / "examples" / "serve.sh"

@@ -20,13 +20,13 @@ from cachefuse.chunks import (
     model_fingerprint,
     paged_cache_dtype_name,
     resolve_model_dir,
-    tokenize_piece,
 )
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import RequestError, RequestLimitError
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import VariantIndex
 from cachefuse.metadata.layer_profiles import with_profiled_layers
+from cachefuse.rag_prompt import tokenize_piece
 from cachefuse.redis_client import redact_url
 from cachefuse.request import parse_request, wants_fusion
 from cachefuse.vllm.messages import CacheFuseMetadata, CacheFuseWorkerMeta
