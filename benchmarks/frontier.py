@@ -51,7 +51,6 @@ import itertools
 import json
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,11 +74,10 @@ from frontier_quality import (  # noqa: E402
     side_comparisons,
     summarize_quality,
 )
+from frontier_ttft import earlier_speed, measure_speed, speed_groups, speed_key, worker_main  # noqa: E402
 
 from cachefuse.config import CacheFuseConfig  # noqa: E402
 
-PER_REQUEST_FIELDS = ("selector", "recompute_ratio")
-"""Config fields a request may override (cachefuse.request): one engine serves every value of them."""
 TARGET_NORMALIZED_F1, TARGET_SPEEDUP = 0.90, 2.5
 
 
@@ -198,72 +196,6 @@ def full_reuse_host(configs: list[Configuration], all_axes) -> Configuration:
     return min(timed, key=rank)
 
 
-def engine_overrides(config: Configuration) -> dict[str, Any]:
-    """The connector config one engine needs for `config`: its overrides but the per-request ones, and
-    cachecraft's ratio as `force_cfo` (its ratio axis, as cachefuse.eval.harness.selector_at runs it)."""
-    out = {k: v for k, v in config.overrides.items() if k not in PER_REQUEST_FIELDS}
-    if config.overrides.get("selector") == "cachecraft":
-        out["force_cfo"] = config.overrides["recompute_ratio"]
-    return out
-
-
-# --------------------------------------------------------------------------- speed (vLLM)
-
-
-def speed_groups(configs: list[Configuration], all_axes) -> dict[str, list[Configuration]]:
-    """Configurations timed in one engine: same connector config, and quality-only axes at their first value."""
-    quality_only = {a.name: next(iter(a.values)) for a in all_axes if not a.moves_speed}
-    groups: dict[str, list[Configuration]] = {}
-    for config in configs:
-        if any(config.label(a) != first for a, first in quality_only.items()):
-            continue
-        key = ",".join(f"{k}={v}" for k, v in sorted(engine_overrides(config).items())) or "defaults"
-        groups.setdefault(key, []).append(config)
-    return groups
-
-
-def speed_key(config: Configuration, all_axes) -> str:
-    """The name under which `config`'s speed was timed (quality-only axes at their first value)."""
-    return "/".join(next(iter(a.values)) if not a.moves_speed else config.label(a.name) for a in all_axes)
-
-
-def earlier_speed(paths: list[Path], layout: str) -> dict[str, dict]:
-    """The timed configurations of earlier runs (a full run's JSON or a --speed-only one), later files winning
-    where both timed a configuration (a share of the grid timed apart joins a run that lacks it)."""
-    speed = {}
-    for path in paths:
-        earlier = json.loads(path.read_text())
-        if earlier.get("layout", "short") != layout:  # files from before layouts timed the short one
-            raise SystemExit(f"--speed-from {path}: layout {earlier.get('layout', 'short')}, this run has {layout}")
-        speed.update(earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"])
-    return speed
-
-
-def measure_speed(args, all_axes, configs, timed_items, reuse_host: Configuration) -> dict[str, dict]:
-    """Per timed configuration (and full_reuse, in `reuse_host`'s engine): TTFTs, speed-up, decisions."""
-    from frontier_ttft import decisions, paired_speedup, run_group
-    from tqdm.auto import tqdm
-
-    groups = speed_groups(configs, all_axes)
-    items = [{"system": i.system, "chunks": list(i.chunks), "question": i.question} for i in timed_items]
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="frontier-ttft-") as workdir:
-        for index, (key, members) in enumerate(tqdm(groups.items(), desc="TTFT through vLLM", unit="engine")):
-            requests = [{"name": c.name, "selector": c.overrides["selector"], "ratio": c.overrides["recompute_ratio"]}
-                        for c in members]
-            if reuse_host in members:
-                requests.append({"name": "full_reuse", "selector": "full_reuse", "ratio": 0.0})
-            job = {"group": f"engine{index}", "model": str(args.model), "items": items, "requests": requests,
-                   "engine_overrides": engine_overrides(members[0]), "seed": args.seed}
-            raw = run_group(job, args.cpus, Path(workdir), args.timeout)
-            for name, row in raw["requests"].items():
-                out[name] = {"engine": key, "threads": raw["threads"], "prompt_tokens": raw["num_tokens"],
-                             **paired_speedup(row["plain_s"], row["fused_s"], args.seed),
-                             "decisions": decisions(row["outcomes"]), "plain_s": row["plain_s"],
-                             "fused_s": row["fused_s"]}
-    return out
-
-
 # --------------------------------------------------------------------------- the frontier
 
 
@@ -365,8 +297,6 @@ def targets(points: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.ttft_worker is not None:
-        from frontier_ttft import worker_main
-
         worker_main(args.ttft_worker, args.ttft_result, args.cpus)
         return 0
     from frontier_plot import plot, quality_table, table

@@ -14,6 +14,10 @@ time of `LLM.generate` with max_tokens=1. Plain and fused thus alternate request
 machine noise hits both; a configuration's speed-up is the median over items of plain / fused
 (paired), with a bootstrap 95% interval over items, beside the ratio of the medians.
 
+The main process's side (the end of this module): which configurations share an engine
+(`speed_groups`, `engine_overrides`), the name each is timed under (`speed_key`), one job per engine
+(`measure_speed`), and timings of earlier runs joined (`earlier_speed`).
+
 Each fused response's `kv_transfer_params` is kept: status (fused or fallen back, e.g. the
 controller's no-go), the ratio it ran at, the controller's decision, rows selected, chunks hit.
 """
@@ -30,7 +34,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from frontier import Configuration
 
 BOOTSTRAP_SAMPLES = 4000
 KV_CACHE_BYTES = 256 << 20
@@ -173,3 +180,70 @@ def decisions(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
                                        key=str),
             "chunks_missed": sum(o["chunks_missed"] or 0 for o in fused),
             "num_selected_median": statistics.median(o["num_selected"] or 0 for o in fused) if fused else None}
+
+# --------------------------------------------------------------------------- the grid's engines (main process)
+
+
+PER_REQUEST_FIELDS = ("selector", "recompute_ratio")
+"""Config fields a request may override (cachefuse.request): one engine serves every value of them."""
+
+def engine_overrides(config: Configuration) -> dict[str, Any]:
+    """The connector config one engine needs for `config`: its overrides but the per-request ones, and
+    cachecraft's ratio as `force_cfo` (its ratio axis, as cachefuse.eval.harness.selector_at runs it)."""
+    out = {k: v for k, v in config.overrides.items() if k not in PER_REQUEST_FIELDS}
+    if config.overrides.get("selector") == "cachecraft":
+        out["force_cfo"] = config.overrides["recompute_ratio"]
+    return out
+
+
+def speed_groups(configs: list[Configuration], all_axes) -> dict[str, list[Configuration]]:
+    """Configurations timed in one engine: same connector config, and quality-only axes at their first value."""
+    quality_only = {a.name: next(iter(a.values)) for a in all_axes if not a.moves_speed}
+    groups: dict[str, list[Configuration]] = {}
+    for config in configs:
+        if any(config.label(a) != first for a, first in quality_only.items()):
+            continue
+        key = ",".join(f"{k}={v}" for k, v in sorted(engine_overrides(config).items())) or "defaults"
+        groups.setdefault(key, []).append(config)
+    return groups
+
+
+def speed_key(config: Configuration, all_axes) -> str:
+    """The name under which `config`'s speed was timed (quality-only axes at their first value)."""
+    return "/".join(next(iter(a.values)) if not a.moves_speed else config.label(a.name) for a in all_axes)
+
+
+def earlier_speed(paths: list[Path], layout: str) -> dict[str, dict]:
+    """The timed configurations of earlier runs (a full run's JSON or a --speed-only one), later files winning
+    where both timed a configuration (a share of the grid timed apart joins a run that lacks it)."""
+    speed = {}
+    for path in paths:
+        earlier = json.loads(path.read_text())
+        if earlier.get("layout", "short") != layout:  # files from before layouts timed the short one
+            raise SystemExit(f"--speed-from {path}: layout {earlier.get('layout', 'short')}, this run has {layout}")
+        speed.update(earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"])
+    return speed
+
+
+def measure_speed(args, all_axes, configs, timed_items, reuse_host: Configuration) -> dict[str, dict]:
+    """Per timed configuration (and full_reuse, in `reuse_host`'s engine): TTFTs, speed-up, decisions."""
+    from tqdm.auto import tqdm
+
+    groups = speed_groups(configs, all_axes)
+    items = [{"system": i.system, "chunks": list(i.chunks), "question": i.question} for i in timed_items]
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="frontier-ttft-") as workdir:
+        for index, (key, members) in enumerate(tqdm(groups.items(), desc="TTFT through vLLM", unit="engine")):
+            requests = [{"name": c.name, "selector": c.overrides["selector"], "ratio": c.overrides["recompute_ratio"]}
+                        for c in members]
+            if reuse_host in members:
+                requests.append({"name": "full_reuse", "selector": "full_reuse", "ratio": 0.0})
+            job = {"group": f"engine{index}", "model": str(args.model), "items": items, "requests": requests,
+                   "engine_overrides": engine_overrides(members[0]), "seed": args.seed}
+            raw = run_group(job, args.cpus, Path(workdir), args.timeout)
+            for name, row in raw["requests"].items():
+                out[name] = {"engine": key, "threads": raw["threads"], "prompt_tokens": raw["num_tokens"],
+                             **paired_speedup(row["plain_s"], row["fused_s"], args.seed),
+                             "decisions": decisions(row["outcomes"]), "plain_s": row["plain_s"],
+                             "fused_s": row["fused_s"]}
+    return out

@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import frontier
+import frontier_ttft
 import pytest
 from frontier import Axis, Configuration
 
@@ -97,7 +98,7 @@ def test_full_reuse_is_timed_in_a_fixed_ratio_engine():
 
 def test_one_engine_serves_every_per_request_value_and_cachecraft_gets_one_per_ratio():
     all_axes, configs = grid(fusion=("base",), exact=("on",))
-    groups = frontier.speed_groups(configs, all_axes)
+    groups = frontier_ttft.speed_groups(configs, all_axes)
     by_key = {key: sorted(c.name for c in members) for key, members in groups.items()}
     assert by_key["default_variant=base,exact_places=True,ratio_mode=fixed"] == [
         "cacheblend/0.15/fixed/base/on", "cacheblend/0.5/fixed/base/on"]
@@ -112,10 +113,10 @@ def test_fusion_is_timed_once_and_exact_places_off_in_an_engine_of_its_own():
     all_axes, configs = grid(selectors=("cacheblend",), ratios=(0.15,), modes=("fixed",))
     assert [c.name for c in configs] == ["cacheblend/0.15/fixed/base/on", "cacheblend/0.15/fixed/base/off",
                                          "cacheblend/0.15/fixed/fused/on"]
-    timed = {key: [c.name for c in members] for key, members in frontier.speed_groups(configs, all_axes).items()}
+    timed = {key: [c.name for c in members] for key, members in frontier_ttft.speed_groups(configs, all_axes).items()}
     assert timed == {"default_variant=base,exact_places=True,ratio_mode=fixed": ["cacheblend/0.15/fixed/base/on"],
                      "default_variant=base,exact_places=False,ratio_mode=fixed": ["cacheblend/0.15/fixed/base/off"]}
-    assert [frontier.speed_key(c, all_axes) for c in configs] == [
+    assert [frontier_ttft.speed_key(c, all_axes) for c in configs] == [
         "cacheblend/0.15/fixed/base/on", "cacheblend/0.15/fixed/base/off", "cacheblend/0.15/fixed/base/on"]
     assert sorted(frontier.quality_groups(all_axes, configs)) == ["base/off", "base/on", "fused/on"]
     fusion = next(a for a in all_axes if a.name == "fusion")
@@ -128,14 +129,14 @@ def test_a_quality_only_axis_is_timed_once_but_measured_per_value():
     all_axes = (*frontier.axes(("cacheblend",), (0.15,), ("fixed",), ("base",), ("on",)), variant)
     configs = frontier.configurations(all_axes)
     assert len(configs) == 2
-    timed = [c.name for members in frontier.speed_groups(configs, all_axes).values() for c in members]
+    timed = [c.name for members in frontier_ttft.speed_groups(configs, all_axes).values() for c in members]
     assert timed == ["cacheblend/0.15/fixed/base/on/v"]
-    assert {frontier.speed_key(c, all_axes) for c in configs} == {"cacheblend/0.15/fixed/base/on/v"}
+    assert {frontier_ttft.speed_key(c, all_axes) for c in configs} == {"cacheblend/0.15/fixed/base/on/v"}
     assert sorted(frontier.quality_groups(all_axes, configs)) == ["base/on/k", "base/on/v"]
     # negative control: the same axis moving speed is timed per value
     moving = Axis("variant", variant.values, quality="reference", moves_speed=True)
     both = (*all_axes[:-1], moving)
-    assert len(frontier.speed_groups(frontier.configurations(both), both)) == 2
+    assert len(frontier_ttft.speed_groups(frontier.configurations(both), both)) == 2
 
 
 def _decisions(fused: int, requests: int, ratios: list[float]) -> dict:
@@ -396,9 +397,9 @@ def test_speed_shares_join_with_the_later_file_winning(tmp_path):
     quiet, extra = tmp_path / "quiet.json", tmp_path / "extra.json"
     quiet.write_text(json.dumps({"configurations": {"full_reuse": {"speedup": 3.7}, "a": {"speedup": 2.5}}}))
     extra.write_text(json.dumps({"speed": {"configurations": {"full_reuse": {"speedup": 3.1}, "b": {"speedup": 1.2}}}}))
-    joined = frontier.earlier_speed([extra, quiet], "short")
+    joined = frontier_ttft.earlier_speed([extra, quiet], "short")
     assert {k: v["speedup"] for k, v in joined.items()} == {"full_reuse": 3.7, "a": 2.5, "b": 1.2}
-    assert frontier.earlier_speed([quiet, extra], "short")["full_reuse"]["speedup"] == 3.1
+    assert frontier_ttft.earlier_speed([quiet, extra], "short")["full_reuse"]["speedup"] == 3.1
 
 
 def test_a_file_of_the_other_layout_is_refused(tmp_path):
@@ -409,10 +410,10 @@ def test_a_file_of_the_other_layout_is_refused(tmp_path):
     long_speed.write_text(json.dumps({"layout": "long", "configurations": {"full_reuse": {"speedup": 5.9}}}))
     old_speed.write_text(json.dumps({"configurations": {"full_reuse": {"speedup": 3.7}}}))
     with pytest.raises(SystemExit, match="layout long, this run has short"):
-        frontier.earlier_speed([long_speed], "short")
+        frontier_ttft.earlier_speed([long_speed], "short")
     with pytest.raises(SystemExit, match="layout short, this run has long"):
-        frontier.earlier_speed([old_speed], "long")
-    assert frontier.earlier_speed([long_speed], "long")["full_reuse"]["speedup"] == 5.9
+        frontier_ttft.earlier_speed([old_speed], "long")
+    assert frontier_ttft.earlier_speed([long_speed], "long")["full_reuse"]["speedup"] == 5.9
     long_quality = tmp_path / "q.json"
     long_quality.write_text(json.dumps({"quality": {"items": 2, "layout": "long", "groups": {"base/on": {}}}}))
     with pytest.raises(SystemExit, match="layout long, this run has short"):
