@@ -18,7 +18,8 @@ costs a few reference runs rather than a copy of the grid.
 
 Quality (reference engine, cachefuse.eval.harness.run_eval, one process, as many torch threads as
 `--cpus`; benchmarks/frontier_quality.py): on `--items` test items of the QA set (cachefuse.eval.qa_set,
-one- and two-hop alternating; `--layout long`: the same questions over 10-12 documents), token F1 of 8 greedy tokens, normalized as FusionRAG's Eq. 11,
+one- and two-hop alternating; `--layout long`: the same questions over 10-12 documents), token F1 of 8
+greedy tokens, normalized as FusionRAG's Eq. 11,
 (S - S_full_reuse) / (S_full_prefill - S_full_reuse) against the defaults' group's baselines, with a
 bootstrap 95% interval over items, pooled and per kind (single = one hop, multi = two hops), and the mean
 first-token KL(full prefill || fused). One reference engine per quality group (the values of the

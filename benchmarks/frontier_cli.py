@@ -1,5 +1,6 @@
 """benchmarks/frontier.py's command line: its grid's default values and the parsing and checking of its flags
-(imports only the standard library and cachefuse.testing.smollm2, for the model's default path)."""
+(imports only the standard library, cachefuse.testing.smollm2, for the model's default path, and
+cachefuse.eval.qa_set's layouts), and the layout a result file was measured on."""
 
 from __future__ import annotations
 
@@ -16,11 +17,26 @@ MAX_NEW_TOKENS = 8
 FUSION = {"base": {"default_variant": "base"}, "fused": {"default_variant": "fused"}}
 EXACT = {"on": {"exact_places": True}, "off": {"exact_places": False}}
 """The side axes' values (frontier.axes), the defaults' first."""
+LAYOUT_BEFORE_LAYOUTS = "short"
+"""What a result file without a layout measured: it was written before layouts, when the short one was all."""
+
+
+def recorded_layout(record: dict) -> str:
+    """The QA layout a result file (its top level, or its "quality" section) was measured on."""
+    return record.get("layout", LAYOUT_BEFORE_LAYOUTS)
+
+
+def check_layout(flag: str, path: Path, record: dict, layout: str) -> None:
+    """Stops a run that would join `path` (read by `flag`) when it was measured on another layout than `layout`:
+    scores and timings join only over the same prompts."""
+    if recorded_layout(record) != layout:
+        raise SystemExit(f"{flag} {path}: layout {recorded_layout(record)}, this run has {layout}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     import os
 
+    from cachefuse.eval.qa_set import LAYOUTS
     from cachefuse.testing import smollm2
 
     parser = argparse.ArgumentParser(description="The quality / speed frontier (benchmarks/frontier.py).")
@@ -32,8 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ratios", help=f"comma-separated (default {','.join(f'{r:g}' for r in RATIOS)})")
     parser.add_argument("--ratio-modes", default=",".join(RATIO_MODES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layout", choices=("short", "long"), default="short",
-                        help="the QA items' retrieved documents (cachefuse.eval.qa_set.LAYOUTS): 4-6 or 10-12")
+    parser.add_argument("--layout", choices=tuple(LAYOUTS), default="short",
+                        help="the QA items' retrieved documents (cachefuse.eval.qa_set.LAYOUTS): "
+                             + ", ".join(f"{name} {low}-{high}" for name, (low, high) in LAYOUTS.items()))
     parser.add_argument("--cpus", default=str(min(os.sched_getaffinity(0))),
                         help="CPUs every vLLM engine is bound to (default: one, the first this process may use: "
                              "on a shared machine one thread per engine keeps OpenMP's barriers from waiting on "

@@ -9,6 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from frontier_cli import recorded_layout
+
+from cachefuse.eval.qa_set import LAYOUTS
+
 MARKERS = {"fixed": "o", "controller": "s"}
 SIDE_MARKERS = {("fusion", "fused"): "P", ("exact", "off"): "X"}
 """Side-axis values away from the defaults' (benchmarks/frontier.py, Axis.side) drawn with their own marker."""
@@ -70,7 +74,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if any(p.get("axes", {}).get(axis) == value for p in points):
             ax.plot([], [], color="grey", marker=marker, ls="none", label=f"{axis} {value}")
     quality = result["quality"]
-    documents = {"long": "10-12", "short": "4-6"}[result.get("layout", "short")]  # files from before layouts: short
+    documents = "{}-{}".format(*LAYOUTS[recorded_layout(result)])
     ax.set(xlabel="TTFT speed-up vs plain vLLM (median of paired requests)",
            ylabel="normalized F1, (S - S_reuse) / (S_full - S_reuse), 95% CI",
            title=f"{result['model_name']}: {quality['items']} QA test items "

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from frontier_cli import check_layout
+
 QUERY_AWARE = ("qcfuse", "fusionrag")
 """Selectors compared, paired, with cacheblend at each ratio (issue 30: "at 15%, a query-aware selector at
 or above cacheblend on the test split")."""
@@ -235,8 +237,7 @@ def earlier_quality(paths: list[Path], items: list, layout: str) -> tuple[dict[s
         quality = json.loads(path.read_text())["quality"]
         if quality["items"] != len(items):
             raise SystemExit(f"--quality-from {path}: {quality['items']} items, this run has {len(items)}")
-        if quality.get("layout", "short") != layout:  # files from before layouts measured the short one
-            raise SystemExit(f"--quality-from {path}: layout {quality.get('layout', 'short')}, this run has {layout}")
+        check_layout("--quality-from", path, quality, layout)
         for name, settings in quality["groups"].items():  # one group's settings may come from several runs
             groups[name] = {**groups.get(name, {}), **settings}
         offline.update(quality.get("offline") or {})

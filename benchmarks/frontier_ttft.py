@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from frontier_cli import check_layout
+
 if TYPE_CHECKING:
     from frontier import Configuration
 
@@ -181,11 +183,13 @@ def decisions(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
             "chunks_missed": sum(o["chunks_missed"] or 0 for o in fused),
             "num_selected_median": statistics.median(o["num_selected"] or 0 for o in fused) if fused else None}
 
+
 # --------------------------------------------------------------------------- the grid's engines (main process)
 
 
 PER_REQUEST_FIELDS = ("selector", "recompute_ratio")
 """Config fields a request may override (cachefuse.request): one engine serves every value of them."""
+
 
 def engine_overrides(config: Configuration) -> dict[str, Any]:
     """The connector config one engine needs for `config`: its overrides but the per-request ones, and
@@ -219,8 +223,7 @@ def earlier_speed(paths: list[Path], layout: str) -> dict[str, dict]:
     speed = {}
     for path in paths:
         earlier = json.loads(path.read_text())
-        if earlier.get("layout", "short") != layout:  # files from before layouts timed the short one
-            raise SystemExit(f"--speed-from {path}: layout {earlier.get('layout', 'short')}, this run has {layout}")
+        check_layout("--speed-from", path, earlier, layout)
         speed.update(earlier["configurations"] if "configurations" in earlier else earlier["speed"]["configurations"])
     return speed
 
