@@ -100,11 +100,17 @@ class Output:
 
 @dataclass
 class LayerDone:
-    """The pass finished `layer`, having computed `rows` rows in it (the budget's unit)."""
+    """The pass finished `layer`, having computed `rows` rows in it over `keys` keys (the prompt's tokens):
+    what the budget charges it (`PassBatch`'s `charge`; by default its rows)."""
 
     layer: int
     rows: int
+    keys: int = 0
     stage = LAYER_DONE
+
+
+Charge = Callable[[LayerDone], float]
+"""What a finished layer costs of the budget, in the budget's unit (rows of a full layer)."""
 
 
 @dataclass
@@ -185,7 +191,8 @@ class Advanced:
 
     finished: dict[Hashable, Any] = field(default_factory=dict)
     failed: dict[Hashable, BaseException] = field(default_factory=dict)
-    rows: int = 0
+    rows: float = 0.0
+    """The budget spent: the finished layers' charges (their rows, unless the batch prices them)."""
     split: dict[Hashable, tuple[int, int]] = field(default_factory=dict)
     """Per finished or failed job: (engine steps it ran in, the most passes it was batched with)."""
 
@@ -201,9 +208,12 @@ class PassBatch:
     entries read, its probe run) only when its cohort starts.
     """
 
-    def __init__(self, execute: ExecuteOps, agree: Agreement | None = None) -> None:
+    def __init__(self, execute: ExecuteOps, agree: Agreement | None = None, charge: Charge | None = None) -> None:
         self.execute = execute
         self.agree = agree
+        self.charge: Charge = charge or (lambda done: float(done.rows))
+        """What each finished layer costs of `advance`'s budget (the worker's: its measured cost in rows of a
+        full layer, as the scheduler estimates passes; by default its rows)."""
         self.agreements = 0
         """`agree` calls made (each one collective: its cost is this count times one small all-reduce)."""
         self.jobs: list[_Job] = []
@@ -331,7 +341,7 @@ class PassBatch:
         try:
             job.op = job.steps.send(value)
             if isinstance(job.op, LayerDone):  # the layer is charged to the call that computed it
-                done.rows += job.op.rows
+                done.rows += self.charge(job.op)
         except StopIteration as finished:
             if self.agree is not None:  # another rank may yet have failed it
                 job.settled = ("finished", finished.value)

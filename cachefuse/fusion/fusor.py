@@ -276,7 +276,7 @@ class Fusor:
             attn = yield Attend(layer, request.attention_backend, q, next_rows, k_merged, v_merged)
             hidden, residual = yield Output(layer, attn.flatten(1), residual)
             timer.stop()
-            yield LayerDone(layer, layout.num_tokens if rows is None else int(rows.numel()))
+            yield LayerDone(layer, layout.num_tokens if rows is None else int(rows.numel()), layout.num_tokens)
             rows = next_rows
 
         logits = (yield Logits(hidden, residual))[0]  # the last row, position N-1

@@ -39,7 +39,7 @@ from cachefuse import ops
 from cachefuse.adapters.base import ModelAdapter
 from cachefuse.attention import rows_attention_at, segment_attention_mass
 from cachefuse.chunks import Segment
-from cachefuse.fusion.batch import Embed, Output, PassSteps, Project, run_alone, summed_over_ranks
+from cachefuse.fusion.batch import Embed, LayerDone, Output, PassSteps, Project, run_alone, summed_over_ranks
 from cachefuse.fusion.batch_ops import run_ops
 from cachefuse.select.base import ProbeSpec, SelectionContext
 from cachefuse.store.base import ChunkKV, select_rows
@@ -212,13 +212,15 @@ def probe_steps(token_ids: torch.Tensor, segments: Sequence[Segment], loaded: Ma
             scores += layer_score
             if spec.per_layer:
                 per_layer.append(layer_score[ctx.candidate_rows])
-        if last:
-            break
-        keys = torch.cat([view_k.to(k.dtype), k])[order] if view_k is not None else k
-        values = torch.cat([view_v.to(v.dtype), v])[order] if view_v is not None else v
-        attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows,
-                                 shape.window(layer))
-        hidden, residual = yield Output(layer, attn.flatten(1), residual)
+        if not last:
+            keys = torch.cat([view_k.to(k.dtype), k])[order] if view_k is not None else k
+            values = torch.cat([view_v.to(v.dtype), v])[order] if view_v is not None else v
+            attn = rows_attention_at(q, forced_rows, keys, values, key_positions, shape.scaling, block_rows,
+                                     shape.window(layer))
+            hidden, residual = yield Output(layer, attn.flatten(1), residual)
+        # charged to the step's blend budget as the pass's own layers are (the probe's rows are part of the
+        # blend's work), and a point where a split blend may pause
+        yield LayerDone(layer, int(forced_rows.numel()), num_tokens)
     # Each rank scored its own heads: the total and the per-layer shares cross the ranks in one sum
     summed = yield from summed_over_ranks(torch.stack([scores[ctx.candidate_rows], *per_layer]), spec.depth - 1,
                                           across_ranks)

@@ -52,6 +52,17 @@ class ComputeFigures:
         """One blend-pass layer computing `rows` rows over `context` keys."""
         return self.fixed_s + self.per_row_s * rows + self.per_row_key_s * rows * context
 
+    def row_equivalents(self, rows: float, context: float) -> float:
+        """One blend-pass layer of `rows` rows over `context` keys, priced in rows of a full layer of a
+        `context`-token prompt (its measured time over a full layer's, times `context`): a full layer is
+        `context` rows exactly, and a selective layer of few rows weighs what it costs, its fixed work over
+        every token (loading, rotating and merging their K/V) included, not its row count alone. Without a
+        measured blend (every coefficient 0) it is `rows`: the row count is all there is to go by."""
+        full = self.layer_time(context, context)
+        if full <= 0.0 or context <= 0:
+            return float(rows)
+        return context * self.layer_time(rows, context) / full
+
     def prefill_time(self, num_tokens: float, cached: float = 0) -> float:
         """vLLM's own prefill of a `num_tokens` prompt, all layers, when its prefix cache holds the first
         `cached` tokens: the step's fixed cost, the new tokens' own cost, and their attention over the keys

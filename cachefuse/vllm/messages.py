@@ -15,6 +15,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from cachefuse.chunks import Segment, is_candidate_chunk
+from cachefuse.loading.figures import ComputeFigures
 from cachefuse.metadata.base import record_from_dict
 from cachefuse.metadata.index import VariantChoice
 
@@ -88,18 +89,32 @@ def blend_budget_rows(blend_step_tokens: int | None, max_num_batched_tokens: int
 
 
 def estimated_rows(num_tokens: int, segments: Sequence[Segment], variants: Sequence[Any] | None, ratio: float,
-                   num_layers: int, num_full: int) -> float:
+                   num_layers: int, num_full: int, probe_depth: int = 0,
+                   figures: ComputeFigures | None = None) -> float:
     """Rows a blend pass computes, summed over its layers (the unit of `blend_step_tokens` x num_layers),
     before it runs: every row in the full layers; after them the rows not loaded (holes, question, glue)
-    and the ratio's share of the loaded chunks neither system nor exact (VariantChoice.exact). Variants not
-    planned (None list) count as loaded; a None in the list is a hole."""
+    and the ratio's share of the loaded chunks neither system nor exact (VariantChoice.exact); and a
+    query-aware selector's question probe, the rows not loaded through its `probe_depth` layers. Variants
+    not planned (None list) count as loaded; a None in the list is a hole.
+
+    With measured `figures` each layer is priced at what it costs (`ComputeFigures.row_equivalents`: in
+    rows of a full layer), not at its row count: a layer of few rows still loads, rotates and merges every
+    token's K/V, so a pass of selective layers alone (qcfuse) counted by rows was priced at about half its cost
+    against one with full layers (cacheblend), and the budget let a step run twice the blend work it meant
+    to. Without figures (none measured yet), rows as they are."""
     chunks = [s for s in segments if s.is_chunk]
     planned = list(variants) if variants is not None else [True] * len(chunks)
     loaded = [(s, v) for s, v in zip(chunks, planned, strict=False) if v is not None]
     candidates = sum(s.length for s, v in loaded
                      if is_candidate_chunk(s.is_system, getattr(v, "exact", False)))
-    selective = num_tokens - sum(s.length for s, _ in loaded) + ratio * candidates
-    return num_full * num_tokens + (num_layers - num_full) * min(selective, num_tokens)
+    not_loaded = num_tokens - sum(s.length for s, _ in loaded)
+    selective = min(not_loaded + ratio * candidates, num_tokens)
+
+    def priced(rows: float) -> float:
+        return rows if figures is None else figures.row_equivalents(rows, num_tokens)
+
+    return (num_full * num_tokens + (num_layers - num_full) * priced(selective)
+            + probe_depth * priced(not_loaded))
 
 
 @dataclass

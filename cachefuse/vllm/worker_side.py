@@ -28,10 +28,10 @@ from cachefuse.chunks import (
 )
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import CacheFuseError, StoreError
-from cachefuse.fusion.batch import Agreement, PassBatch
+from cachefuse.fusion.batch import Agreement, LayerDone, PassBatch
 from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.plan import FusePlan
-from cachefuse.loading.figures import FigureRecorder
+from cachefuse.loading.figures import ComputeFigures, FigureRecorder
 from cachefuse.loading.placement import FrequencyPlacement
 from cachefuse.metadata.backends import open_config_metastore, open_metastore
 from cachefuse.metadata.base import record_to_dict
@@ -111,7 +111,11 @@ class WorkerSide:
         self._prefill_step: tuple[int, float] | None = None  # (plain prefill tokens, start) of this step
         self._load_errors: set[int] = set()  # blocks of synchronous loads whose blend failed
         # the blends waiting or running, oldest first
-        self.passes = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement)
+        self._layer_cost: ComputeFigures | None = None
+        """The measured blend cost model the step budget charges layers by (`_charge`), as the scheduler
+        estimates passes by the same figures; None: rows (nothing measured yet, or several ranks)."""
+        self._prices_layers = tp_size == 1
+        self.passes = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement, self._charge)
         self._running: dict[str, _Running] = {}
         self._finished_loads: set[str] = set()  # asynchronous loads done (or failed) since the last step
         self._failed_loads: set[str] = set()
@@ -129,7 +133,7 @@ class WorkerSide:
         for req_id in metadata.finished_req_ids:
             self._cancel(req_id)
         layers = forward_context.no_compile_layers
-        now = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement)
+        now = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement, self._charge)
         for plan in metadata.plans:
             self._start(plan, layers, self.passes if plan.load_async else now)
         spent = self._advance(now, None).rows if len(now) else 0
@@ -138,6 +142,14 @@ class WorkerSide:
         # to their TTFT. Held for one step only (the next has no such tokens: no blend ended in this one).
         if len(self.passes) and self.budget_rows > spent and not metadata.first_tokens:
             self._advance(self.passes, self.budget_rows - spent)
+
+    def _charge(self, done: LayerDone) -> float:
+        """A finished layer's cost of the step budget: its measured cost in rows of a full layer (the
+        figures last sent to the scheduler, which estimates passes by them), its rows before any blend is
+        timed. Under tensor parallelism always its rows: each rank times its own work, and ranks whose
+        charges differed would stop their batches at different layers, pairing their collectives wrong."""
+        cost = self._layer_cost
+        return float(done.rows) if cost is None else cost.row_equivalents(done.rows, done.keys)
 
     def _advance(self, batch: PassBatch, budget_rows: float | None) -> Any:
         advanced = batch.advance(budget_rows)
@@ -286,6 +298,8 @@ class WorkerSide:
         if self.figures.changed:
             self._meta.figures = self.figures.snapshot()
             self.figures.changed = False
+            if self._prices_layers and self._meta.figures["samples"]["blend_layers"]:
+                self._layer_cost = ComputeFigures(**self._meta.figures["compute"])
         written = self.engine.take_save_report()  # background saves finished since the last step
         self._meta.evict(written.evicted)
         if self.tp_rank == 0:

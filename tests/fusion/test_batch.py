@@ -62,8 +62,8 @@ def alone(engine, plans):
     return [engine.fuse(p) for p in plans]
 
 
-def batched(engine, plans, budget=None, estimates=None):
-    batch = PassBatch(engine.fusor.execute_ops)
+def batched(engine, plans, budget=None, estimates=None, charge=None):
+    batch = PassBatch(engine.fusor.execute_ops, charge=charge)
     for i, p in enumerate(plans):
         batch.add(i, engine.fuse_steps(p), 0.0 if estimates is None else estimates[i])
     results, calls = {}, []
@@ -146,6 +146,39 @@ def test_a_budget_splits_passes_across_calls_with_the_same_results(engine, adapt
         sum(len(case.token_ids) if rows is None else rows.numel() for rows in result.rows_per_layer)
         for (result, _), case in zip(results, engine.cases, strict=True))
     assert max(steps for steps, _ in calls[-1].split.values()) > 1
+
+
+def layer_rows(result, num_tokens: int) -> list[int]:
+    return [num_tokens if rows is None else rows.numel() for rows in result.rows_per_layer]
+
+
+@pytest.mark.parametrize("selector", ["qcfuse", "fusionrag"])
+def test_a_query_aware_pass_is_charged_its_probe_and_splits_inside_it(engine, selector):
+    """The question probe's layers are blend work like the pass's own: charged to the budget, and points
+    where a split pass pauses (before, a step ran a whole probe beyond its budget)."""
+    plans = [plan(case, selector) for case in engine.cases]
+    expected = alone(engine, plans)
+    results, calls = batched(engine, plans, budget=1)  # every call stops at the first layer it finishes
+    for (result, _), (want, _) in zip(results, expected, strict=True):
+        assert_same(result, want)
+    probes = [result.probe_rows * result.probe_layers for result, _ in results]
+    assert all(probes)
+    assert calls[0].rows == sum(result.probe_rows for result, _ in results)  # the probes' layer 0, batched
+    assert sum(call.rows for call in calls) == sum(probes) + sum(
+        sum(layer_rows(result, len(case.token_ids))) for (result, _), case in zip(results, engine.cases, strict=True))
+
+
+def test_a_priced_batch_charges_each_layer_its_cost_and_stops_sooner(engine):
+    plans = [plan(case) for case in engine.cases]
+    budget = 2 * sum(len(case.token_ids) for case in engine.cases)  # two full layers of the batch, by rows
+    _, by_rows = batched(engine, plans, budget=budget)
+    results, priced = batched(engine, plans, budget=budget, charge=lambda done: 3.0 * done.rows + done.keys)
+    assert len(priced) > len(by_rows)  # the same work, charged more: cut across more calls
+    for (result, _), (want, _) in zip(results, alone(engine, plans), strict=True):
+        assert_same(result, want)
+    assert sum(call.rows for call in priced) == sum(
+        3 * rows + len(case.token_ids) for (result, _), case in zip(results, engine.cases, strict=True)
+        for rows in layer_rows(result, len(case.token_ids)))
 
 
 def test_a_burst_is_cut_into_cohorts_that_fit_the_budget(engine):

@@ -90,6 +90,13 @@ class Gate:
         """The forced decision of a request picked to re-measure, kept until the request finishes, so
         vLLM asking again (no free blocks yet) gets the same answer."""
 
+    def blend_figures(self) -> ComputeFigures | None:
+        """The worker's measured blend cost model (what the step budget prices passes by), or None while
+        no blend layer has been timed."""
+        if not self.figures.get("samples", {}).get("blend_layers"):
+            return None
+        return ComputeFigures(**self.figures["compute"])
+
     def kv_geometry(self) -> tuple[int, int]:
         """(layers, stored K/V bytes per token over all layers, this rank's heads)."""
         return kv_geometry(self._model_config.hf_text_config, self._model_config.dtype, self._tp_size)

@@ -120,9 +120,12 @@ class Planner:
         )
 
         fusion = pending.request
-        num_full = make_selector(fusion.selector, self.config).num_full_layers(self.num_layers)
+        selector = make_selector(fusion.selector, self.config)
+        probe = selector.probe_spec(self.num_layers)
         pending.estimated_rows = estimated_rows(len(pending.token_ids), fusion.segments, pending.variants,
-                                                fusion.recompute_ratio, self.num_layers, num_full)
+                                                fusion.recompute_ratio, self.num_layers,
+                                                selector.num_full_layers(self.num_layers),
+                                                0 if probe is None else probe.depth, self.gate.blend_figures())
         if self.async_scheduling:
             # vLLM has scheduled the request's next step before it hears of a synchronous load's failure, and
             # vLLM 0.32 cannot recompute it then (the engine dies); an asynchronous load's failure is known

@@ -971,6 +971,24 @@ def test_a_failed_async_blend_runs_plain_when_vllm_asks_again(make_side):
     assert_no_state(side)
 
 
+def test_a_blend_that_fits_by_rows_but_not_by_its_measured_cost_runs_asynchronously(make_side):
+    """The step's budget prices a pass by the worker's measured figures: a selective layer of few rows still
+    costs its fixed work over every token. Negative control: the same request without figures (rows) runs
+    synchronously, as does one under figures of rows alone."""
+    # system [0, 10) and chunk [10, 60) stored, 40 rows computed: 2 full layers of 100 rows (cacheblend)
+    # and 2 of 40 + 15% of 50 = 47.5 rows: 295 rows, within the 75-token budget (300 rows)
+    rows_only = {"fixed_s": 0.0, "per_row_s": 1e-4, "per_row_key_s": 0.0}
+    fixed = {"fixed_s": 5e-3, "per_row_s": 1e-4, "per_row_key_s": 1e-7}  # a 47.5-row layer: 64 rows' cost
+    for compute, synchronous in ((None, True), (rows_only, True), (fixed, False)):
+        side = make_side(blend_step_tokens=75)
+        req = request("a")
+        index_chunks(side, req)
+        if compute is not None:
+            side.figures = {**measured(), "compute": {**measured()["compute"], **compute}}
+        assert side.get_num_new_matched_tokens(req, 0) == (99, not synchronous), compute
+        assert side.planner.pending["a"].estimated_rows == pytest.approx(295 if synchronous else 327.8, abs=0.1)
+
+
 def test_a_blend_runs_synchronously_when_it_fits_the_step_and_nothing_older_waits(make_side):
     """The first token one step sooner where the step has room: synchronous while this step's synchronous
     blends fit its budget and no asynchronous blend is waiting; asynchronous after (oldest first)."""
