@@ -1,6 +1,6 @@
 """Cache-Craft as deployed on SmolLM2-135M-Instruct: variants admitted from served requests, CFO driving recompute.
 
-    make model && python benchmarks/cachecraft_variants.py --threads 1      # ~11 min on one idle CPU core
+    make model && python benchmarks/cachecraft_variants.py --threads 1      # ~10 min on one idle CPU core
     python benchmarks/cachecraft_variants.py --items 3 --rounds 2 --out /tmp/cv.json   # a smoke run
 
 The workload is Cache-Craft's setting: the same documents recur across requests after related
@@ -28,13 +28,14 @@ served run recomputed for it (labelled by the mean ratio); full reuse; full pref
 retrieved chunks' tokens computed, averaged over layers: chunks admitted (computed in full) count in
 full, and cacheblend's full layers count. Also the variants created and the chosen CFOs.
 
-Admission under the default selector (`cacheblend_admission` in the JSON): the same stream served by
-two more engines from the same store start, cacheblend at its default ratio with admission on (threshold
-0.5 = alpha / 2, one chunk per request, no attention statistics: cacheblend's default) and with it off;
-and cacheblend with admission off, each request at the ratio that recomputes what admission on recomputed
-for it (the same compute, spent on cacheblend's rows instead of a chunk in full). Paired differences
-(on - other) of F1, first-token KL, greedy match and recompute fraction over the measured requests, the
-measured rounds one by one, and both streams per round (recompute, chunks and tokens admitted).
+Admission under other selectors (`admission` in the JSON, one entry per `--admission-selectors`, by
+default cacheblend and qcfuse): for each, the same stream served by two more engines from the same store
+start, the selector at its default ratio with admission on (threshold 0.5 = alpha / 2, one chunk per
+request, no attention statistics: their default) and with it off; and the selector with admission off,
+each request at the ratio that recomputes what admission on recomputed for it (the same compute, spent on
+the selector's rows instead of a chunk in full). Paired differences (on - other) of F1, first-token KL,
+greedy match and recompute fraction over the measured requests, the measured rounds one by one, and both
+streams per round (recompute, chunks and tokens admitted).
 
 Threads are pinned (`--threads`); quality does not depend on them, and nothing here is a speed figure.
 Writes `--out` (JSON) and the plot next to it (.png; `--replot` redraws it from the JSON).
@@ -165,17 +166,18 @@ def baselines(engine, tokenizer, measured, references, spec: EvalSpec, bar) -> d
     return out
 
 
-def cacheblend_matched(engine, tokenizer, measured, references, spec: EvalSpec, targets, at_ratio, bar) -> dict:
-    """cacheblend with admission off on the measured prompts (nothing saved), each at the ratio that computes
+def matched_recompute(engine, tokenizer, measured, references, spec: EvalSpec, targets, at_ratio, bar,
+                      selector: str = "cacheblend") -> dict:
+    """`selector` with admission off on the measured prompts (nothing saved), each at the ratio that computes
     its `targets` fraction: the fraction is linear in the ratio (up to a row per chunk), so from the
     fraction at ratio 0 (full layers only) and at `at_ratio` = (ratio, fractions) the ratio is interpolated.
     Exact chunks are no candidates, which a closed form from the prompt's lengths would miss."""
-    engine.config = engine.config.replace(selector="cacheblend", variant_admission_max_chunks=0)
+    engine.config = engine.config.replace(selector=selector, variant_admission_max_chunks=0)
     ratio_known, fractions_known = at_ratio
     out = {"runs": [], "fractions": [], "ratios": []}
 
     def fused(prompt, ratio):
-        result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector="cacheblend", ratio=ratio,
+        result, stats = engine.prefill(prompt.token_ids, prompt.chunks, selector=selector, ratio=ratio,
                                        save_holes=False)
         assert stats.chunks_missed == 0, stats.miss_reasons
         return result
@@ -211,17 +213,24 @@ def plot(report: dict, path: Path) -> None:
     ax_s.plot(xs, [100 * rounds[r]["fraction_mean"] for r in rounds], marker="o", label="recomputed (%)")
     ax_s.plot(xs, [100 * rounds[r]["cfo_mean"] for r in rounds], marker="s", label="mean CFO of loaded chunks (%)")
     ax_s.plot(xs, [rounds[r]["variants_total"] for r in rounds], marker="^", label="fused variants stored")
-    blend = report.get("cacheblend_admission", {}).get("served_per_round", {})
-    for key, label in (("on", "cacheblend, admission on: recomputed (%)"),
-                       ("off", "cacheblend, admission off: recomputed (%)")):
-        if key in blend:
-            ax_s.plot(xs, [100 * blend[key][r]["fraction_mean"] for r in blend[key]], marker="x", linestyle="--",
-                      label=label)
+    for selector, admission in admission_runs(report).items():
+        blend = admission.get("served_per_round", {})
+        for key, label in (("on", "admission on"), ("off", "admission off")):
+            if key in blend:
+                ax_s.plot(xs, [100 * blend[key][r]["fraction_mean"] for r in blend[key]], marker="x",
+                          linestyle="--", label=f"{selector}, {label}: recomputed (%)")
     ax_s.set(xlabel="round", xticks=xs, title="served stream, per round (cachecraft unless named)")
     ax_s.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def admission_runs(report: dict) -> dict:
+    """selector -> its admission run; a file from before `admission` holds cacheblend's alone."""
+    if "admission" in report:
+        return report["admission"]
+    return {"cacheblend": report["cacheblend_admission"]} if "cacheblend_admission" in report else {}
 
 
 def main(argv=None) -> int:
@@ -233,6 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/cachecraft_variants.json"))
+    parser.add_argument("--admission-selectors", default="cacheblend,qcfuse",
+                        help="selectors whose admission on/off/matched runs are measured (comma-separated)")
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from --out's JSON, run nothing")
     args = parser.parse_args(argv)
     if args.replot:
@@ -243,33 +254,44 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     served_engine, tokenizer = reference_engine(args.model, CacheFuseConfig(selector="cachecraft"))
     base_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_max_chunks=0))
-    # cacheblend at its default ratio, served with admission at cachecraft's threshold (alpha / 2), and without
-    blend_on_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_cfo=0.5))
-    blend_off_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_max_chunks=0))
+    # each admission selector at its default ratio, served with admission at cachecraft's threshold (alpha / 2),
+    # and without
+    selectors = [name for name in args.admission_selectors.split(",") if name]
+    if "cacheblend" not in selectors:  # its admission-off run prices cachecraft's matched recompute
+        selectors.insert(0, "cacheblend")
+    admission_engines = {name: (reference_engine(args.model, CacheFuseConfig(selector=name, variant_admission_cfo=0.5))[0],
+                                reference_engine(args.model, CacheFuseConfig(selector=name,
+                                                                             variant_admission_max_chunks=0))[0])
+                         for name in selectors}
     qa = make_items("test", args.items, seed=args.seed)
     stream = make_stream(qa, eval_items(qa, tokenizer), args.rounds, args.seed)
     for _, item in stream:  # the store starts with what offline precompute writes, nothing more
         prompt = build_rag_prompt(tokenizer, item.system, item.chunks, item.question)
-        for engine in (served_engine, base_engine, blend_on_engine, blend_off_engine):
+        for engine in (served_engine, base_engine, *(e for pair in admission_engines.values() for e in pair)):
             store_base_variants(engine, prompt)
     spec = EvalSpec(selectors=("cacheblend", "cachecraft"), ratios=(0.0,), metric="f1", max_new_tokens=MAX_NEW_TOKENS)
     measured = [item for round_, item in stream if round_ >= measure_from]
-    with tqdm(total=3 * len(stream) + 5 * len(measured), unit="prefill", desc="cachecraft_variants") as bar:
+    total = len(stream) + 3 * len(measured) + len(selectors) * (2 * len(stream) + len(measured)) + len(measured)
+    with tqdm(total=total, unit="prefill", desc="cachecraft_variants") as bar:
         served = serve(served_engine, tokenizer, stream, spec, measure_from, bar)
         references = served["references"]
         others = baselines(base_engine, tokenizer, measured, references, spec, bar)
-        blend = {"on": serve(blend_on_engine, tokenizer, stream, spec, measure_from, bar, references),
-                 "off": serve(blend_off_engine, tokenizer, stream, spec, measure_from, bar, references)}
-        at_default = (blend_off_engine.config.recompute_ratio, blend["off"]["fractions"])
-        blend["matched"] = cacheblend_matched(base_engine, tokenizer, measured, references, spec,
-                                              blend["on"]["fractions"], at_default, bar)
+        admission = {}
+        for name, (on_engine, off_engine) in admission_engines.items():
+            blend = {"on": serve(on_engine, tokenizer, stream, spec, measure_from, bar, references),
+                     "off": serve(off_engine, tokenizer, stream, spec, measure_from, bar, references)}
+            at_default = (off_engine.config.recompute_ratio, blend["off"]["fractions"])
+            blend["matched"] = matched_recompute(base_engine, tokenizer, measured, references, spec,
+                                                 blend["on"]["fractions"], at_default, bar, name)
+            admission[name] = (blend, on_engine, at_default)
         # cacheblend at cachecraft's recompute, request by request (labelled by its mean ratio)
-        matched = cacheblend_matched(base_engine, tokenizer, measured, references, spec, served["fractions"],
-                                     at_default, bar)
+        matched = matched_recompute(base_engine, tokenizer, measured, references, spec, served["fractions"],
+                                    admission["cacheblend"][2], bar)
         ratio = round(statistics.fmean(matched["ratios"]), 4)
         others[setting_name("cacheblend", ratio)] = matched
     report = build_report(args, measured, served, others, ratio, served_engine)
-    report["cacheblend_admission"] = admission_report(blend, blend_on_engine, report["measured"]["settings"])
+    report["admission"] = {name: admission_report(blend, on_engine, report["measured"]["settings"])
+                           for name, (blend, on_engine, _) in admission.items()}
     report["seconds"] = round(time.perf_counter() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -333,14 +355,14 @@ def build_report(args, measured, served, others, ratio, served_engine) -> dict:
 
 
 def admission_report(blend: dict, on_engine, settings: dict) -> dict:
-    """cacheblend at its default ratio served with admission on against admission off (same prompts, same
-    store start) and against admission off at each request's matched recompute: per setting F1, KL, top-1 and
-    recompute fraction (also added to `settings`), paired differences (on - other), the measured rounds
+    """The engine's selector at its default ratio served with admission on against admission off (same prompts,
+    same store start) and against admission off at each request's matched recompute: per setting F1, KL, top-1
+    and recompute fraction (also added to `settings`), paired differences (on - other), the measured rounds
     one by one, the served stream per round (recompute, admitted chunks and tokens), the variants created."""
     on, off, matched = blend["on"], blend["off"], blend["matched"]
-    ratio = on_engine.config.recompute_ratio
-    names = {"on": f"cacheblend@{ratio:g} (served, admission on)", "off": f"cacheblend@{ratio:g} (admission off)",
-             "matched": "cacheblend, admission off, each request at admission on's recompute"}
+    ratio, selector = on_engine.config.recompute_ratio, on_engine.config.selector
+    names = {"on": f"{selector}@{ratio:g} (served, admission on)", "off": f"{selector}@{ratio:g} (admission off)",
+             "matched": f"{selector}, admission off, each request at admission on's recompute"}
     entries = {"on": on, "off": off, "matched": matched}
     for key, entry in entries.items():
         quality = fidelity(entry["runs"])
@@ -377,7 +399,7 @@ def admission_report(blend: dict, on_engine, settings: dict) -> dict:
     cfo = on["cfo"]
     numeric = [c for c in cfo if c != "admitted"]
     return {
-        "settings": names, "recompute_ratio": ratio,
+        "selector": selector, "settings": names, "recompute_ratio": ratio,
         "matched_ratios": {"mean": statistics.fmean(matched["ratios"]), "min": min(matched["ratios"]),
                            "max": max(matched["ratios"])},
         "admission_cfo": on_engine.config.admission_cfo,

@@ -149,7 +149,7 @@ class CacheFuseConfig:
     """A stored chunk whose best variant has CFO >= this is computed in full in the fused prompt and
     stored as a new variant for its prefix (docs/variants.md, Admission). None: min(1, alpha / 2) when
     `selector` is "cachecraft" (no variant shares any of the chunk's context), else off: under cacheblend
-    it was measured to buy quality only by recomputing more, which `recompute_ratio` buys as well."""
+    and qcfuse it was measured to buy quality only by recomputing more, which `recompute_ratio` buys as well."""
     variant_admission_max_chunks: int = 1
     """At most this many chunks per request are admitted (the highest CFO first); 0 turns admission off."""
     default_variant: str = "fused"
