@@ -113,15 +113,16 @@ def max_model_len(workload: Workload) -> int:
     return max(512, 1 << (workload.max_prompt_tokens() + MAX_TOKENS - 1).bit_length())
 
 
-def server_args(store: Path | None, max_len: int, prefix_caching: bool, ratio_mode: str = RATIO_MODE) -> list[str]:
-    """The api_server arguments of a phase: cachefuse's connector when it has a store; prefix caching left to
-    vLLM's default (on) unless it is off."""
+def server_args(store: Path | None, max_len: int, prefix_caching: bool, ratio_mode: str = RATIO_MODE,
+                selector: str | None = None) -> list[str]:
+    """The api_server arguments of a phase: cachefuse's connector when it has a store (its `selector`, None:
+    the connector's default); prefix caching left to vLLM's default (on) unless it is off."""
     args = ["--max-model-len", str(max_len), "--max-num-seqs", "64"]
     if not prefix_caching:
         args.append("--no-enable-prefix-caching")
     if store is not None:
         extra = {"store_dir": str(store), "disk_capacity_bytes": DISK_CAP_BYTES, "memory_capacity_bytes": 8 << 20,
-                 "ratio_mode": ratio_mode}
+                 "ratio_mode": ratio_mode, **({} if selector is None else {"selector": selector})}
         args += ["--kv-transfer-config", kv_transfer_config(extra)]
     return args
 
@@ -261,7 +262,7 @@ def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: d
     store = root / "store" if name == "cachefuse" else None
     process, port = vllm_server.start_server(
         model_dir, root / "server.log", args.kv_cache_bytes,
-        server_args(store, max_model_len(workload), args.prefix_caching == "on", args.ratio_mode),
+        server_args(store, max_model_len(workload), args.prefix_caching == "on", args.ratio_mode, args.selector),
         args.allocator_library)
     try:
         phase = Phase(port, workload, name == "cachefuse", reference)
@@ -354,11 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ratio-mode", choices=("fixed", "controller"), default=RATIO_MODE,
                         help="the connector's ratio_mode (default fixed, as the committed runs; controller: the "
                              "connector's default)")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    parser.add_argument("--selector", default=None,
+                        help="the connector's selector (default: its own default, CacheFuseConfig's)")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks",
+                        help="the directory soak.json and soak.png go to")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    from cachefuse.config import CacheFuseConfig  # the selector a phase runs when none is given
+
     args = build_parser().parse_args(argv)
     args.allocator_library = allocator_library(args.allocator)
     _, doc_lengths, args.kv_cache_bytes = MODELS[args.model_size]
@@ -371,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
               "machine": platform.machine(), "model_size": args.model_size, "model": str(model_dir.name),
               "kv_cache_bytes": args.kv_cache_bytes, "allocator": args.allocator,
               "prefix_caching": args.prefix_caching, "max_model_len": max_model_len(workload), "mix": KINDS,
-              "ratio_mode": args.ratio_mode,
+              "ratio_mode": args.ratio_mode, "selector": args.selector or CacheFuseConfig().selector,
               "phases": {"plain": plain, "cachefuse": fused},
               "ratios": {"ttft_p50_plain_over_cachefuse": (plain["ttft_p50_s"] or 0) / (fused["ttft_p50_s"] or 1),
                          "requests_per_s_cachefuse_over_plain":

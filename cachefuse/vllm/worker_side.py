@@ -110,11 +110,11 @@ class WorkerSide:
         self.figures = FigureRecorder()
         self._prefill_step: tuple[int, float] | None = None  # (plain prefill tokens, start) of this step
         self._load_errors: set[int] = set()  # blocks of synchronous loads whose blend failed
-        # the blends waiting or running, oldest first
         self._layer_cost: ComputeFigures | None = None
         """The measured blend cost model the step budget charges layers by (`_charge`), as the scheduler
         estimates passes by the same figures; None: rows (nothing measured yet, or several ranks)."""
         self._prices_layers = tp_size == 1
+        # the blends waiting or running, oldest first
         self.passes = PassBatch(self.engine.fusor.execute_ops, self.pass_agreement, self._charge)
         self._running: dict[str, _Running] = {}
         self._finished_loads: set[str] = set()  # asynchronous loads done (or failed) since the last step

@@ -12,7 +12,12 @@ import frontier_ttft
 import pytest
 from frontier import Axis, Configuration
 
+from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
+
+DEFAULT = CacheFuseConfig().selector
+WITH_DEFAULT = (DEFAULT, "cachecraft")
+"""A grid holding the defaults' selector (CacheFuseConfig's), so the defaults' point is in it."""
 
 
 def grid(selectors=("cacheblend", "cachecraft"), ratios=(0.15, 0.5), modes=("fixed", "controller"), side=None,
@@ -60,26 +65,26 @@ def test_a_bad_axis_value_fails_at_start_up_naming_the_field(capsys):
 
 
 def test_the_defaults_configuration_is_the_one_cachefuse_config_picks():
-    _, configs = grid()
-    assert frontier.default_configuration(configs).name == "cacheblend/0.15/controller/fused/on"
-    _, without = grid(ratios=(0.05, 0.5))  # negative control: the default ratio is not in the grid
+    _, configs = grid(WITH_DEFAULT)
+    assert frontier.default_configuration(configs).name == f"{DEFAULT}/0.15/controller/fused/on"
+    _, without = grid(WITH_DEFAULT, ratios=(0.05, 0.5))  # negative control: the default ratio is not in the grid
     with pytest.raises(SystemExit, match="recompute_ratio=0.15"):
         frontier.default_configuration(without)
-    _, off_only = grid(exact=("off",))  # nor is the default exact_places
+    _, off_only = grid(WITH_DEFAULT, exact=("off",))  # nor is the default exact_places
     with pytest.raises(SystemExit, match="exact_places=True"):
         frontier.default_configuration(off_only)
 
 
 def test_a_grid_without_the_controller_marks_the_defaults_fixed_twin():
-    """A fixed-only grid (a quality run) marks cacheblend/0.15/fixed, and says so; with the controller in the
-    grid the mark is the controller's point. Negative control: a controller-only grid without the default
-    ratio has no twin to fall back on."""
-    _, fixed_only = grid(modes=("fixed",))
+    """A fixed-only grid (a quality run) marks the default selector's 0.15/fixed point, and says so; with the
+    controller in the grid the mark is the controller's point. Negative control: a controller-only grid
+    without the default ratio has no twin to fall back on."""
+    _, fixed_only = grid(WITH_DEFAULT, modes=("fixed",))
     twin = frontier.default_configuration(fixed_only)
-    assert twin.name == "cacheblend/0.15/fixed/fused/on" and "fixed twin" in frontier.default_mark(twin)
-    _, both = grid()
+    assert twin.name == f"{DEFAULT}/0.15/fixed/fused/on" and "fixed twin" in frontier.default_mark(twin)
+    _, both = grid(WITH_DEFAULT)
     assert frontier.default_mark(frontier.default_configuration(both)) == "the defaults' configuration"
-    _, controller_only = grid(ratios=(0.05,), modes=("controller",))
+    _, controller_only = grid(WITH_DEFAULT, ratios=(0.05,), modes=("controller",))
     with pytest.raises(SystemExit, match="recompute_ratio=0.15"):
         frontier.default_configuration(controller_only)
 
@@ -87,13 +92,12 @@ def test_a_grid_without_the_controller_marks_the_defaults_fixed_twin():
 def test_full_reuse_is_timed_in_a_fixed_ratio_engine():
     """The default ratio_mode is the controller, which could turn full reuse down (timed as plain vLLM): the
     baseline goes with the defaults' fixed twin, or the first fixed configuration, or, with none, the first."""
-    _, configs = grid()
-    all_axes, configs = grid()  # the defaults load fused entries: their timed twin is the base one
-    assert frontier.full_reuse_host(configs, all_axes).name == "cacheblend/0.15/fixed/base/on"
-    all_axes, other_ratios = grid(ratios=(0.05, 0.5))
-    assert frontier.full_reuse_host(other_ratios, all_axes).name == "cacheblend/0.05/fixed/base/on"
-    all_axes, controlled = grid(modes=("controller",))
-    assert frontier.full_reuse_host(controlled, all_axes).name == "cacheblend/0.15/controller/base/on"
+    all_axes, configs = grid(WITH_DEFAULT)  # the defaults load fused entries: their timed twin is the base one
+    assert frontier.full_reuse_host(configs, all_axes).name == f"{DEFAULT}/0.15/fixed/base/on"
+    all_axes, other_ratios = grid(WITH_DEFAULT, ratios=(0.05, 0.5))
+    assert frontier.full_reuse_host(other_ratios, all_axes).name == f"{DEFAULT}/0.05/fixed/base/on"
+    all_axes, controlled = grid(WITH_DEFAULT, modes=("controller",))
+    assert frontier.full_reuse_host(controlled, all_axes).name == f"{DEFAULT}/0.15/controller/base/on"
 
 
 def test_one_engine_serves_every_per_request_value_and_cachecraft_gets_one_per_ratio():
