@@ -23,11 +23,12 @@ off` turns it off in both). Every client loops over a mix of requests:
 Reported per phase: requests and errors by kind (an error is anything but the expected answer; the
 client's own hang-ups are not), wrong exact outputs (by kind), TTFT p50/p99 of the streamed kinds,
 requests/s, the server's RSS after warm-up and at the end, the store's bytes against its cap, fallbacks
-by reason and preemptions (from /metrics). Threads are pinned alike in both phases
+by reason and preemptions, and every cachefuse counter at the phase's end (`server_metrics`: blend
+seconds, steps and batch sizes, tokens recomputed; from /metrics). Threads are pinned alike in both phases
 (VLLM_CPU_OMP_THREADS_BIND).
 
     python benchmarks/soak.py [--duration 600] [--clients 64] [--model-size bench|tiny] [--prefix-caching on|off]
-        [--allocator tcmalloc|glibc|jemalloc] [--out docs/benchmarks]
+        [--allocator tcmalloc|glibc|jemalloc] [--ratio-mode fixed|controller] [--selector NAME] [--out docs/benchmarks]
 
 The server runs under tcmalloc by default (LD_PRELOAD, as vLLM's CPU guide deploys it; Debian: libtcmalloc-minimal4).
 
@@ -286,6 +287,9 @@ def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: d
         sampler_stop.set()
         sampler.join()
         metrics = scrape(port)
+        # every counter of the phase (blend seconds, steps, batch sizes, tokens recomputed, loads by tier): what
+        # a throughput gap between selectors is read from
+        counters = vllm_server.server_counters(port)
         alive = process.poll() is None and request(port, "GET", "/health", None)[0] == 200
     finally:
         stop_server(process)
@@ -303,7 +307,7 @@ def run_phase(name: str, model_dir: Path, workload: Workload, args, reference: d
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
         "rss_after_warmup_bytes": warm[0], "rss_end_bytes": warm[-1],
         "rss_growth": (warm[-1] - warm[0]) / warm[0] if warm[0] else None,
-        "rss_samples": samples, "ttft_samples_s": ttft, **metrics,
+        "rss_samples": samples, "ttft_samples_s": ttft, **metrics, "server_metrics": counters,
     }
     if store is not None:
         result["store_bytes"] = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
