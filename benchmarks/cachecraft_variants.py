@@ -226,6 +226,14 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def admission_pair(model: Path, selector: str) -> tuple:
+    """Two reference engines of `selector` at its default ratio: admission at cachecraft's threshold (alpha / 2,
+    one chunk per request), and admission off."""
+    on, _ = reference_engine(model, CacheFuseConfig(selector=selector, variant_admission_cfo=0.5))
+    off, _ = reference_engine(model, CacheFuseConfig(selector=selector, variant_admission_max_chunks=0))
+    return on, off
+
+
 def admission_runs(report: dict) -> dict:
     """selector -> its admission run; a file from before `admission` holds cacheblend's alone."""
     if "admission" in report:
@@ -254,15 +262,10 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     served_engine, tokenizer = reference_engine(args.model, CacheFuseConfig(selector="cachecraft"))
     base_engine, _ = reference_engine(args.model, CacheFuseConfig(variant_admission_max_chunks=0))
-    # each admission selector at its default ratio, served with admission at cachecraft's threshold (alpha / 2),
-    # and without
     selectors = [name for name in args.admission_selectors.split(",") if name]
     if "cacheblend" not in selectors:  # its admission-off run prices cachecraft's matched recompute
         selectors.insert(0, "cacheblend")
-    admission_engines = {name: (reference_engine(args.model, CacheFuseConfig(selector=name, variant_admission_cfo=0.5))[0],
-                                reference_engine(args.model, CacheFuseConfig(selector=name,
-                                                                             variant_admission_max_chunks=0))[0])
-                         for name in selectors}
+    admission_engines = {name: admission_pair(args.model, name) for name in selectors}
     qa = make_items("test", args.items, seed=args.seed)
     stream = make_stream(qa, eval_items(qa, tokenizer), args.rounds, args.seed)
     for _, item in stream:  # the store starts with what offline precompute writes, nothing more
