@@ -72,6 +72,15 @@ class ComputeFigures:
                 + self.prefill_per_token2_s * (n * n - c * c))
 
 
+def blend_cost_model(snapshot: dict[str, Any]) -> ComputeFigures | None:
+    """The blend cost model of a `FigureRecorder.snapshot()`, the one the step budget prices passes by (the
+    scheduler's estimates and the worker's charges read the same snapshot), or None while no blend layer has
+    been timed (its fit would be all zeros: rows are all there is to go by)."""
+    if not snapshot.get("samples", {}).get("blend_layers"):
+        return None
+    return ComputeFigures(**snapshot["compute"])
+
+
 class EmaEstimator:
     """Exponential moving average; `value` is None until seeded (start-up probe) or updated."""
 

@@ -31,7 +31,7 @@ from cachefuse.errors import CacheFuseError, StoreError
 from cachefuse.fusion.batch import Agreement, LayerDone, PassBatch
 from cachefuse.fusion.engine import FusionEngine, RankGroup
 from cachefuse.fusion.plan import FusePlan
-from cachefuse.loading.figures import ComputeFigures, FigureRecorder
+from cachefuse.loading.figures import ComputeFigures, FigureRecorder, blend_cost_model
 from cachefuse.loading.placement import FrequencyPlacement
 from cachefuse.metadata.backends import open_config_metastore, open_metastore
 from cachefuse.metadata.base import record_to_dict
@@ -298,8 +298,8 @@ class WorkerSide:
         if self.figures.changed:
             self._meta.figures = self.figures.snapshot()
             self.figures.changed = False
-            if self._prices_layers and self._meta.figures["samples"]["blend_layers"]:
-                self._layer_cost = ComputeFigures(**self._meta.figures["compute"])
+            if self._prices_layers:
+                self._layer_cost = blend_cost_model(self._meta.figures)
         written = self.engine.take_save_report()  # background saves finished since the last step
         self._meta.evict(written.evicted)
         if self.tp_rank == 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cachefuse.chunks import segment_prompt
-from cachefuse.loading.figures import ComputeFigures
+from cachefuse.loading.figures import ComputeFigures, blend_cost_model
 from cachefuse.metadata.index import VariantChoice
 from cachefuse.vllm.messages import estimated_rows
 
@@ -60,3 +60,11 @@ def test_measured_fixed_costs_price_a_selective_layer_above_its_rows():
 
 def test_figures_of_nothing_measured_price_rows():
     assert ComputeFigures().row_equivalents(22, 100) == 22
+
+
+def test_the_budget_prices_by_a_snapshot_only_once_a_blend_layer_is_timed():
+    compute = {"fixed_s": 5e-3, "per_row_s": 1e-4, "per_row_key_s": 1e-7, "prefill_fixed_s": 0.0,
+               "prefill_per_token_s": 0.0, "prefill_per_token2_s": 0.0}
+    assert blend_cost_model({}) is None
+    assert blend_cost_model({"compute": compute, "samples": {"blend_layers": 0, "prefill_steps": 3}}) is None
+    assert blend_cost_model({"compute": compute, "samples": {"blend_layers": 12}}) == WITH_FIXED

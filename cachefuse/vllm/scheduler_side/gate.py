@@ -19,7 +19,7 @@ from cachefuse.chunks import dtype_name, is_candidate_chunk
 from cachefuse.config import CacheFuseConfig
 from cachefuse.errors import ConfigError
 from cachefuse.loading import controller
-from cachefuse.loading.figures import FIGURE_STALE_S, ComputeFigures, TierFigures
+from cachefuse.loading.figures import FIGURE_STALE_S, ComputeFigures, TierFigures, blend_cost_model
 from cachefuse.request import FusionRequest
 
 if TYPE_CHECKING:
@@ -93,9 +93,7 @@ class Gate:
     def blend_figures(self) -> ComputeFigures | None:
         """The worker's measured blend cost model (what the step budget prices passes by), or None while
         no blend layer has been timed."""
-        if not self.figures.get("samples", {}).get("blend_layers"):
-            return None
-        return ComputeFigures(**self.figures["compute"])
+        return blend_cost_model(self.figures)
 
     def kv_geometry(self) -> tuple[int, int]:
         """(layers, stored K/V bytes per token over all layers, this rank's heads)."""
